@@ -1,0 +1,1 @@
+"""Actors: the async shells around the protocol cores."""

@@ -1,0 +1,138 @@
+"""The sync-topic wire protocol of design 000 (``<connector>_connector_sync``).
+
+A message keeps the seed's structure: ``syncEpoch``, ``taskID``, ``messageTimestamp`` and
+``connectorState`` (task states), each state with ``taskID``, ``stateTimestamp``, the owned
+partitions (``data``) and the partitions it wants to share (``share``).
+
+Two things are added so replay stays cheap and messages stay small (Debezium hit message-size
+limits when every message carried every task's whole state):
+
+* A task's state in a ``state`` message is *incremental*: ``data`` holds only partitions that
+  changed (absolute values, so applying one twice changes nothing), ``removed`` the tokens it
+  dropped, ``share`` the whole share section when it changed (``None``: unchanged). ``full=True``
+  replaces the task's state.
+* ``kind`` (the msgspec tag) says what the message is: ``state``, ``epoch``, ``checkpoint`` or
+  ``marker``; see the classes below.
+
+Every field name on the wire is the seed's camelCase; the schema version is ``v``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+PartitionStatus = Literal["owned", "incoming", "finished"]
+"""``owned``: this task is responsible for reading it (reading, queued, or waiting for parents).
+``incoming``: this task picked up a *move* offer and is ready; the offerer still reads it.
+``finished``: read to its end; kept until no partition refers to it any more."""
+
+ShareKind = Literal["new", "move"]
+"""``new``: a partition nobody reads yet (a child, or an orphan handed out by the leader).
+``move``: a partition the offerer reads now and hands over once the target is ready."""
+
+
+class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
+    token: str
+    start_ts: int
+    parents: tuple[str, ...] = ()
+    status: PartitionStatus = "owned"
+    watermark: int = 0  # the sink has committed every record before this time
+    source: str = ""  # for ``incoming``: the offerer it moves from
+
+    def resume_ts(self) -> int:
+        """Where a reader of this partition starts: its committed watermark, else its start."""
+        return max(self.start_ts, self.watermark)
+
+
+class Share(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
+    partition: Partition
+    target: str | None  # None: parked, waiting for a task with capacity
+    kind: ShareKind = "new"
+    released: bool = False  # ``move``: the offerer stopped reading; partition.watermark is final
+
+    @property
+    def token(self) -> str:
+        return self.partition.token
+
+
+class TaskState(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
+    task_id: str = msgspec.field(name="taskID")
+    state_timestamp: int = 0
+    data: tuple[Partition, ...] = ()
+    removed: tuple[str, ...] = ()
+    share: tuple[Share, ...] | None = None
+    full: bool = False
+
+
+class _Message(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True, tag_field="kind"):
+    task_id: str = msgspec.field(name="taskID")
+    message_timestamp: int = 0
+    epoch: int = -1  # the group generation the sender knows; older-epoch messages are ignored
+    sync_epoch: str = ""  # the epoch's uuid, set by the leader that opened it
+    v: int = SCHEMA_VERSION
+
+
+class StateMessage(_Message, frozen=True, tag="state"):
+    """A task's incremental change of its own state (and, as a rebalance answer, its liveness)."""
+
+    connector_state: tuple[TaskState, ...] = ()
+
+
+class EpochMessage(_Message, frozen=True, tag="epoch"):
+    """The leader opens a new epoch: the live members, and the leader's own state change (the
+    ownerless partitions it shares out)."""
+
+    members: tuple[str, ...] = ()
+    connector_state: tuple[TaskState, ...] = ()
+
+
+class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):
+    """The whole consolidated state as of log offset ``as_of``; a replay may start from it."""
+
+    as_of: int = -1
+    leader: str = ""
+    members: tuple[str, ...] = ()
+    connector_state: tuple[TaskState, ...] = ()
+
+
+class MarkerMessage(_Message, frozen=True, tag="marker"):
+    """Produced by a replaying task; reading it back means it has read everything before it."""
+
+    marker: str = ""
+
+
+SyncMessage = StateMessage | EpochMessage | CheckpointMessage | MarkerMessage
+
+
+class SyncDecodeError(Exception):
+    """A sync message could not be used: the caller counts it and skips it."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+_encoder = msgspec.json.Encoder()
+_decoder: msgspec.json.Decoder[SyncMessage] = msgspec.json.Decoder(SyncMessage)
+
+
+def encode(message: SyncMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(payload: bytes) -> SyncMessage:
+    """Decode one sync message; raise :class:`SyncDecodeError` for garbage or a newer schema."""
+    try:
+        message = _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise SyncDecodeError("malformed", str(exc)) from exc
+    if message.v > SCHEMA_VERSION:
+        raise SyncDecodeError(
+            "newer-schema", f"v={message.v}, this build reads v<={SCHEMA_VERSION}"
+        )
+    return message

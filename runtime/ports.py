@@ -1,0 +1,98 @@
+"""The narrow ports every actor talks to. Real implementations (Kafka, Spanner, Spark) and
+in-memory ones (for the deterministic simulator and unit tests) both satisfy these.
+
+Each port is a ``typing.Protocol``; nothing here imports a client library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+import msgspec
+
+from protocol.records import ChangeRecord, DataChange
+
+
+class SyncLog(Protocol):
+    """The sync topic: one totally ordered log every task appends to and reads in full."""
+
+    async def append(self, payload: bytes) -> int:
+        """Append one message; return its offset. Raises on failure after a bounded time."""
+        ...
+
+    def read(self, start: int) -> AsyncIterator[tuple[int, bytes]]:
+        """Every message from offset ``start`` on, in order, waiting for new ones forever."""
+        ...
+
+    async def checkpoint_offset(self) -> int | None:
+        """Offset of the latest checkpoint message, if one was recorded."""
+        ...
+
+    async def record_checkpoint(self, offset: int) -> None:
+        """Remember ``offset`` as the latest checkpoint message."""
+        ...
+
+
+class GroupAssignment(msgspec.Struct, frozen=True):
+    """A member's view of one completed rebalance of the heartbeat-topic group."""
+
+    generation: int
+    leader: str  # the task id of the group leader (the one whose assignor ran)
+    members: tuple[str, ...]  # task ids of every member of this generation
+
+
+class GroupLost(msgspec.Struct, frozen=True):
+    """This member lost its membership (session timeout, fenced, or the group is unreachable)."""
+
+    reason: str
+
+
+GroupEvent = GroupAssignment | GroupLost
+
+
+class Membership(Protocol):
+    """Membership of the heartbeat-topic consumer group, used only for its rebalance protocol."""
+
+    def events(self) -> AsyncIterator[GroupEvent]:
+        """Rebalances and losses, in the order they happen."""
+        ...
+
+    def lease_valid_until(self) -> float:
+        """Monotonic time (seconds) until which this member is surely still a member: the last
+        successful heartbeat plus the session timeout, minus a safety margin."""
+        ...
+
+    async def close(self) -> None:
+        """Leave the group."""
+        ...
+
+
+class ChangeStreamSource(Protocol):
+    """A change stream (Spanner, the emulator, or the embedded simulator)."""
+
+    def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        """Records of partition ``token`` from ``start_ts`` on, in batches; ``token=None`` gives
+        the root partitions as a ``ChildPartitions`` record. The iterator ends when the partition
+        ends (after its ``ChildPartitions`` records) or at ``end_ts``."""
+        ...
+
+
+class SinkBatch(msgspec.Struct, frozen=True):
+    """Records of one partition handed to the sink, and the read position after them."""
+
+    token: str
+    records: tuple[DataChange, ...]
+    watermark: int
+
+
+class Sink(Protocol):
+    """Where change records go (the Spark bridge, a Kafka output sink, a callback)."""
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        """Hand over a batch. Waits while too much is in flight (backpressure); the returned
+        future resolves when the batch is durably committed, or fails if it never will be."""
+        ...
