@@ -42,6 +42,7 @@ class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True)
     status: PartitionStatus = "owned"
     watermark: int = 0  # the sink has committed every record before this time
     source: str = ""  # for ``incoming``: the offerer it moves from
+    children: tuple[str, ...] = ()  # for ``finished``: the partitions it handed over to
 
     def resume_ts(self) -> int:
         """Where a reader of this partition starts: its committed watermark, else its start."""
@@ -66,6 +67,7 @@ class TaskState(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True)
     removed: tuple[str, ...] = ()
     share: tuple[Share, ...] | None = None
     full: bool = False
+    epoch_seen: int = -1  # checkpoint only: the newest epoch this task wrote in
 
 
 class _Message(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True, tag_field="kind"):
@@ -88,6 +90,7 @@ class EpochMessage(_Message, frozen=True, tag="epoch"):
 
     members: tuple[str, ...] = ()
     connector_state: tuple[TaskState, ...] = ()
+    stream_start: int = -1  # set once the root partitions were discovered
 
 
 class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):
@@ -97,6 +100,7 @@ class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):
     leader: str = ""
     members: tuple[str, ...] = ()
     connector_state: tuple[TaskState, ...] = ()
+    stream_start: int = -1
 
 
 class MarkerMessage(_Message, frozen=True, tag="marker"):

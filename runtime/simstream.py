@@ -47,6 +47,7 @@ class StreamParams(msgspec.Struct, frozen=True):
     records_per_s: float = 20.0  # per partition
     tables: tuple[str, ...] = ("Singers", "Albums", "Songs")
     max_mods: int = 3
+    churn_until: int | None = None  # no partition ends at a boundary after this time
 
 
 class PartitionInfo(msgspec.Struct):
@@ -91,6 +92,8 @@ class StreamModel:
         p = self.params
         rng = self._rng
         boundary = self._boundary(self._rounds)
+        if p.churn_until is not None and boundary > p.churn_until:
+            return
         live = sorted(self._live)
         rng.shuffle(live)
         count = len(live)

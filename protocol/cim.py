@@ -1,0 +1,233 @@
+"""The consolidated state (CIM) of design 000, built by replaying the sync topic.
+
+Rules, all in :meth:`Cim.apply` (every task applies the same log in the same order, so every
+task's CIM is the same at the same offset):
+
+1. A message at an offset already applied is ignored (duplicate delivery, overlapping replay).
+2. A ``state`` or ``epoch`` message whose ``epoch`` is older than the CIM's epoch is ignored:
+   epochs fence messages written before a rebalance was settled.
+3. A task may change only its own state: in a ``state`` message, entries for other tasks are
+   ignored (and counted).
+4. Per task the latest state wins by ``stateTimestamp``; an older one is ignored.
+5. Only the leader's ``epoch`` message removes tasks: every task not in its member list is
+   dropped. The epoch must be newer than the CIM's. An offer in the epoch of a dropped task's
+   partition resumes from the newest watermark the log holds for it (the leader may have planned
+   before that task's last message).
+6. A ``checkpoint`` seeds an empty CIM (a replay that starts at the checkpoint); a CIM that has
+   already applied the checkpoint's ``as_of`` offset ignores it.
+7. ``marker`` messages change nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import msgspec
+
+from protocol.messages import (
+    CheckpointMessage,
+    EpochMessage,
+    MarkerMessage,
+    Partition,
+    Share,
+    StateMessage,
+    SyncMessage,
+    TaskState,
+)
+
+
+class TaskView(msgspec.Struct):
+    """One task's state as the CIM knows it."""
+
+    state_ts: int = -1
+    partitions: dict[str, Partition] = msgspec.field(default_factory=dict)
+    share: dict[str, Share] = msgspec.field(default_factory=dict)
+    epoch_seen: int = -1  # the newest epoch this task has written a message in
+
+    def load(self) -> int:
+        """Unfinished partitions this task is responsible for, counted at their destination:
+        owned ones it is not moving away, and ones it is taking over."""
+        moving = {t for t, s in self.share.items() if s.kind == "move"}
+        return sum(
+            1
+            for t, p in self.partitions.items()
+            if p.status == "incoming" or (p.status == "owned" and t not in moving)
+        )
+
+
+class Cim:
+    """The consolidated state: every task's latest state, the epoch and its members."""
+
+    def __init__(self, *, fence_epochs: bool = True) -> None:
+        self.offset = -1
+        self.epoch = -1
+        self.sync_epoch = ""
+        self.leader = ""
+        self.members: tuple[str, ...] = ()
+        self.stream_start = -1
+        self.tasks: dict[str, TaskView] = {}
+        self.ignored: Counter[str] = Counter()
+        self._fence = fence_epochs
+
+    # -- applying messages -------------------------------------------------------------------
+    def apply(self, offset: int, message: SyncMessage) -> str | None:
+        """Fold one log message in. Returns ``None`` when applied, else why it was ignored."""
+        if offset <= self.offset:
+            return self._ignore("duplicate")
+        self.offset = offset
+        match message:
+            case MarkerMessage():
+                return None
+            case CheckpointMessage():
+                if self.epoch >= 0 or self.tasks or message.as_of < 0:
+                    return self._ignore("checkpoint-not-needed")
+                self._load_checkpoint(message)
+                return None
+            case EpochMessage():
+                if message.epoch <= self.epoch and self._fence:
+                    return self._ignore("stale-epoch")
+                self.epoch = message.epoch
+                self.sync_epoch = message.sync_epoch
+                self.leader = message.task_id
+                self.members = tuple(message.members)
+                if message.stream_start >= 0:
+                    self.stream_start = message.stream_start
+                live = set(message.members)
+                best: dict[str, int] = {}
+                for task in [t for t in self.tasks if t not in live]:
+                    for part in self.tasks.pop(task).partitions.values():
+                        best[part.token] = max(best.get(part.token, 0), part.watermark)
+                self._apply_states(message.task_id, message.epoch, message.connector_state)
+                self._raise_offered_watermarks(message.task_id, best)
+                return None
+            case StateMessage():
+                if message.epoch < self.epoch and self._fence:
+                    return self._ignore("stale-epoch")
+                return self._apply_states(message.task_id, message.epoch, message.connector_state)
+
+    def _raise_offered_watermarks(self, leader: str, best: dict[str, int]) -> None:
+        """Rule 5b: the leader planned from the CIM as it was when it planned; a dropped task
+        may have written a newer watermark after that. An offer in the epoch resumes from the
+        newest watermark the log holds, so watermarks never go back."""
+        view = self.tasks.get(leader)
+        if view is None or not best:
+            return
+        for token, offer in list(view.share.items()):
+            newer = best.get(token, 0)
+            if offer.kind == "new" and newer > offer.partition.watermark:
+                part = msgspec.structs.replace(offer.partition, watermark=newer)
+                view.share[token] = msgspec.structs.replace(offer, partition=part)
+
+    def _ignore(self, reason: str) -> str:
+        self.ignored[reason] += 1
+        return reason
+
+    def _apply_states(self, sender: str, epoch: int, states: Iterable[TaskState]) -> str | None:
+        result = None
+        view = self.tasks.get(sender)
+        if view is None:
+            view = self.tasks[sender] = TaskView()
+        view.epoch_seen = max(view.epoch_seen, epoch)
+        for state in states:
+            if state.task_id != sender:
+                result = self._ignore("foreign-state")
+                continue
+            if state.state_timestamp < view.state_ts:
+                result = self._ignore("older-state")
+                continue
+            apply_state(view, state)
+        return result
+
+    def _load_checkpoint(self, message: CheckpointMessage) -> None:
+        self.offset = message.as_of
+        self.epoch = message.epoch
+        self.sync_epoch = message.sync_epoch
+        self.leader = message.leader
+        self.members = tuple(message.members)
+        self.stream_start = message.stream_start
+        for state in message.connector_state:
+            view = self.tasks[state.task_id] = TaskView()
+            apply_state(view, state)
+            view.epoch_seen = state.epoch_seen
+
+    # -- queries -------------------------------------------------------------------------------
+    def view(self, task: str) -> TaskView:
+        return self.tasks.get(task) or TaskView()
+
+    def holders(self, token: str) -> Iterator[tuple[str, Partition]]:
+        for task, view in self.tasks.items():
+            part = view.partitions.get(token)
+            if part is not None:
+                yield task, part
+
+    def find(self, token: str) -> Partition | None:
+        """The partition as its owner (or a finished holder) reports it, ignoring takers-over."""
+        best = None
+        for _, part in self.holders(token):
+            if part.status != "incoming":
+                return part
+            best = part
+        return best
+
+    def offers(self) -> Iterator[tuple[str, Share]]:
+        for task, view in self.tasks.items():
+            for share in view.share.values():
+                yield task, share
+
+    def loads(self, members: Iterable[str]) -> dict[str, int]:
+        """Each member's load, plus offers addressed to it that it has not picked up yet."""
+        loads = {m: self.view(m).load() for m in members}
+        for _, share in self.offers():
+            target = share.target
+            if target in loads and share.token not in self.view(target).partitions:
+                loads[target] += 1
+        return loads
+
+    def checkpoint(self, task_id: str, now: int) -> CheckpointMessage:
+        """The whole CIM as a checkpoint message (as of the last applied offset)."""
+        return CheckpointMessage(
+            task_id=task_id,
+            message_timestamp=now,
+            epoch=self.epoch,
+            sync_epoch=self.sync_epoch,
+            as_of=self.offset,
+            leader=self.leader,
+            members=self.members,
+            stream_start=self.stream_start,
+            connector_state=tuple(
+                TaskState(
+                    task_id=task,
+                    state_timestamp=view.state_ts,
+                    data=tuple(view.partitions.values()),
+                    share=tuple(view.share.values()),
+                    full=True,
+                    epoch_seen=view.epoch_seen,
+                )
+                for task, view in sorted(self.tasks.items())
+            ),
+        )
+
+    def validate(self) -> None:
+        """Invariants of a consolidated state."""
+        for task, view in self.tasks.items():
+            assert task, "empty task id"
+            for token, part in view.partitions.items():
+                assert token == part.token, f"{task}: partition keyed {token} is {part.token}"
+            for token, share in view.share.items():
+                assert token == share.token, f"{task}: share keyed {token} is {share.token}"
+
+
+def apply_state(view: TaskView, state: TaskState) -> None:
+    """Fold one incremental (or full) task state into its view."""
+    view.state_ts = max(view.state_ts, state.state_timestamp)
+    if state.full:
+        view.partitions = {p.token: p for p in state.data}
+        view.share = {s.token: s for s in state.share or ()}
+        return
+    for token in state.removed:
+        view.partitions.pop(token, None)
+    for part in state.data:
+        view.partitions[part.token] = part
+    if state.share is not None:
+        view.share = {s.token: s for s in state.share}

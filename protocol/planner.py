@@ -1,0 +1,136 @@
+"""The leader's planner (design 000 "Rebalance event handling / Leader task", design 001 cap).
+
+Given the CIM and the members of the new generation, the leader opens a new epoch:
+
+* Survivors keep everything they own: the planner never moves a live task's partition.
+* Tasks that are not members are dropped from the state (the epoch message does that).
+* Ownerless partitions are collected: what dead tasks owned (with their last published
+  watermark), what dead tasks offered as ``new`` or had released in a ``move``, ``new`` offers
+  and released moves addressed to a dead task, and the leader's own earlier offers to dead tasks.
+  Finished partitions of dead tasks are adopted by the leader as finished (they are still
+  referred to by children). When the stream has never been started, the roots are ownerless.
+* Ownerless partitions are offered, in token order, each to the member with the smallest load
+  (ties by task id) whose load is below the per-task cap; when every member is at the cap the
+  partition is parked (offered to nobody) until a task has room.
+* The leader puts these offers in the ``share`` section of its own state in the epoch message,
+  so the members pick them up with the ordinary sharing protocol (``protocol/task.py``).
+
+The planner is a pure function; the leader calls it once it has every member's answer for the
+generation, or when its bounded wait is over (a member that did not answer never fails the group:
+it keeps what the CIM says it owns).
+"""
+
+from __future__ import annotations
+
+import uuid
+from random import Random
+
+import msgspec
+
+from protocol.cim import Cim
+from protocol.messages import Partition, Share
+
+
+class Plan(msgspec.Struct, frozen=True):
+    generation: int
+    members: tuple[str, ...]
+    sync_epoch: str
+    offers: tuple[Share, ...]  # ownerless partitions, each offered to a member (or parked)
+    adopt: tuple[Partition, ...]  # finished partitions of dead tasks the leader keeps
+    stream_start: int = -1
+
+
+def ownerless(
+    cim: Cim, members: tuple[str, ...], leader: str
+) -> tuple[dict[str, Partition], dict[str, Partition]]:
+    """(unfinished ownerless partitions, finished ones to adopt), by token."""
+    live = set(members)
+    owned: set[str] = set()
+    for task, view in cim.tasks.items():
+        if task in live:
+            owned.update(t for t, p in view.partitions.items() if p.status != "incoming")
+    lost: dict[str, Partition] = {}
+    adopt: dict[str, Partition] = {}
+
+    def take(part: Partition) -> None:
+        if part.token in owned:
+            return
+        if part.status == "finished":
+            adopt.setdefault(part.token, part)
+            return
+        known = lost.get(part.token)
+        if known is None or part.watermark > known.watermark:
+            lost[part.token] = msgspec.structs.replace(part, status="owned", source="")
+
+    for task, view in cim.tasks.items():
+        dead = task not in live
+        if dead:
+            for part in view.partitions.values():
+                if part.status != "incoming":
+                    take(part)
+        for share in view.share.values():
+            if share.kind == "move" and not share.released:
+                continue  # still read by a live offerer, or a dead one's owned entry above
+            if dead or (share.target is not None and share.target not in live):
+                take(share.partition)
+            elif task == leader and share.target is None:
+                take(share.partition)  # re-plan the leader's parked partitions
+    return lost, adopt
+
+
+def plan(
+    cim: Cim,
+    members: tuple[str, ...],
+    leader: str,
+    generation: int,
+    cap: int,
+    rng: Random,
+    roots: tuple[Partition, ...] = (),
+    stream_start: int = -1,
+) -> Plan:
+    lost, adopt = ownerless(cim, members, leader)
+    for root in roots:
+        lost.setdefault(root.token, root)
+    loads = cim.loads(members)
+    offers: list[Share] = []
+    order = sorted(members)
+    for token in sorted(lost):
+        candidates = [m for m in order if cap <= 0 or loads[m] < cap]
+        target = min(candidates, key=lambda m: (loads[m], m)) if candidates else None
+        if target is not None:
+            loads[target] += 1
+        offers.append(Share(partition=lost[token], target=target, kind="new"))
+    return Plan(
+        generation=generation,
+        members=tuple(members),
+        sync_epoch=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+        offers=tuple(offers),
+        adopt=tuple(adopt[t] for t in sorted(adopt)),
+        stream_start=stream_start,
+    )
+
+
+def plan_moving_survivors(
+    cim: Cim,
+    members: tuple[str, ...],
+    leader: str,
+    generation: int,
+    cap: int,
+    rng: Random,
+    roots: tuple[Partition, ...] = (),
+    stream_start: int = -1,
+) -> Plan:
+    """A deliberately broken planner for the simulator's teeth tests: it re-deals *every*
+    unfinished partition round-robin, moving survivors' partitions without a hand-off."""
+    good = plan(cim, members, leader, generation, cap, rng, roots, stream_start)
+    everything: dict[str, Partition] = {s.token: s.partition for s in good.offers}
+    for view in cim.tasks.values():
+        for part in view.partitions.values():
+            if part.status == "owned":
+                everything[part.token] = part
+    order = sorted(members)
+    offers = tuple(
+        Share(partition=everything[t], target=order[(i + 1) % len(order)], kind="new")
+        for i, t in enumerate(sorted(everything))
+    )
+    return msgspec.structs.replace(good, offers=offers)

@@ -1,0 +1,736 @@
+"""One task of design 000 as a pure state machine: events in, commands out.
+
+Every task is a regular task; the one the group leader's assignor named also plays the Leader for
+that generation. The rules, in the order a reader meets them in :class:`TaskCore`:
+
+Subscription order and membership
+  A task replays the sync topic into its CIM before it joins the heartbeat-topic group (the shell
+  does that). It reads partitions only while (a) it is a member with a valid lease, (b) the CIM's
+  epoch is at least the generation its unbroken membership began in, and (c) that epoch lists it.
+  So a task that lost its membership, or a zombie whose lease ran out, stops its readers before
+  the leader can hand its partitions out, and a rejoined task waits for an epoch that includes it.
+  An epoch that does not list the task means its partitions were handed out: it drops its state.
+
+Rebalance
+  On every completed rebalance a task answers at once with an incremental message in the new
+  generation. Sharing (offers and pick-ups) is disabled from the rebalance until the epoch of that
+  generation is in the CIM. The leader waits for every member's answer, or a bounded time, asks
+  its shell for a plan (``protocol/planner.py``), and writes the epoch message: members, and in its
+  own share section the ownerless partitions it offers.
+
+Incremental messages
+  A task writes only its own state, as the difference between what it has and what its earlier
+  messages told the CIM. Ownership changes go out at once; watermark advances are coalesced for
+  ``publish_interval``. When the CIM ignores one of its messages (fenced by a newer epoch), the
+  task re-sends the difference against what the CIM really holds.
+
+Sharing and hand-off (``protocol/share.py``, ``protocol/handoff.py``)
+  A ``new`` offer addressed to the task is picked up into its own state. A ``move`` offer is
+  answered with ``incoming`` (the target is ready); the offerer then stops its reader and releases
+  the partition with its final committed watermark; the target reads from exactly there. The
+  offerer drops an offer once the target owns it; it never re-owns a ``new`` offer nobody picked
+  up. Offers to tasks that left are re-planned by the leader when they were in the CIM it planned
+  from, otherwise re-targeted by their holder.
+
+Partitions (``protocol/lifecycle.py``)
+  At most ``cap`` partitions are read at once. A partition is read only when every parent has
+  finished. When a reader finishes, the children it registers go to the most underloaded member.
+  Finished partitions are removed once nothing refers to them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from random import Random
+
+import msgspec
+
+from protocol import lifecycle, share
+from protocol.cim import Cim
+from protocol.handoff import Move
+from protocol.messages import (
+    CheckpointMessage,
+    EpochMessage,
+    MarkerMessage,
+    Partition,
+    Share,
+    StateMessage,
+    SyncMessage,
+    TaskState,
+)
+from protocol.planner import Plan
+from protocol.records import ChildPartition
+
+# -- events ---------------------------------------------------------------------------------
+
+
+class SyncRead(msgspec.Struct, frozen=True):
+    offset: int
+    message: SyncMessage
+
+
+class SyncBad(msgspec.Struct, frozen=True):
+    offset: int
+    reason: str
+
+
+class Joined(msgspec.Struct, frozen=True):
+    generation: int
+    leader: str
+    members: tuple[str, ...]
+
+
+class Lost(msgspec.Struct, frozen=True):
+    reason: str
+
+
+class Lease(msgspec.Struct, frozen=True):
+    until: int  # micros: the membership surely holds until then
+
+
+class Tick(msgspec.Struct, frozen=True):
+    pass
+
+
+class ReaderCommitted(msgspec.Struct, frozen=True):
+    token: str
+    watermark: int
+
+
+class ReaderFinished(msgspec.Struct, frozen=True):
+    token: str
+    watermark: int
+    children: tuple[ChildPartition, ...]
+    child_start: int
+
+
+class ReaderStopped(msgspec.Struct, frozen=True):
+    token: str
+    watermark: int
+
+
+class ReaderFailed(msgspec.Struct, frozen=True):
+    token: str
+    error: str
+
+
+class PlanReady(msgspec.Struct, frozen=True):
+    plan: Plan
+
+
+Event = (
+    SyncRead
+    | SyncBad
+    | Joined
+    | Lost
+    | Lease
+    | Tick
+    | ReaderCommitted
+    | ReaderFinished
+    | ReaderStopped
+    | ReaderFailed
+    | PlanReady
+)
+
+# -- commands -------------------------------------------------------------------------------
+
+
+class Publish(msgspec.Struct, frozen=True):
+    message: SyncMessage
+
+
+class StartReader(msgspec.Struct, frozen=True):
+    token: str
+    start_ts: int
+    parents: tuple[str, ...]
+
+
+class StopReader(msgspec.Struct, frozen=True):
+    token: str
+    reason: str
+
+
+class RequestPlan(msgspec.Struct, frozen=True):
+    generation: int
+    members: tuple[str, ...]
+    need_roots: bool
+
+
+Command = Publish | StartReader | StopReader | RequestPlan
+
+Readable = Callable[[Partition, lifecycle.Lookup], bool]
+
+
+class Rules(msgspec.Struct, frozen=True):
+    """The protocol rules that the simulator's teeth tests swap for broken ones."""
+
+    fence_epochs: bool = True
+    readable: Readable = lifecycle.readable
+
+
+class TaskConfig(msgspec.Struct, frozen=True):
+    task_id: str
+    cap: int = 100  # partitions read at once; 0: no cap
+    answer_timeout: int = 2_000_000  # leader's bounded wait for rebalance answers (micros)
+    publish_interval: int = 250_000  # coalescing of watermark-only changes
+    negotiate_interval: int = 200_000  # how often balancing offers are considered
+    checkpoint_interval: int = 10_000_000  # leader's full-state checkpoints
+    rules: Rules = Rules()
+
+
+class TaskCore:
+    """The whole protocol for one task. Call :meth:`handle` with an event and ``now`` (micros);
+    carry out the commands it returns, in order."""
+
+    def __init__(self, config: TaskConfig, rng: Random | None = None) -> None:
+        self.config = config
+        self.me = config.task_id
+        self.rng = rng or Random(0)
+        self.cim = Cim(fence_epochs=config.rules.fence_epochs)
+        self.mine: dict[str, Partition] = {}
+        self.shares: dict[str, Share] = {}
+        self.moves: dict[str, Move] = {}
+        self._sent_parts: dict[str, Partition] = {}
+        self._sent_share: dict[str, Share] = {}
+        self.generation = -1
+        self.leader = ""
+        self.members: tuple[str, ...] = ()
+        self.member = False
+        self.continuous_since = -1
+        self.lease_until = 0
+        self.reading: dict[str, int] = {}  # token -> start ts of the running reader
+        self.stopping: set[str] = set()
+        self.releasing: set[str] = set()
+        self.retired: set[str] = set()  # finished partitions this task removed
+        self._plan_deadline = -1
+        self._plan_requested = -1
+        self._urgent = False
+        self._answer = False
+        self._last_publish = -(10**18)
+        self._last_negotiate = -(10**18)
+        self._last_checkpoint = -(10**18)
+        self._last_state_ts = -1
+        self.counters: Counter[str] = Counter()
+        self.log: deque[tuple[int, str]] = deque(maxlen=256)
+
+    # -- the entry point ------------------------------------------------------------------
+    def handle(self, event: Event, now: int) -> list[Command]:
+        self.log.append((now, type(event).__name__))
+        out: list[Command] = []
+        match event:
+            case SyncRead():
+                self._on_sync(event, now)
+            case SyncBad():
+                self.counters[f"sync_bad.{event.reason}"] += 1
+            case Joined():
+                self._on_joined(event, now)
+            case Lost():
+                self.counters["membership_lost"] += 1
+                self.member = False
+            case Lease():
+                self.lease_until = max(self.lease_until, event.until)
+            case Tick():
+                pass
+            case ReaderCommitted():
+                self._on_committed(event)
+            case ReaderFinished():
+                self._on_finished(event)
+            case ReaderStopped():
+                self._on_stopped(event)
+            case ReaderFailed():
+                self.counters["reader_failed"] += 1
+            case PlanReady():
+                out += self._on_plan(event.plan, now)
+        out += self._step(now)
+        return out
+
+    # -- permissions ------------------------------------------------------------------------
+    def may_read(self, now: int) -> bool:
+        return (
+            self.member
+            and now < self.lease_until
+            and self.cim.epoch >= self.continuous_since
+            and self.me in self.cim.members
+        )
+
+    def sharing_enabled(self, now: int) -> bool:
+        return self.may_read(now) and self.cim.epoch >= self.generation
+
+    # -- event handlers ---------------------------------------------------------------------
+    def _on_sync(self, event: SyncRead, now: int) -> None:
+        message = event.message
+        before_epoch = self.cim.epoch
+        ignored = self.cim.apply(event.offset, message)
+        if ignored is not None:
+            self.counters[f"sync_ignored.{ignored}"] += 1
+            if message.task_id == self.me and isinstance(message, StateMessage | EpochMessage):
+                self._resync()
+            return
+        if isinstance(message, EpochMessage) and self.cim.epoch != before_epoch:
+            self._on_epoch(now)
+
+    def _resync(self) -> None:
+        """One of our messages was fenced: diff against what the CIM really holds."""
+        self.counters["resync"] += 1
+        view = self.cim.view(self.me)
+        self._sent_parts = dict(view.partitions)
+        self._sent_share = dict(view.share)
+        self._urgent = True
+
+    def _on_epoch(self, now: int) -> None:
+        if self.me not in self.cim.members:
+            if self.mine or self.shares:
+                self.counters["evicted"] += 1
+            self.mine.clear()
+            self.shares.clear()
+            self.moves.clear()
+            self.releasing.clear()
+            self._sent_parts.clear()
+            self._sent_share.clear()
+            return
+        view = self.cim.view(self.me)
+        for token, offer in self.shares.items():
+            seen = view.share.get(token)
+            if seen is not None and seen.partition.watermark > offer.partition.watermark:
+                self.shares[token] = seen  # the epoch raised it (Cim rule 5b)
+        self._sent_parts = dict(view.partitions)
+        self._sent_share = dict(view.share)
+        self._urgent = True
+
+    def _on_joined(self, event: Joined, now: int) -> None:
+        self.counters["rebalances"] += 1
+        if not self.member:
+            self.continuous_since = event.generation
+        self.member = True
+        self.generation = event.generation
+        self.leader = event.leader
+        self.members = event.members
+        self._answer = True
+        if event.leader == self.me:
+            self._plan_deadline = now + self.config.answer_timeout
+        else:
+            self._plan_deadline = -1
+
+    def _on_committed(self, event: ReaderCommitted) -> None:
+        part = self.mine.get(event.token)
+        if part is not None and part.status == "owned" and event.watermark > part.watermark:
+            self.mine[event.token] = msgspec.structs.replace(part, watermark=event.watermark)
+
+    def _on_stopped(self, event: ReaderStopped) -> None:
+        self.reading.pop(event.token, None)
+        self.stopping.discard(event.token)
+        part = self.mine.get(event.token)
+        if part is not None and part.status == "owned" and event.watermark > part.watermark:
+            part = self.mine[event.token] = msgspec.structs.replace(part, watermark=event.watermark)
+        if event.token in self.releasing and part is not None:
+            self._release(event.token)
+
+    def _on_finished(self, event: ReaderFinished) -> None:
+        self.reading.pop(event.token, None)
+        self.stopping.discard(event.token)
+        self.releasing.discard(event.token)
+        part = self.mine.get(event.token)
+        if part is None or part.status != "owned":
+            self.counters["finished_not_owned"] += 1
+            return
+        self.counters["partitions_finished"] += 1
+        self.mine[event.token] = msgspec.structs.replace(
+            part,
+            status="finished",
+            watermark=max(part.watermark, event.watermark),
+            children=tuple(c.token for c in event.children),
+        )
+        self.shares.pop(event.token, None)  # a finished partition does not move
+        self.moves.pop(event.token, None)
+        loads = self._loads()
+        for child in event.children:
+            if not lifecycle.registers(event.token, child) or self._known(child.token):
+                continue
+            new = lifecycle.child_partition(child, event.child_start)
+            target = share.place_child(self.me, loads, self.config.cap)
+            if target == self.me:
+                self.mine[child.token] = new
+            else:
+                self.shares[child.token] = Share(partition=new, target=target, kind="new")
+            if target is not None:
+                loads[target] = loads.get(target, 0) + 1
+            self.counters["children_registered"] += 1
+        self._urgent = True
+
+    def _on_plan(self, plan: Plan, now: int) -> list[Command]:
+        if plan.generation != self.generation or self.leader != self.me or not self.member:
+            self.counters["plan_discarded"] += 1
+            return []
+        live = set(plan.members)
+        for token, offer in list(self.shares.items()):
+            if offer.kind == "new" and offer.target is not None and offer.target not in live:
+                self._drop_offer(token)
+        for offer in plan.offers:
+            self.shares[offer.token] = offer
+        for part in plan.adopt:
+            self.mine.setdefault(part.token, part)
+        self.counters["epochs_opened"] += 1
+        state = self._diff(now, force=True)
+        assert state is not None
+        self._mark_sent(state)
+        return [
+            Publish(
+                EpochMessage(
+                    task_id=self.me,
+                    message_timestamp=now,
+                    epoch=plan.generation,
+                    sync_epoch=plan.sync_epoch,
+                    members=plan.members,
+                    connector_state=(state,),
+                    stream_start=plan.stream_start,
+                )
+            )
+        ]
+
+    # -- the step after every event -----------------------------------------------------------
+    def _step(self, now: int) -> list[Command]:
+        out: list[Command] = []
+        out += self._leader_duties(now)
+        self._follow_offers(now)
+        self._negotiate(now)
+        self._remove_finished()
+        out += self._reconcile_readers(now)
+        message = self._maybe_publish(now)
+        if message is not None:
+            out.append(Publish(message))
+        return out
+
+    def _leader_duties(self, now: int) -> list[Command]:
+        if not self.member or self.leader != self.me:
+            return []
+        out: list[Command] = []
+        gen = self.generation
+        if self._plan_deadline >= 0 and self._plan_requested < gen and self.cim.epoch < gen:
+            answered = all(self.cim.view(m).epoch_seen >= gen for m in self.members)
+            if answered or now >= self._plan_deadline:
+                if not answered:
+                    self.counters["plan_without_all_answers"] += 1
+                self._plan_requested = gen
+                out.append(RequestPlan(gen, self.members, need_roots=self.cim.stream_start < 0))
+        if (
+            self.cim.epoch == gen
+            and self.cim.leader == self.me
+            and now - self._last_checkpoint >= self.config.checkpoint_interval
+        ):
+            self._last_checkpoint = now
+            out.append(Publish(self.cim.checkpoint(self.me, now)))
+        return out
+
+    def _follow_offers(self, now: int) -> None:
+        enabled = self.sharing_enabled(now)
+        live = set(self.cim.members)
+        # Offers addressed to this task.
+        for holder, offer in list(self.cim.offers()):
+            if offer.target != self.me:
+                continue
+            token = offer.token
+            have = self.mine.get(token)
+            if have is not None:
+                if have.status == "incoming" and offer.kind == "move" and offer.released:
+                    self.mine[token] = msgspec.structs.replace(
+                        offer.partition, status="owned", source=""
+                    )
+                    self.counters["handoffs_in"] += 1
+                    self._urgent = True
+                continue
+            if not enabled or token in self.retired or holder not in live:
+                continue
+            found = self.cim.find(token)
+            if found is not None and found.status == "finished":
+                continue
+            if offer.kind == "new" or offer.released:
+                self.mine[token] = msgspec.structs.replace(
+                    offer.partition, status="owned", source=""
+                )
+                self.counters["picked_up"] += 1
+            else:
+                self.mine[token] = msgspec.structs.replace(
+                    offer.partition, status="incoming", source=holder
+                )
+                self.counters["incoming"] += 1
+            self._urgent = True
+        # Moves this task is taking over whose offerer gave up or left.
+        for token, part in list(self.mine.items()):
+            if part.status != "incoming":
+                continue
+            source_offer = self.cim.view(part.source).share.get(token)
+            if part.source not in live or source_offer is None or source_offer.target != self.me:
+                del self.mine[token]
+                self.counters["incoming_dropped"] += 1
+                self._urgent = True
+        # This task's own offers.
+        for token, offer in list(self.shares.items()):
+            target = offer.target
+            if target is None:
+                continue
+            got = self.cim.view(target).partitions.get(token)
+            if got is not None and got.status != "incoming":
+                if token in self.moves:
+                    self.counters["handoffs_out"] += 1
+                self._drop_offer(token)
+                continue
+            if offer.kind == "move" and not offer.released:
+                if target not in live:
+                    self._abort_move(token)
+                elif got is not None and got.source == self.me:
+                    self._start_release(token)
+                continue
+            if target not in live and self.cim.epoch >= 0 and enabled:
+                leader_offer = self.cim.view(self.cim.leader).share.get(token)
+                if self.cim.leader != self.me and leader_offer is not None:
+                    self._drop_offer(token)  # the leader re-planned it
+                else:
+                    self._retarget(token)
+                self._urgent = True
+
+    def _drop_offer(self, token: str) -> None:
+        self.shares.pop(token, None)
+        self.moves.pop(token, None)
+        self._urgent = True
+
+    def _abort_move(self, token: str) -> None:
+        move = self.moves.get(token)
+        self.counters["moves_aborted"] += 1
+        del self.shares[token]
+        if move is None:
+            return
+        move = move.abort()
+        if move.pending is None or token not in self.mine:
+            del self.moves[token]
+        else:
+            self.moves[token] = move
+            self.shares[token] = Share(self.mine[token], target=move.pending, kind="move")
+        self._urgent = True
+
+    def _start_release(self, token: str) -> None:
+        if token in self.releasing or token not in self.mine:
+            return
+        move = self.moves.get(token)
+        if move is not None and move.pending is not None and not move.ready_seen:
+            self.moves[token] = move.ready()
+        self.releasing.add(token)
+        if token not in self.reading:
+            self._release(token)  # not being read: nothing to stop (002: stateless moves at once)
+
+    def _release(self, token: str) -> None:
+        """The old owner stopped reading: hand over with the final committed watermark."""
+        self.releasing.discard(token)
+        part = self.mine.pop(token)
+        offer = self.shares.get(token)
+        if offer is None:  # the move was aborted meanwhile: keep it
+            self.mine[token] = part
+            return
+        self.shares[token] = msgspec.structs.replace(offer, partition=part, released=True)
+        self._urgent = True
+
+    def _retarget(self, token: str) -> None:
+        loads = self._loads()
+        target = share.room_for_parked(loads, self.config.cap)
+        offer = self.shares[token]
+        self.shares[token] = Share(
+            partition=offer.partition, target=target, kind="new", released=False
+        )
+        self.counters["offers_retargeted"] += 1
+
+    def _negotiate(self, now: int) -> None:
+        if not self.sharing_enabled(now):
+            return
+        if now - self._last_negotiate < self.config.negotiate_interval:
+            return
+        self._last_negotiate = now
+        loads = self._loads()
+        for token, offer in list(self.shares.items()):
+            if offer.target is None:
+                target = share.room_for_parked(loads, self.config.cap)
+                if target is not None:
+                    self.shares[token] = msgspec.structs.replace(offer, target=target)
+                    loads[target] += 1
+                    self._urgent = True
+        if any(o.target is not None and o.kind == "move" for o in self.shares.values()):
+            return  # one round of moves at a time
+        decision = share.balance(self.me, loads, self.config.cap)
+        if decision is None:
+            return
+        target, count = decision
+        revision = self.cim.offset
+        for token in self._movable()[:count]:
+            move = self.moves.get(token) or Move(token, stable=self.me)
+            move = move.request(target, revision)
+            if move.pending is None:
+                continue
+            self.moves[token] = move
+            self.shares[token] = Share(self.mine[token], target=move.pending, kind="move")
+            self.counters["moves_offered"] += 1
+            self._urgent = True
+
+    def _movable(self) -> list[str]:
+        """Own partitions to offer, cheapest to move first: not being read, then being read."""
+        owned = [
+            p
+            for t, p in self.mine.items()
+            if p.status == "owned" and t not in self.shares and t not in self.releasing
+        ]
+        owned.sort(key=lambda p: (p.token in self.reading, -p.start_ts, p.token))
+        return [p.token for p in owned]
+
+    def _remove_finished(self) -> None:
+        finished = [t for t, p in self.mine.items() if p.status == "finished"]
+        if not finished:
+            return
+        offered = {o.token for _, o in self.cim.offers()} | set(self.shares)
+        for token in finished:
+            part = self.mine[token]
+            if token not in offered and lifecycle.removable(part, self._lookup):
+                del self.mine[token]
+                self.retired.add(token)
+                self.counters["partitions_removed"] += 1
+
+    def _reconcile_readers(self, now: int) -> list[Command]:
+        out: list[Command] = []
+        allowed = self.may_read(now)
+        wanted: list[Partition] = []
+        if allowed:
+            for token, part in self.mine.items():
+                if (
+                    part.status == "owned"
+                    and token not in self.releasing
+                    and self.config.rules.readable(part, self._lookup)
+                ):
+                    wanted.append(part)
+        keep = {p.token for p in wanted if p.token in self.reading}
+        cap = self.config.cap
+        room = (len(wanted) if cap <= 0 else cap) - len(keep)
+        start: list[Partition] = []
+        for part in sorted(wanted, key=lambda p: (p.start_ts, p.token)):
+            if room <= 0:
+                break
+            if part.token not in self.reading:
+                start.append(part)
+                room -= 1
+        for token in list(self.reading):
+            if token not in keep and token not in self.stopping:
+                self.stopping.add(token)
+                if token in self.releasing:
+                    reason = "handoff"
+                elif not allowed:
+                    reason = "not-permitted"
+                else:
+                    reason = "not-wanted"
+                out.append(StopReader(token, reason))
+        for part in start:
+            self.reading[part.token] = part.resume_ts()
+            out.append(StartReader(part.token, part.resume_ts(), part.parents))
+        return out
+
+    # -- publishing -----------------------------------------------------------------------------
+    def _maybe_publish(self, now: int) -> StateMessage | None:
+        if not self.member or self.generation < 0:
+            return None
+        due = self._urgent or self._answer
+        if not due and now - self._last_publish < self.config.publish_interval:
+            return None
+        state = self._diff(now, force=self._answer)
+        self._urgent = False
+        self._answer = False
+        if state is None:
+            return None
+        self._mark_sent(state)
+        self._last_publish = now
+        self.counters["messages_published"] += 1
+        return StateMessage(
+            task_id=self.me,
+            message_timestamp=now,
+            epoch=self.generation,
+            sync_epoch=self.cim.sync_epoch,
+            connector_state=(state,),
+        )
+
+    def _diff(self, now: int, *, force: bool) -> TaskState | None:
+        data = tuple(p for t, p in self.mine.items() if self._sent_parts.get(t) != p)
+        removed = tuple(t for t in self._sent_parts if t not in self.mine)
+        shares = None if self.shares == self._sent_share else tuple(self.shares.values())
+        if not (data or removed or shares is not None or force):
+            return None
+        self._last_state_ts = max(now, self._last_state_ts + 1)
+        return TaskState(
+            task_id=self.me,
+            state_timestamp=self._last_state_ts,
+            data=data,
+            removed=removed,
+            share=shares,
+        )
+
+    def _mark_sent(self, state: TaskState) -> None:
+        for token in state.removed:
+            self._sent_parts.pop(token, None)
+        for part in state.data:
+            self._sent_parts[part.token] = part
+        if state.share is not None:
+            self._sent_share = {s.token: s for s in state.share}
+
+    # -- views ----------------------------------------------------------------------------------
+    def _lookup(self, token: str) -> Partition | None:
+        part = self.mine.get(token)
+        if part is not None and part.status != "incoming":
+            return part
+        return self.cim.find(token)
+
+    def _known(self, token: str) -> bool:
+        if token in self.mine or token in self.shares or token in self.retired:
+            return True
+        if self.cim.find(token) is not None:
+            return True
+        return any(o.token == token for _, o in self.cim.offers())
+
+    def _loads(self) -> dict[str, int]:
+        members = self.cim.members if self.me in self.cim.members else (self.me,)
+        loads = self.cim.loads(members)
+        moving = {t for t, s in self.shares.items() if s.kind == "move"}
+        loads[self.me] = sum(
+            1
+            for t, p in self.mine.items()
+            if p.status == "incoming" or (p.status == "owned" and t not in moving)
+        )
+        return loads
+
+    def owned_unfinished(self) -> Iterator[str]:
+        for token, part in self.mine.items():
+            if part.status == "owned":
+                yield token
+
+    def validate(self) -> None:
+        """Invariants of one task's state; the tests call it after every step."""
+        self.cim.validate()
+        for token in self.reading:
+            part = self.mine.get(token)
+            assert token in self.stopping or (part is not None and part.status == "owned"), (
+                f"{self.me} reads {token} it does not own"
+            )
+        running = len([t for t in self.reading if t not in self.stopping])
+        assert self.config.cap <= 0 or running <= self.config.cap, (
+            f"{self.me} reads {running} > cap"
+        )
+        for token, offer in self.shares.items():
+            if offer.kind == "new":
+                assert (
+                    token not in self.mine
+                    or self.mine[token].status != "owned"
+                    or (offer.target == self.me)
+                ), f"{self.me} both owns and offers {token} as new"
+        for token in self.moves:
+            assert token in self.shares or token in self.mine, f"{self.me}: move of unknown {token}"
+
+
+def checkpoint_bootstrap(messages: list[tuple[int, SyncMessage]]) -> Cim:
+    """A CIM from a log slice that starts at a checkpoint (used by replays and tests)."""
+    cim = Cim()
+    for offset, message in messages:
+        if isinstance(message, CheckpointMessage | MarkerMessage | StateMessage | EpochMessage):
+            cim.apply(offset, message)
+    return cim

@@ -1,0 +1,521 @@
+"""The deterministic fault simulator: many tasks running the real protocol cores against
+in-memory ports, a lossy and duplicating sync log, a group coordinator with generations and
+session timeouts, crashes, restarts and zombies, a fake clock and a seeded change stream that
+splits, moves and merges.
+
+One seed fixes everything. Time advances in steps of ``step_us``; in each step every task, in a
+seeded order, reads what has landed in the sync log, gets its group events, its readers' commits
+and a tick, and its commands are carried out. Invariants are checked after every step:
+
+* no partition is read by two tasks at once (a paused zombie does not read; when it resumes, it
+  must stop before it reads again);
+* no two tasks that may read both own the same unfinished partition;
+* a partition starts being read only after every parent has finished (merges: all parents);
+* a watermark in the sync log never goes backwards;
+* every task's own invariants (``TaskCore.validate``).
+
+At the end, after a quiet period without faults and without partition churn:
+
+* every live partition is owned by exactly one live task and is being read;
+* owned counts are within one of each other across live tasks (when no cap binds);
+* every data record committed up to the horizon reached the sink at least once, and nothing
+  else did.
+
+``run(seed)`` returns a :class:`SimResult`; a failure names its seed so it can be replayed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from random import Random
+
+import msgspec
+
+from protocol import messages
+from protocol.cim import Cim
+from protocol.messages import (
+    EpochMessage,
+    Partition,
+    StateMessage,
+    SyncMessage,
+)
+from protocol.planner import Plan, plan
+from protocol.records import ChildPartitions, DataChange
+from protocol.task import (
+    Command,
+    Event,
+    Joined,
+    Lease,
+    Lost,
+    PlanReady,
+    Publish,
+    ReaderCommitted,
+    ReaderFinished,
+    ReaderStopped,
+    RequestPlan,
+    Rules,
+    StartReader,
+    StopReader,
+    SyncRead,
+    TaskConfig,
+    TaskCore,
+    Tick,
+)
+from runtime.simstream import StreamModel, StreamParams
+
+Planner = Callable[..., Plan]
+
+
+class Violation(AssertionError):
+    """An invariant of the protocol did not hold."""
+
+
+class SimParams(msgspec.Struct, frozen=True):
+    seed: int = 0
+    tasks: int = 4
+    max_tasks: int = 7
+    roots: int = 6
+    cap: int = 0
+    step_us: int = 50_000
+    churn_us: int = 40_000_000
+    quiet_us: int = 30_000_000
+    session_timeout_us: int = 3_000_000
+    heartbeat_us: int = 1_000_000
+    rebalance_delay_us: int = 1_000_000
+    crash_p: float = 0.004
+    join_p: float = 0.004
+    leave_p: float = 0.002
+    pause_p: float = 0.002
+    dup_p: float = 0.03
+    max_log_delay_steps: int = 3
+    commit_delay_steps: tuple[int, int] = (1, 8)
+    split_p: float = 0.08
+    move_p: float = 0.05
+    merge_p: float = 0.08
+    records_per_s: float = 4.0
+    fence_epochs: bool = True
+    broken_readable: bool = False
+    broken_planner: bool = False
+
+
+class SimResult(msgspec.Struct, frozen=True):
+    seed: int
+    passed: bool
+    violation: str = ""
+    steps: int = 0
+    rebalances: int = 0
+    epochs: int = 0
+    crashes: int = 0
+    pauses: int = 0
+    partitions: int = 0
+    records: int = 0
+    duplicates: int = 0
+
+
+class _Reader:
+    __slots__ = ("commits", "ended", "pos", "token")
+
+    def __init__(self, token: str, pos: int) -> None:
+        self.token = token
+        self.pos = pos
+        self.commits: list[tuple[int, int]] = []  # (commit step, watermark)
+        self.ended: ChildPartitions | None = None
+
+
+class _Node:
+    def __init__(self, task_id: str, core: TaskCore, join_order: int) -> None:
+        self.id = task_id
+        self.core = core
+        self.join_order = join_order
+        self.alive = True
+        self.paused_until = -1
+        self.read_offset = 0
+        self.readers: dict[str, _Reader] = {}
+        self.committed: dict[str, int] = {}
+        self.inbox: list[tuple[int, int, Event]] = []  # (due step, seq, event)
+        self.expelled = False
+        self.last_land = 0
+
+    def paused(self, step: int) -> bool:
+        return step < self.paused_until
+
+
+class Simulation:
+    def __init__(self, params: SimParams) -> None:
+        self.p = params
+        self.rng = Random(params.seed)
+        start = 1_700_000_000_000_000
+        self.t0 = start
+        self.model = StreamModel(
+            StreamParams(
+                seed=params.seed,
+                roots=params.roots,
+                start_ts=start,
+                round_us=2_000_000,
+                split_p=params.split_p,
+                move_p=params.move_p,
+                merge_p=params.merge_p,
+                max_partitions=40,
+                records_per_s=params.records_per_s,
+                churn_until=start + params.churn_us,
+            )
+        )
+        self.step = 0
+        self.seq = itertools.count()
+        self.nodes: dict[str, _Node] = {}
+        self.log: list[SyncMessage] = []
+        self.pending_log: list[tuple[int, int, bytes]] = []  # (land step, seq, payload)
+        self.observer = Cim(fence_epochs=params.fence_epochs)
+        self.max_wm: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.delivered: Counter[tuple[int, str, str]] = Counter()
+        self.ids = itertools.count()
+        self.joins = itertools.count()
+        # group coordinator
+        self.generation = -1
+        self.group: dict[str, int] = {}  # member -> last heartbeat step
+        self.rebalance_at = -1
+        self.stats: Counter[str] = Counter()
+        self.rules = Rules(
+            fence_epochs=params.fence_epochs,
+            readable=(_first_parent if params.broken_readable else Rules().readable),
+        )
+        self.planner: Planner = plan_broken if params.broken_planner else plan
+
+    # -- clock -------------------------------------------------------------------------------
+    def now(self) -> int:
+        return self.t0 + self.step * self.p.step_us
+
+    def steps(self, us: int) -> int:
+        return max(1, us // self.p.step_us)
+
+    # -- nodes ---------------------------------------------------------------------------------
+    def start_node(self) -> _Node:
+        task_id = f"t{next(self.ids):02d}"
+        config = TaskConfig(
+            task_id=task_id,
+            cap=self.p.cap,
+            answer_timeout=2_000_000,
+            publish_interval=250_000,
+            negotiate_interval=200_000,
+            checkpoint_interval=5_000_000,
+            rules=self.rules,
+        )
+        node = _Node(task_id, TaskCore(config, Random(self.rng.getrandbits(32))), next(self.joins))
+        self.nodes[task_id] = node
+        # Subscription order: replay the sync log first, then join the group.
+        self.read_log(node)
+        self.group[task_id] = self.step
+        self.schedule_rebalance()
+        return node
+
+    def deliver(self, node: _Node, event: Event, delay_steps: int = 0) -> None:
+        heapq.heappush(node.inbox, (self.step + delay_steps, next(self.seq), event))
+
+    def handle(self, node: _Node, event: Event) -> None:
+        commands = node.core.handle(event, self.now())
+        for command in commands:
+            self.execute(node, command)
+
+    def execute(self, node: _Node, command: Command) -> None:
+        match command:
+            case Publish():
+                payload = messages.encode(command.message)
+                # One producer's messages land in the order it sent them (as on one Kafka
+                # partition); different producers' messages interleave at random.
+                delay = self.rng.randint(0, self.p.max_log_delay_steps)
+                land = max(self.step + delay, node.last_land)
+                node.last_land = land
+                heapq.heappush(self.pending_log, (land, next(self.seq), payload))
+                if self.rng.random() < self.p.dup_p:  # a producer retry writes it twice
+                    heapq.heappush(self.pending_log, (land + 1, next(self.seq), payload))
+            case StartReader():
+                self.start_reader(node, command)
+            case StopReader():
+                reader = node.readers.pop(command.token, None)
+                wm = node.committed.get(command.token, command.token and 0)
+                if reader is not None:
+                    self.deliver(node, ReaderStopped(command.token, wm), 1)
+            case RequestPlan():
+                roots: tuple[Partition, ...] = ()
+                if command.need_roots:
+                    root = self.model.root_record()
+                    roots = tuple(
+                        Partition(token=c.token, start_ts=root.start_ts) for c in root.children
+                    )
+                result = self.planner(
+                    node.core.cim,
+                    command.members,
+                    node.id,
+                    command.generation,
+                    self.p.cap,
+                    Random(self.rng.getrandbits(32)),
+                    roots,
+                    self.t0 if command.need_roots else -1,
+                )
+                self.deliver(node, PlanReady(result), 1)
+
+    def start_reader(self, node: _Node, command: StartReader) -> None:
+        token = command.token
+        info = self.model.info(token)
+        for parent in info.parents:
+            if parent not in self.finished:
+                raise Violation(f"{node.id} reads {token} before its parent {parent} finished")
+        for other in self.nodes.values():
+            if other is not node and other.alive and token in other.readers:
+                if not other.paused(self.step):
+                    raise Violation(f"{node.id} and {other.id} both read {token}")
+        node.readers[token] = _Reader(token, command.start_ts)
+        node.committed[token] = command.start_ts
+        self.stats["readers_started"] += 1
+
+    # -- the sync log --------------------------------------------------------------------------
+    def land_messages(self) -> None:
+        while self.pending_log and self.pending_log[0][0] <= self.step:
+            _, _, payload = heapq.heappop(self.pending_log)
+            message = messages.decode(payload)
+            offset = len(self.log)
+            self.log.append(message)
+            self.observe(offset, message)
+
+    def observe(self, offset: int, message: SyncMessage) -> None:
+        before = self.observer.view(message.task_id).state_ts
+        if self.observer.apply(offset, message) is not None:
+            return
+        if not isinstance(message, StateMessage | EpochMessage):
+            return
+        if isinstance(message, EpochMessage):
+            self.stats["epochs"] += 1
+        for state in message.connector_state:
+            if state.task_id != message.task_id or state.state_timestamp < before:
+                continue  # not applied: only a sender's own, newer state counts
+            for part in state.data:
+                if part.status == "incoming":
+                    continue
+                if part.watermark < self.max_wm.get(part.token, 0):
+                    raise Violation(
+                        f"watermark of {part.token} went back from "
+                        f"{self.max_wm[part.token]} to {part.watermark} ({state.task_id})"
+                    )
+                self.max_wm[part.token] = part.watermark
+
+    def read_log(self, node: _Node) -> None:
+        while node.read_offset < len(self.log):
+            offset = node.read_offset
+            node.read_offset += 1
+            self.handle(node, SyncRead(offset, self.log[offset]))
+            if self.rng.random() < self.p.dup_p:  # a consumer re-delivers after a retry
+                self.handle(node, SyncRead(offset, self.log[offset]))
+
+    # -- the group coordinator -------------------------------------------------------------------
+    def schedule_rebalance(self) -> None:
+        self.rebalance_at = self.step + self.steps(self.p.rebalance_delay_us)
+        self.stats["rebalances_started"] += 1
+
+    def run_group(self) -> None:
+        step = self.step
+        timeout = self.steps(self.p.session_timeout_us)
+        hb = self.steps(self.p.heartbeat_us)
+        for task_id in list(self.group):
+            node = self.nodes[task_id]
+            if node.alive and not node.paused(step):
+                if (step - node.join_order) % hb == 0:
+                    self.group[task_id] = step
+                    lease = self.now() + self.p.session_timeout_us - self.p.heartbeat_us
+                    self.deliver(node, Lease(lease))
+            elif step - self.group[task_id] >= timeout:
+                del self.group[task_id]
+                node.expelled = True
+                self.schedule_rebalance()
+        if self.rebalance_at >= 0 and step >= self.rebalance_at:
+            self.rebalance_at = -1
+            if not self.group:
+                return
+            self.generation += 1
+            members = tuple(sorted(self.group))
+            leader = min(members, key=lambda m: self.nodes[m].join_order)
+            self.stats["rebalances"] += 1
+            for member in members:
+                node = self.nodes[member]
+                node.expelled = False
+                self.deliver(node, Joined(self.generation, leader, members), self.rng.randint(0, 3))
+
+    # -- readers and the sink --------------------------------------------------------------------
+    def run_readers(self, node: _Node) -> None:
+        now = self.now()
+        for token, reader in list(node.readers.items()):
+            while reader.commits and reader.commits[0][0] <= self.step:
+                _, wm = reader.commits.pop(0)
+                node.committed[token] = max(node.committed.get(token, 0), wm)
+                self.deliver(node, ReaderCommitted(token, wm))
+            if reader.ended is not None:
+                if not reader.commits:
+                    del node.readers[token]
+                    self.finished.add(token)
+                    end = reader.ended
+                    self.deliver(
+                        node, ReaderFinished(token, end.start_ts, end.children, end.start_ts)
+                    )
+                continue
+            batch: list[DataChange] = []
+            for record in self.model.records(token, reader.pos, now):
+                if isinstance(record, DataChange):
+                    batch.append(record)
+                elif isinstance(record, ChildPartitions):
+                    reader.ended = record
+            for record in batch:
+                self.delivered[record.identity] += 1
+            wm = reader.ended.start_ts if reader.ended is not None else now + 1
+            reader.pos = wm
+            lo, hi = self.p.commit_delay_steps
+            reader.commits.append((self.step + self.rng.randint(lo, hi), wm))
+
+    # -- faults -----------------------------------------------------------------------------------
+    def faults(self) -> None:
+        alive = [n for n in self.nodes.values() if n.alive]
+        r = self.rng.random
+        if len(alive) > 1 and r() < self.p.crash_p:
+            victim = self.rng.choice(alive)
+            victim.alive = False
+            victim.readers.clear()
+            self.stats["crashes"] += 1
+        if len(alive) < self.p.max_tasks and r() < self.p.join_p:
+            self.start_node()
+            self.stats["joins"] += 1
+        if len(alive) > 1 and r() < self.p.leave_p:
+            victim = self.rng.choice(alive)
+            victim.alive = False
+            victim.readers.clear()
+            self.group.pop(victim.id, None)
+            self.schedule_rebalance()
+            self.stats["leaves"] += 1
+        if len(alive) > 1 and r() < self.p.pause_p:
+            victim = self.rng.choice(alive)
+            if not victim.paused(self.step):
+                span = self.steps(self.p.session_timeout_us)
+                victim.paused_until = self.step + self.rng.randint(span // 2, 3 * span)
+                self.stats["pauses"] += 1
+
+    # -- one step ------------------------------------------------------------------------------
+    def tick(self, churn: bool) -> None:
+        self.step += 1
+        if churn:
+            self.faults()
+        self.land_messages()
+        self.run_group()
+        order = [n for n in self.nodes.values() if n.alive]
+        self.rng.shuffle(order)
+        for node in order:
+            if node.paused(self.step):
+                continue
+            if node.expelled and node.id not in self.group:
+                node.expelled = False
+                # An expelled member never gets the assignments of the generations it missed.
+                node.inbox = [e for e in node.inbox if not isinstance(e[2], Joined)]
+                heapq.heapify(node.inbox)
+                self.handle(node, Lost("expelled"))
+                self.group[node.id] = self.step
+                self.schedule_rebalance()
+            self.handle(node, Tick())
+            self.read_log(node)
+            while node.inbox and node.inbox[0][0] <= self.step:
+                _, _, event = heapq.heappop(node.inbox)
+                self.handle(node, event)
+            self.run_readers(node)
+            self.handle(node, Tick())
+        self.check()
+
+    def check(self) -> None:
+        now = self.now()
+        readers: dict[str, str] = {}
+        owners: dict[str, str] = {}
+        for node in self.nodes.values():
+            if not node.alive:
+                continue
+            node.core.validate()
+            if node.paused(self.step):
+                continue
+            for token in node.readers:
+                if token in readers:
+                    raise Violation(f"{readers[token]} and {node.id} both read {token}")
+                readers[token] = node.id
+            if node.core.may_read(now):
+                for token in node.core.owned_unfinished():
+                    if token in owners:
+                        raise Violation(f"{owners[token]} and {node.id} both own {token}")
+                    owners[token] = node.id
+
+    # -- the whole run -----------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        for _ in range(self.p.tasks):
+            self.start_node()
+        for _ in range(self.steps(self.p.churn_us)):
+            self.tick(churn=True)
+        for node in self.nodes.values():
+            if node.alive:
+                node.paused_until = -1
+        for _ in range(self.steps(self.p.quiet_us)):
+            self.tick(churn=False)
+        self.final_checks()
+        return SimResult(
+            seed=self.p.seed,
+            passed=True,
+            steps=self.step,
+            rebalances=self.stats["rebalances"],
+            epochs=self.stats["epochs"],
+            crashes=self.stats["crashes"],
+            pauses=self.stats["pauses"],
+            partitions=len(self.model.partitions),
+            records=sum(1 for _ in self.delivered),
+            duplicates=sum(self.delivered.values()) - len(self.delivered),
+        )
+
+    def final_checks(self) -> None:
+        now = self.now()
+        live_nodes = [n for n in self.nodes.values() if n.alive]
+        owners: dict[str, list[str]] = {}
+        for node in live_nodes:
+            for token in node.core.owned_unfinished():
+                owners.setdefault(token, []).append(node.id)
+        live_parts = [t for t, info in self.model.partitions.items() if info.end_ts is None]
+        for token in live_parts:
+            who = owners.get(token, [])
+            if len(who) != 1:
+                raise Violation(f"live partition {token} is owned by {who} at the end")
+            if token not in self.nodes[who[0]].readers:
+                raise Violation(f"live partition {token} owned by {who[0]} is not being read")
+        if self.p.cap <= 0:
+            loads = {n.id: sum(1 for _ in n.core.owned_unfinished()) for n in live_nodes}
+            if max(loads.values()) - min(loads.values()) > 1:
+                raise Violation(f"owned counts are not within one: {loads}")
+        horizon = now - 5_000_000
+        expected = {r.identity for r in self.model.expected(horizon)}
+        missing = expected - set(self.delivered)
+        if missing:
+            raise Violation(f"{len(missing)} records never reached the sink, e.g. {min(missing)}")
+        extra = {i for i in self.delivered if i[0] <= horizon} - expected
+        if extra:
+            raise Violation(f"{len(extra)} records reached the sink that were never committed")
+
+
+def _first_parent(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:
+    from protocol.lifecycle import first_parent_readable
+
+    return first_parent_readable(part, lookup)
+
+
+def plan_broken(*args: object) -> Plan:
+    from protocol.planner import plan_moving_survivors
+
+    return plan_moving_survivors(*args)  # type: ignore[arg-type]
+
+
+def run(params: SimParams) -> SimResult:
+    """Run one seed; a violated invariant comes back as a failed result naming the seed."""
+    try:
+        return Simulation(params).run()
+    except AssertionError as exc:  # Violation, or a task core's own validate()
+        return SimResult(seed=params.seed, passed=False, violation=str(exc))
