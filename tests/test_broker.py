@@ -1,0 +1,100 @@
+"""The embedded broker launcher (``runtime.broker``): start, readiness, port-taken detection,
+retry on another port, stop."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import runtime.broker as broker_module
+from runtime.broker import BrokerError, EmbeddedBroker, free_port, probe_metadata
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port with a listening socket on it (not a Kafka broker)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_start_answers_kafka_and_stop_frees_the_port(tmp_path: Path) -> None:
+    log_path = tmp_path / "broker.log"
+    broker = EmbeddedBroker(log_path=log_path)
+    started = time.monotonic()
+    broker.start()
+    try:
+        assert time.monotonic() - started < 5
+        assert broker.pid > 0
+        assert broker.bootstrap == f"127.0.0.1:{broker.port}"
+        assert probe_metadata("127.0.0.1", broker.port) == 1
+        assert "listening on" in log_path.read_text()
+        with pytest.raises(BrokerError, match="already started"):
+            broker.start()
+    finally:
+        broker.stop()
+    assert not broker.running
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", broker.port), timeout=1):
+        pass
+    broker.stop()  # idempotent
+    with pytest.raises(BrokerError, match="not started"):
+        _ = broker.pid
+
+
+def test_port_taken_is_detected(taken_port: int) -> None:
+    broker = EmbeddedBroker(port=taken_port, start_timeout=5)
+    with pytest.raises(BrokerError, match=rf"port {taken_port}: the broker exited") as info:
+        broker.start()
+    assert "Address in use" in str(info.value)  # the broker's log tail is quoted
+    assert broker.start_failures == 1
+    assert not broker.running
+
+
+def test_retries_on_another_port(taken_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    ports = iter([taken_port])
+    monkeypatch.setattr(
+        broker_module, "free_port", lambda host="": next(ports, None) or free_port()
+    )
+    with EmbeddedBroker() as broker:
+        assert broker.port != taken_port
+        assert broker.start_failures == 1
+        assert probe_metadata("127.0.0.1", broker.port) == 1
+
+
+def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
+    broker = EmbeddedBroker(binary=str(tmp_path / "no-such-tansu"), attempts=1)
+    with pytest.raises(BrokerError, match="cannot execute"):
+        broker.start()
+
+
+def test_stop_escalates_to_sigkill() -> None:
+    broker = EmbeddedBroker(stop_timeout=0.001)
+    broker.start()
+    started = time.monotonic()
+    broker.stop()
+    assert not broker.running
+    assert time.monotonic() - started < 2
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="attempts"):
+        EmbeddedBroker(attempts=0)
+    with pytest.raises(ValueError, match="positive"):
+        EmbeddedBroker(start_timeout=0)
+
+
+@pytest.mark.asyncio
+async def test_async_context_manager() -> None:
+    async with EmbeddedBroker() as broker:
+        pid = broker.pid
+        assert probe_metadata("127.0.0.1", broker.port) == 1
+    assert not broker.running
+    assert repr(broker) == "EmbeddedBroker(stopped)"
+    assert pid > 0

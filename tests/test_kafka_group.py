@@ -1,0 +1,204 @@
+"""Heartbeat-topic group membership (``runtime.kafka.KafkaMembership``) against the embedded
+broker: leader election per generation, leaves, a killed member, a lost broker.
+
+Timings with session/heartbeat 3000/1000 ms on the embedded broker: a join or a leave gives a new
+generation in ~2 s; a SIGKILLed member is gone after ~3-6 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+import pytest
+
+from runtime.broker import EmbeddedBroker
+from runtime.kafka import KafkaConfig, KafkaMembership, MembershipError, heartbeat_topic
+from runtime.ports import GroupAssignment, GroupEvent, GroupLost
+from tests.fixtures.kafka import (
+    connector,
+    kafka_broker,
+    kafka_config,
+    next_assignment,
+    spawn_group_member,
+)
+
+__all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
+
+pytestmark = [pytest.mark.kafka, pytest.mark.asyncio]
+
+
+@contextlib.asynccontextmanager
+async def members(
+    config: KafkaConfig, connector: str, task_ids: Sequence[str]
+) -> AsyncIterator[list[tuple[KafkaMembership, AsyncIterator[GroupEvent]]]]:
+    started: list[KafkaMembership] = []
+    try:
+        for task_id in task_ids:
+            membership = KafkaMembership(config, connector, task_id)
+            await membership.start()
+            started.append(membership)
+        yield [(m, m.events()) for m in started]
+    finally:
+        for membership in started:
+            await membership.close()
+
+
+async def all_see(
+    group: Sequence[tuple[KafkaMembership, AsyncIterator[GroupEvent]]],
+    expected: set[str],
+) -> list[GroupAssignment]:
+    """Each member's first assignment whose member list is ``expected``."""
+    return list(
+        await asyncio.gather(
+            *(next_assignment(ev, lambda a: set(a.members) == expected) for _, ev in group)
+        )
+    )
+
+
+def assert_agree(views: Sequence[GroupAssignment]) -> GroupAssignment:
+    """Every member saw the same generation, leader and members; the leader is one of them."""
+    first = views[0]
+    assert all(v == first for v in views), views
+    assert first.leader in first.members
+    return first
+
+
+async def test_three_members_agree_on_one_leader(kafka_config: KafkaConfig, connector: str) -> None:
+    ids = ["task-a", "task-b", "task-c"]
+    started = time.monotonic()
+    async with members(kafka_config, connector, ids) as group:
+        views = await all_see(group, set(ids))
+        joined_after = time.monotonic() - started
+        view = assert_agree(views)
+        assert view.members == tuple(sorted(ids))
+        assert joined_after < 10, joined_after
+        for membership, _ in group:
+            assert membership.generation == view.generation
+            assert membership.current == view
+            # A member's lease runs ahead of now while it heartbeats.
+            assert membership.lease_valid_until() > time.monotonic()
+        # Leases are renewed by heartbeats (heartbeat interval 1 s).
+        before = [m.lease_valid_until() for m, _ in group]
+        await asyncio.sleep(2.2)
+        after = [m.lease_valid_until() for m, _ in group]
+        assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+        assert all(m.statistics().heartbeats_ok >= 1 for m, _ in group)
+        assert kafka_config.session_timeout_ms / 1000 > after[0] - time.monotonic() > 0
+
+
+async def test_member_leaves_then_leader_leaves(kafka_config: KafkaConfig, connector: str) -> None:
+    ids = ["task-a", "task-b", "task-c"]
+    async with members(kafka_config, connector, ids) as group:
+        first = assert_agree(await all_see(group, set(ids)))
+        # A follower leaves: the others get a new generation without it, same leader.
+        follower = next(i for i, (m, _) in enumerate(group) if m.task_id != first.leader)
+        gone = group.pop(follower)[0]
+        started = time.monotonic()
+        await gone.close()
+        second = assert_agree(await all_see(group, set(ids) - {gone.task_id}))
+        leave_s = time.monotonic() - started
+        assert second.generation > first.generation
+        assert leave_s < 8, leave_s
+        # The leader leaves: the last member is the new leader.
+        leader_index = next(i for i, (m, _) in enumerate(group) if m.task_id == second.leader)
+        old_leader = group.pop(leader_index)[0]
+        await old_leader.close()
+        (third,) = await all_see(group, set(ids) - {gone.task_id, old_leader.task_id})
+        assert third.generation > second.generation
+        assert third.leader == group[0][0].task_id != old_leader.task_id
+        # A closed membership is no member and its event stream has ended.
+        assert old_leader.current is None
+        assert old_leader.lease_valid_until() == -math.inf
+
+
+async def test_new_member_joins_existing_group(kafka_config: KafkaConfig, connector: str) -> None:
+    async with members(kafka_config, connector, ["task-a", "task-b"]) as group:
+        first = assert_agree(await all_see(group, {"task-a", "task-b"}))
+        async with members(kafka_config, connector, ["task-c"]) as newcomer:
+            both = group + newcomer
+            second = assert_agree(await all_see(both, {"task-a", "task-b", "task-c"}))
+            assert second.generation > first.generation
+
+
+async def test_killed_member_is_removed_after_session_timeout(
+    kafka_broker: EmbeddedBroker, kafka_config: KafkaConfig, connector: str
+) -> None:
+    process = await spawn_group_member(kafka_broker.bootstrap, connector, "task-victim")
+    try:
+        async with members(kafka_config, connector, ["task-a", "task-b"]) as group:
+            ids = {"task-a", "task-b", "task-victim"}
+            before = assert_agree(await all_see(group, ids))
+            # The subprocess saw the same generation.
+            assert process.stdout is not None
+            async with asyncio.timeout(10):
+                while True:
+                    line = await process.stdout.readline()
+                    assert line, "the member process ended"
+                    seen = msgspec.json.decode(line)
+                    if set(seen.get("members", ())) == ids:
+                        break
+            assert seen["generation"] == before.generation
+            assert seen["leader"] == before.leader
+            killed = time.monotonic()
+            process.send_signal(signal.SIGKILL)
+            after = assert_agree(await all_see(group, {"task-a", "task-b"}))
+            removed_s = time.monotonic() - killed
+            assert after.generation > before.generation
+            # Session timeout 3 s: gone after about one to two session timeouts.
+            assert 2.0 < removed_s < 12.0, removed_s
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+async def test_group_lost_when_the_broker_dies(connector: str) -> None:
+    broker = EmbeddedBroker()
+    await broker.astart()
+    try:
+        config = KafkaConfig.embedded(broker.bootstrap)
+        async with members(config, connector, ["task-a"]) as group:
+            membership, events = group[0]
+            await next_assignment(events)
+            lease = membership.lease_valid_until()
+            broker.kill()
+            killed = time.monotonic()
+            async with asyncio.timeout(10):
+                event = await anext(events)
+            lost_after = time.monotonic() - killed
+            assert isinstance(event, GroupLost), event
+            assert "unreachable" in event.reason
+            assert membership.current is None
+            assert membership.lease_valid_until() == -math.inf
+            # The lease had run out before the loss was declared.
+            assert lease < time.monotonic()
+            assert lost_after < 5.0, lost_after
+            assert membership.statistics().losses == 1
+    finally:
+        await broker.astop()
+
+
+async def test_events_has_one_reader_and_ends_on_close(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    membership = KafkaMembership(kafka_config, connector, "task-a")
+    assert membership.lease_valid_until() == -math.inf
+    await membership.start()
+    try:
+        events = membership.events()
+        with pytest.raises(MembershipError, match="one reader"):
+            membership.events()
+        assignment = await next_assignment(events)
+        assert assignment.members == ("task-a",)
+        assert assignment.leader == "task-a"
+        assert membership.topic == heartbeat_topic(connector) == f"{connector}_heartbeat"
+        assert membership.group_id == connector
+    finally:
+        await membership.close()
+    assert [event async for event in events] == []
