@@ -1,0 +1,582 @@
+"""Per-key ordered delivery with a retry queue and a dead-letter queue (design 003).
+
+A pure core: :meth:`RetryCore.handle` takes one event and ``now`` (wall-clock seconds, passed in;
+due times are written to Kafka and must mean the same to the next owner) and returns the
+commands the shell must carry out, in order. No I/O, no clock, randomness only from the seeded
+``random.Random`` the core owns.
+
+Rules (seed 003, "Message Consumption" and ``GroupState``):
+
+* Records arrive with an ordering key (``group_id`` in the seed; here the table and primary key of
+  a row). Each gets a sequence number in arrival order; per key, records are delivered in that
+  order.
+* **A key never has two records in flight.** A record of a key with one in flight waits in memory
+  (``waiting``) behind it; it is not yet settled, so its batch is not acknowledged upstream.
+* A delivery that fails goes to the **retry queue** (RQ) with ``attempts`` failures so far and a
+  due time ``now + backoff``, ``backoff = min(base * 2**(attempts-1), max) * (1 + jitter * u)``
+  with ``u`` from the seeded generator. When its due time comes (:class:`Tick`) it is sent again.
+* After ``max_attempts`` failures the record goes to the **dead-letter queue** (DLQ) with its last
+  error.
+* **While a key has a record in the RQ, its later records wait behind it, parked in the RQ in
+  order too** (``attempts = 0``, due at once), so a new owner finds them there. Other keys flow
+  on. Parked records are sent one at a time, oldest first, each after the one before it was
+  delivered (or dead-lettered).
+* A key with a record in the DLQ either **blocks** (``dlq_blocks=True``: its later records stay
+  parked until the DLQ record is replayed or discarded, so order is kept) or **releases**
+  (``dlq_blocks=False``: later records flow on; the dead-lettered record is out of order if it is
+  ever replayed).
+* :class:`ReplayDlq` puts a dead-lettered record back into the RQ at its place by sequence number
+  (with ``attempts = 0``, due at once); :class:`DiscardDlq` drops it.
+* A record id seen again while it is still held (in flight, waiting, RQ or DLQ) is a
+  :class:`Duplicate`; nothing else happens to it (upstream re-delivery after a crash).
+
+Durability: the state lives in two Kafka topics, so a new owner of the partition resumes it. The
+commands :class:`ParkInRetry` and :class:`Released` are the RQ topic's entries,
+:class:`SendToDlq` and :class:`Discarded` the DLQ topic's. Every one carries a ``version`` from a
+counter that only grows (a new core starts above every version and sequence number in the log), and
+:func:`from_log` folds the entries of both topics in any order: for each record, the entry with
+the highest version says where it is (RQ, DLQ, or gone). So a crash between two writes never
+loses a record; at worst a record delivered from the RQ is delivered again (at least once).
+
+The seed's ``GroupState`` (``p``: the latest entry produced to the RQ for the group, ``c``: the
+latest consumed) is the per-key queue here: its entries are exactly those between ``c`` and ``p``.
+
+:meth:`RetryCore.validate` checks the invariants (one record in flight per key; sequence order per
+key in every queue; every held record in exactly one place); tests call it after every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import random
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+class RetryPolicy(msgspec.Struct, frozen=True):
+    max_attempts: int = 5  # failures before the DLQ
+    base_backoff: float = 0.1  # seconds
+    max_backoff: float = 30.0
+    jitter: float = 0.2  # backoff is stretched by up to this fraction
+    dlq_blocks: bool = True  # a key with a DLQ record holds its later records back
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts={self.max_attempts} must be at least 1")
+        if self.base_backoff < 0 or self.max_backoff < 0 or self.jitter < 0:
+            raise ValueError("backoff and jitter must not be negative")
+
+
+# --- events (stimuli) ------------------------------------------------------------------------
+
+
+class Event(msgspec.Struct, frozen=True, tag_field="e"):
+    pass
+
+
+class Deliver(Event, frozen=True, tag="deliver"):
+    record_id: str
+    key: str
+
+
+class DeliveryOk(Event, frozen=True, tag="ok"):
+    record_id: str
+
+
+class DeliveryFailed(Event, frozen=True, tag="failed"):
+    record_id: str
+    error: str
+
+
+class Tick(Event, frozen=True, tag="tick"):
+    pass
+
+
+class ReplayDlq(Event, frozen=True, tag="replay"):
+    record_id: str
+
+
+class DiscardDlq(Event, frozen=True, tag="discard"):
+    record_id: str
+
+
+# --- commands --------------------------------------------------------------------------------
+
+
+class Command(msgspec.Struct, frozen=True, tag_field="c"):
+    pass
+
+
+class SendToSink(Command, frozen=True, tag="send"):
+    """Deliver the record; answer with :class:`DeliveryOk` or :class:`DeliveryFailed`."""
+
+    record_id: str
+    key: str
+    attempts: int  # failures so far
+
+
+class ParkInRetry(Command, frozen=True, tag="park"):
+    """RQ entry: the record is in the retry queue (newly, or with a new due time)."""
+
+    record_id: str
+    key: str
+    seq: int
+    version: int
+    attempts: int
+    due: float
+    error: str = ""
+
+
+class Released(Command, frozen=True, tag="released"):
+    """RQ entry: the record left the retry queue because it was delivered."""
+
+    record_id: str
+    key: str
+    version: int
+
+
+class SendToDlq(Command, frozen=True, tag="dlq"):
+    """DLQ entry: the record is dead-lettered after ``attempts`` failures."""
+
+    record_id: str
+    key: str
+    seq: int
+    version: int
+    attempts: int
+    error: str
+
+
+class Discarded(Command, frozen=True, tag="discarded"):
+    """DLQ entry: the dead-lettered record was dropped by an operator."""
+
+    record_id: str
+    key: str
+    version: int
+
+
+class Duplicate(Command, frozen=True, tag="duplicate"):
+    """The record is already held; the shell settles it with the copy it has."""
+
+    record_id: str
+
+
+LogEntry = ParkInRetry | Released | SendToDlq | Discarded
+"""What the RQ and DLQ topics hold."""
+
+RQ_ENTRIES = (ParkInRetry, Released)
+DLQ_ENTRIES = (SendToDlq, Discarded)
+
+
+class RetryProtocolError(Exception):
+    """An event that does not fit the core's state (e.g. an outcome for a record not in flight)."""
+
+
+class RetryInvariantError(AssertionError):
+    """:meth:`RetryCore.validate` found broken state."""
+
+
+class GroupState(msgspec.Struct, frozen=True):
+    """Where a key's held records are (a view for operators and tests)."""
+
+    key: str
+    in_flight: str | None
+    rq: tuple[str, ...]
+    dlq: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
+class RetryStats(msgspec.Struct, frozen=True):
+    sent: int
+    delivered: int
+    failed: int
+    parked: int
+    dead_lettered: int
+    replayed: int
+    discarded: int
+    duplicates: int
+    held: int  # records in flight, waiting, in the RQ or in the DLQ
+
+
+# --- state -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    record_id: str
+    seq: int
+    version: int = 0
+    attempts: int = 0
+    due: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class _Key:
+    in_flight: str | None = None
+    in_flight_seq: int = -1
+    from_queue: bool = False
+    queue: list[_Held] = field(default_factory=list)  # the RQ, by seq
+    dlq: list[_Held] = field(default_factory=list)  # by seq
+    waiting: deque[tuple[str, int]] = field(default_factory=deque)  # in memory, by seq
+    scheduled: float | None = None  # the due time this key has in the timer heap
+
+    def empty(self) -> bool:
+        return self.in_flight is None and not self.queue and not self.dlq and not self.waiting
+
+
+def _seqs(items: Iterable[_Held]) -> list[int]:
+    return [h.seq for h in items]
+
+
+class RetryCore:
+    """The per-key ordering state of one sink (or one shard of it)."""
+
+    def __init__(self, policy: RetryPolicy | None = None, seed: int = 0, log_size: int = 1000):
+        self.policy = policy or RetryPolicy()
+        self._rng = random.Random(seed)
+        self._keys: dict[str, _Key] = {}
+        self._where: dict[str, str] = {}  # held record id -> key
+        self._timers: list[tuple[float, str]] = []  # (due, key), lazily cleaned
+        self._clock = 0  # next seq / version
+        self.log: deque[tuple[float, Event, tuple[Command, ...]]] = deque(maxlen=log_size)
+        self._stats = dict.fromkeys(
+            ("sent", "delivered", "failed", "parked", "dead_lettered", "replayed", "discarded"), 0
+        )
+        self._stats["duplicates"] = 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """The earliest due time of a retry, if any: call ``handle(Tick(), now)`` then."""
+        while self._timers:
+            due, key = self._timers[0]
+            ks = self._keys.get(key)
+            if ks is not None and ks.scheduled == due:
+                return due
+            heapq.heappop(self._timers)
+        return None
+
+    def group_state(self, key: str) -> GroupState:
+        ks = self._keys.get(key, _Key())
+        return GroupState(
+            key=key,
+            in_flight=ks.in_flight,
+            rq=tuple(h.record_id for h in ks.queue),
+            dlq=tuple(h.record_id for h in ks.dlq),
+            waiting=tuple(r for r, _ in ks.waiting),
+        )
+
+    def holds(self, record_id: str) -> bool:
+        return record_id in self._where
+
+    def key_of(self, record_id: str) -> str | None:
+        return self._where.get(record_id)
+
+    def dlq_records(self) -> list[SendToDlq]:
+        """Every dead-lettered record, as its DLQ entry."""
+        return [
+            SendToDlq(h.record_id, key, h.seq, h.version, h.attempts, h.error)
+            for key, ks in self._keys.items()
+            for h in ks.dlq
+        ]
+
+    def durable_state(self) -> list[ParkInRetry | SendToDlq]:
+        """The latest log entry of every record in the RQ or the DLQ, sorted by record id:
+        what :func:`from_log` rebuilds."""
+        out: list[ParkInRetry | SendToDlq] = list(self.dlq_records())
+        for key, ks in self._keys.items():
+            out.extend(
+                ParkInRetry(h.record_id, key, h.seq, h.version, h.attempts, h.due, h.error)
+                for h in ks.queue
+            )
+        return sorted(out, key=lambda e: e.record_id)
+
+    def statistics(self) -> RetryStats:
+        return RetryStats(**self._stats, held=len(self._where))
+
+    # -- the transition function -----------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Command]:
+        match event:
+            case Deliver(record_id=rid, key=key):
+                cmds = self._deliver(rid, key, now)
+            case DeliveryOk(record_id=rid):
+                cmds = self._ok(rid, now)
+            case DeliveryFailed(record_id=rid, error=error):
+                cmds = self._failed(rid, error, now)
+            case Tick():
+                cmds = self._tick(now)
+            case ReplayDlq(record_id=rid):
+                cmds = self._replay(rid, now)
+            case DiscardDlq(record_id=rid):
+                cmds = self._discard(rid, now)
+            case _:
+                raise RetryProtocolError(f"unknown event {event!r}")
+        self.log.append((now, event, tuple(cmds)))
+        return cmds
+
+    def _next(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _blocked(self, ks: _Key) -> bool:
+        return bool(ks.queue) or (self.policy.dlq_blocks and bool(ks.dlq))
+
+    def _park(self, key: str, h: _Held, now: float) -> ParkInRetry:
+        h.version = self._next()
+        self._stats["parked"] += 1
+        return ParkInRetry(h.record_id, key, h.seq, h.version, h.attempts, h.due, h.error)
+
+    def _deliver(self, rid: str, key: str, now: float) -> list[Command]:
+        if rid in self._where:
+            self._stats["duplicates"] += 1
+            return [Duplicate(rid)]
+        seq = self._next()
+        ks = self._keys.setdefault(key, _Key())
+        self._where[rid] = key
+        if self._blocked(ks):
+            h = _Held(rid, seq, due=now)
+            ks.queue.append(h)
+            return [self._park(key, h, now), *self._advance(key, ks, now)]
+        if ks.in_flight is not None:
+            ks.waiting.append((rid, seq))
+            return []
+        return self._send_direct(key, ks, rid, seq)
+
+    def _send_direct(self, key: str, ks: _Key, rid: str, seq: int) -> list[Command]:
+        ks.in_flight, ks.in_flight_seq, ks.from_queue = rid, seq, False
+        self._stats["sent"] += 1
+        return [SendToSink(rid, key, 0)]
+
+    def _in_flight(self, rid: str) -> tuple[str, _Key]:
+        key = self._where.get(rid)
+        ks = self._keys.get(key) if key is not None else None
+        if key is None or ks is None or ks.in_flight != rid:
+            raise RetryProtocolError(f"outcome for record {rid!r}, which is not in flight")
+        return key, ks
+
+    def _take_from_queue(self, ks: _Key, rid: str) -> _Held:
+        for i, h in enumerate(ks.queue):
+            if h.record_id == rid:
+                return ks.queue.pop(i)
+        raise RetryInvariantError(f"in-flight record {rid!r} is not in its queue")
+
+    def _ok(self, rid: str, now: float) -> list[Command]:
+        key, ks = self._in_flight(rid)
+        self._stats["delivered"] += 1
+        ks.in_flight = None
+        del self._where[rid]
+        cmds: list[Command] = []
+        if ks.from_queue:
+            self._take_from_queue(ks, rid)
+            cmds.append(Released(rid, key, self._next()))
+        return cmds + self._advance(key, ks, now)
+
+    def _failed(self, rid: str, error: str, now: float) -> list[Command]:
+        key, ks = self._in_flight(rid)
+        self._stats["failed"] += 1
+        ks.in_flight = None
+        h = self._take_from_queue(ks, rid) if ks.from_queue else _Held(rid, ks.in_flight_seq)
+        h.attempts += 1
+        h.error = error
+        cmds: list[Command] = []
+        if h.attempts >= self.policy.max_attempts:
+            h.version = self._next()
+            bisect.insort(ks.dlq, h, key=lambda x: x.seq)
+            self._stats["dead_lettered"] += 1
+            cmds.append(SendToDlq(rid, key, h.seq, h.version, h.attempts, h.error))
+        else:
+            h.due = now + self._backoff(h.attempts)
+            bisect.insort(ks.queue, h, key=lambda x: x.seq)
+            cmds.append(self._park(key, h, now))
+        cmds += self._park_waiting(key, ks, now)
+        return cmds + self._advance(key, ks, now)
+
+    def _park_waiting(self, key: str, ks: _Key, now: float) -> list[Command]:
+        """Once a key is blocked, the records waiting in memory go to the RQ behind."""
+        if not ks.waiting or not self._blocked(ks):
+            return []
+        cmds: list[Command] = []
+        while ks.waiting:
+            rid, seq = ks.waiting.popleft()
+            h = _Held(rid, seq, due=now)
+            ks.queue.append(h)
+            cmds.append(self._park(key, h, now))
+        return cmds
+
+    def _backoff(self, attempts: int) -> float:
+        p = self.policy
+        base: float = min(p.base_backoff * 2.0 ** (attempts - 1), p.max_backoff)
+        return base * (1.0 + p.jitter * self._rng.random())
+
+    def _advance(self, key: str, ks: _Key, now: float) -> list[Command]:
+        """Send the key's next record if it may go now; else make sure its timer is set."""
+        if ks.in_flight is not None:
+            return []
+        if self.policy.dlq_blocks and ks.dlq:
+            ks.scheduled = None
+            return []
+        if ks.queue:
+            head = ks.queue[0]
+            if head.due <= now:
+                ks.in_flight, ks.in_flight_seq, ks.from_queue = head.record_id, head.seq, True
+                ks.scheduled = None
+                self._stats["sent"] += 1
+                return [SendToSink(head.record_id, key, head.attempts)]
+            if ks.scheduled != head.due:
+                ks.scheduled = head.due
+                heapq.heappush(self._timers, (head.due, key))
+            return []
+        ks.scheduled = None
+        if ks.waiting:
+            rid, seq = ks.waiting.popleft()
+            return self._send_direct(key, ks, rid, seq)
+        if ks.empty():
+            del self._keys[key]
+        return []
+
+    def _tick(self, now: float) -> list[Command]:
+        cmds: list[Command] = []
+        while self._timers and self._timers[0][0] <= now:
+            due, key = heapq.heappop(self._timers)
+            ks = self._keys.get(key)
+            if ks is None or ks.scheduled != due:
+                continue  # stale
+            ks.scheduled = None
+            cmds += self._advance(key, ks, now)
+        return cmds
+
+    def _dlq_entry(self, rid: str) -> tuple[str, _Key, _Held]:
+        key = self._where.get(rid)
+        ks = self._keys.get(key) if key is not None else None
+        if key is not None and ks is not None:
+            for i, h in enumerate(ks.dlq):
+                if h.record_id == rid:
+                    return key, ks, ks.dlq.pop(i)
+        raise RetryProtocolError(f"record {rid!r} is not in the DLQ")
+
+    def _replay(self, rid: str, now: float) -> list[Command]:
+        key, ks, h = self._dlq_entry(rid)
+        self._stats["replayed"] += 1
+        h.attempts, h.due = 0, now
+        bisect.insort(ks.queue, h, key=lambda x: x.seq)
+        cmds: list[Command] = [self._park(key, h, now)]
+        cmds += self._park_waiting(key, ks, now)
+        return cmds + self._advance(key, ks, now)
+
+    def _discard(self, rid: str, now: float) -> list[Command]:
+        key, ks, _ = self._dlq_entry(rid)
+        self._stats["discarded"] += 1
+        del self._where[rid]
+        return [Discarded(rid, key, self._next()), *self._advance(key, ks, now)]
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        seen: dict[str, str] = {}
+
+        def hold(rid: str, key: str) -> None:
+            if rid in seen:
+                raise RetryInvariantError(f"record {rid!r} is held twice")
+            seen[rid] = key
+
+        for key, ks in self._keys.items():
+            if ks.empty():
+                raise RetryInvariantError(f"key {key!r} kept with nothing held")
+            for name, items in (("rq", ks.queue), ("dlq", ks.dlq)):
+                s = _seqs(items)
+                if s != sorted(set(s)):
+                    raise RetryInvariantError(f"key {key!r}: {name} out of order: {s}")
+                for h in items:
+                    hold(h.record_id, key)
+            ws = [seq for _, seq in ks.waiting]
+            if ws != sorted(set(ws)):
+                raise RetryInvariantError(f"key {key!r}: waiting out of order: {ws}")
+            for rid, _ in ks.waiting:
+                hold(rid, key)
+            if ks.in_flight is not None:
+                queued = {h.record_id for h in ks.queue}
+                if ks.from_queue != (ks.in_flight in queued):
+                    raise RetryInvariantError(f"key {key!r}: in-flight record misplaced")
+                if not ks.from_queue:
+                    hold(ks.in_flight, key)
+                if ws and ks.in_flight_seq >= ws[0]:
+                    raise RetryInvariantError(f"key {key!r}: a waiting record is older")
+            if ks.waiting and (ks.in_flight is None or ks.from_queue or self._blocked(ks)):
+                raise RetryInvariantError(f"key {key!r}: records wait with no reason")
+            if self.policy.dlq_blocks and ks.dlq:
+                if ks.in_flight is not None:
+                    raise RetryInvariantError(f"key {key!r}: sending while dead-lettered")
+                if ks.queue and ks.dlq[-1].seq > ks.queue[0].seq:
+                    raise RetryInvariantError(f"key {key!r}: DLQ record newer than RQ record")
+            if (
+                self.policy.dlq_blocks
+                and ks.in_flight is not None
+                and ks.queue
+                and (not ks.from_queue or ks.queue[0].record_id != ks.in_flight)
+            ):
+                raise RetryInvariantError(f"key {key!r}: in flight ahead of the RQ head")
+            if (
+                ks.in_flight is None
+                and ks.queue
+                and not (self.policy.dlq_blocks and ks.dlq)
+                and ks.scheduled != ks.queue[0].due
+            ):
+                raise RetryInvariantError(f"key {key!r}: RQ head has no timer")
+        if seen != self._where:
+            raise RetryInvariantError("record index does not match the queues")
+        if self.log.maxlen is not None and len(self.log) > self.log.maxlen:
+            raise RetryInvariantError("event log over its bound")
+
+
+def from_log(
+    entries: Iterable[LogEntry], policy: RetryPolicy | None = None, seed: int = 0
+) -> RetryCore:
+    """Rebuild a core from the RQ and DLQ topics' entries (any order, duplicates allowed): the
+    entry with the highest version decides where each record is. Nothing is in flight; call
+    ``handle(Tick(), now)`` to start sending the due RQ heads."""
+    core = RetryCore(policy, seed)
+    latest: dict[str, LogEntry] = {}
+    top = 0
+    for e in entries:
+        top = max(top, e.version, getattr(e, "seq", 0))
+        cur = latest.get(e.record_id)
+        if cur is None or e.version > cur.version:
+            latest[e.record_id] = e
+    core._clock = top
+    for e in latest.values():
+        match e:
+            case ParkInRetry():
+                h = _Held(e.record_id, e.seq, e.version, e.attempts, e.due, e.error)
+                core._keys.setdefault(e.key, _Key()).queue.append(h)
+            case SendToDlq():
+                h = _Held(e.record_id, e.seq, e.version, e.attempts, 0.0, e.error)
+                core._keys.setdefault(e.key, _Key()).dlq.append(h)
+            case Released() | Discarded():
+                continue
+        core._where[e.record_id] = e.key
+    for key, ks in core._keys.items():
+        ks.queue.sort(key=lambda x: x.seq)
+        ks.dlq.sort(key=lambda x: x.seq)
+        if ks.queue and not (core.policy.dlq_blocks and ks.dlq):
+            ks.scheduled = ks.queue[0].due
+            heapq.heappush(core._timers, (ks.scheduled, key))
+    return core
+
+
+_log_encoder = msgspec.msgpack.Encoder()
+_log_decoder: msgspec.msgpack.Decoder[LogEntry] = msgspec.msgpack.Decoder(LogEntry)
+
+
+def encode_entry(entry: LogEntry) -> bytes:
+    return _log_encoder.encode(entry)
+
+
+def decode_entry(raw: bytes) -> LogEntry:
+    return _log_decoder.decode(raw)

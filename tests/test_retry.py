@@ -1,0 +1,344 @@
+"""The retry core of design 003: exact command lists for given events, then a model-based
+stateful test (per-key order, one in flight per key, every record delivered or dead-lettered
+exactly once, the state rebuilt from the RQ/DLQ log at any point)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from protocol.retry import (
+    Command,
+    Deliver,
+    DeliveryFailed,
+    DeliveryOk,
+    DiscardDlq,
+    Discarded,
+    Duplicate,
+    Event,
+    GroupState,
+    LogEntry,
+    ParkInRetry,
+    Released,
+    ReplayDlq,
+    RetryCore,
+    RetryPolicy,
+    RetryProtocolError,
+    SendToDlq,
+    SendToSink,
+    Tick,
+    decode_entry,
+    encode_entry,
+    from_log,
+)
+
+FIXED = RetryPolicy(max_attempts=3, base_backoff=1.0, max_backoff=10.0, jitter=0.0)
+
+
+def test_keys_flow_independently_one_in_flight_per_key() -> None:
+    core = RetryCore(FIXED)
+    assert core.handle(Deliver("a", "k1"), 0) == [SendToSink("a", "k1", 0)]
+    assert core.handle(Deliver("b", "k1"), 0) == []  # waits behind a
+    assert core.handle(Deliver("c", "k2"), 0) == [SendToSink("c", "k2", 0)]
+    assert core.group_state("k1") == GroupState("k1", "a", (), (), ("b",))
+    assert core.handle(DeliveryOk("a"), 1) == [SendToSink("b", "k1", 0)]
+    assert core.handle(DeliveryOk("b"), 1) == []
+    assert core.handle(DeliveryOk("c"), 1) == []
+    assert core.statistics().held == 0
+    core.validate()
+
+
+def test_failure_parks_the_key_behind_it_in_the_rq() -> None:
+    core = RetryCore(FIXED)
+    assert core.handle(Deliver("a", "k"), 10) == [SendToSink("a", "k", 0)]  # seq 1
+    assert core.handle(Deliver("b", "k"), 10) == []  # seq 2, waiting in memory
+    assert core.handle(Deliver("x", "other"), 10) == [SendToSink("x", "other", 0)]  # seq 3
+    assert core.handle(DeliveryFailed("a", "boom"), 10) == [
+        ParkInRetry("a", "k", seq=1, version=4, attempts=1, due=11.0, error="boom"),
+        ParkInRetry("b", "k", seq=2, version=5, attempts=0, due=10.0),
+    ]
+    assert core.handle(Deliver("c", "k"), 10.5) == [
+        ParkInRetry("c", "k", seq=6, version=7, attempts=0, due=10.5)
+    ]
+    assert core.handle(DeliveryOk("x"), 10.5) == []  # other keys flow on
+    assert core.handle(Tick(), 10.9) == []
+    assert core.next_deadline() == 11.0
+    assert core.handle(Tick(), 11) == [SendToSink("a", "k", 1)]
+    assert core.handle(DeliveryOk("a"), 11.1) == [Released("a", "k", 8), SendToSink("b", "k", 0)]
+    assert core.handle(DeliveryOk("b"), 11.2) == [Released("b", "k", 9), SendToSink("c", "k", 0)]
+    assert core.handle(DeliveryOk("c"), 11.3) == [Released("c", "k", 10)]
+    assert core.group_state("k") == GroupState("k", None, (), (), ())
+    core.validate()
+
+
+def test_backoff_doubles_then_dead_letters_and_blocks() -> None:
+    core = RetryCore(FIXED)
+    core.handle(Deliver("a", "k"), 0)
+    assert core.handle(DeliveryFailed("a", "e1"), 0) == [ParkInRetry("a", "k", 1, 2, 1, 1.0, "e1")]
+    assert core.handle(Deliver("b", "k"), 0.5) == [ParkInRetry("b", "k", 3, 4, 0, 0.5)]
+    assert core.handle(Tick(), 1) == [SendToSink("a", "k", 1)]
+    assert core.handle(DeliveryFailed("a", "e2"), 1) == [ParkInRetry("a", "k", 1, 5, 2, 3.0, "e2")]
+    assert core.handle(Tick(), 3) == [SendToSink("a", "k", 2)]
+    assert core.handle(DeliveryFailed("a", "e3"), 3) == [SendToDlq("a", "k", 1, 6, 3, "e3")]
+    # blocked: b stays parked, later records park too
+    assert core.handle(Deliver("c", "k"), 4) == [ParkInRetry("c", "k", 7, 8, 0, 4.0)]
+    assert core.handle(Tick(), 100) == []
+    assert core.next_deadline() is None
+    assert core.group_state("k") == GroupState("k", None, ("b", "c"), ("a",), ())
+    core.validate()
+    # replaying puts a back in front, by sequence number
+    assert core.handle(ReplayDlq("a"), 100) == [
+        ParkInRetry("a", "k", 1, 9, 0, 100.0, "e3"),
+        SendToSink("a", "k", 0),
+    ]
+    assert core.handle(DeliveryOk("a"), 101) == [Released("a", "k", 10), SendToSink("b", "k", 0)]
+    core.validate()
+
+
+def test_release_mode_lets_the_key_flow_after_the_dlq() -> None:
+    core = RetryCore(RetryPolicy(max_attempts=1, dlq_blocks=False))
+    core.handle(Deliver("a", "k"), 0)
+    assert core.handle(Deliver("b", "k"), 0) == []
+    assert core.handle(DeliveryFailed("a", "bad"), 0) == [
+        SendToDlq("a", "k", 1, 3, 1, "bad"),
+        SendToSink("b", "k", 0),
+    ]
+    assert core.handle(Deliver("c", "k"), 0) == []  # behind b, in memory
+    assert core.handle(DeliveryOk("b"), 0) == [SendToSink("c", "k", 0)]
+    core.validate()
+    assert core.handle(DiscardDlq("a"), 0) == [Discarded("a", "k", 5)]
+    assert core.dlq_records() == []
+    core.validate()
+
+
+def test_duplicates_and_protocol_errors() -> None:
+    core = RetryCore(FIXED)
+    core.handle(Deliver("a", "k"), 0)
+    assert core.handle(Deliver("a", "k"), 0) == [Duplicate("a")]
+    with pytest.raises(RetryProtocolError, match="not in flight"):
+        core.handle(DeliveryOk("zzz"), 0)
+    with pytest.raises(RetryProtocolError, match="not in the DLQ"):
+        core.handle(ReplayDlq("a"), 0)
+    core.handle(DeliveryOk("a"), 0)
+    with pytest.raises(RetryProtocolError, match="not in flight"):
+        core.handle(DeliveryFailed("a", "late"), 0)
+    assert core.statistics().duplicates == 1
+
+
+def test_jitter_is_seeded() -> None:
+    def dues(seed: int) -> list[float]:
+        core = RetryCore(RetryPolicy(jitter=0.5), seed=seed)
+        out = []
+        for i in range(5):
+            core.handle(Deliver(f"r{i}", f"k{i}"), 0)
+            (cmd,) = core.handle(DeliveryFailed(f"r{i}", "x"), 0)
+            assert isinstance(cmd, ParkInRetry)
+            assert 0.1 <= cmd.due <= 0.15
+            out.append(cmd.due)
+        return out
+
+    assert dues(1) == dues(1)
+    assert dues(1) != dues(2)
+
+
+def test_from_log_resumes_after_a_crash() -> None:
+    core = RetryCore(FIXED)
+    log: list[LogEntry] = []
+
+    def run(ev: Event, now: float) -> list[Command]:
+        cmds = core.handle(ev, now)
+        log.extend(c for c in cmds if isinstance(c, ParkInRetry | Released | SendToDlq | Discarded))
+        return cmds
+
+    run(Deliver("a", "k"), 0)
+    run(Deliver("b", "k"), 0)
+    run(DeliveryFailed("a", "e"), 0)  # a (attempt 1, due 1), b parked
+    run(Deliver("z", "dead"), 0)
+    run(DeliveryFailed("z", "e"), 0)
+    run(Tick(), 1)
+    run(DeliveryFailed("z", "e"), 1)
+    run(Tick(), 10)
+    run(DeliveryFailed("z", "e"), 10)  # z in the DLQ
+    # the log is read back in a different order (two topics): versions decide
+    wire = [decode_entry(encode_entry(e)) for e in reversed(log)]
+    new = from_log(wire, FIXED)
+    new.validate()
+    assert new.durable_state() == core.durable_state()
+    assert new.group_state("k") == GroupState("k", None, ("a", "b"), (), ())
+    assert [e.record_id for e in new.dlq_records()] == ["z"]
+    # a is in flight in the old core; the new one sends it again (at least once)
+    assert new.handle(Tick(), 10) == [SendToSink("a", "k", 1)]
+    cmds = new.handle(Deliver("c", "k"), 10)
+    (park,) = cmds
+    assert isinstance(park, ParkInRetry)
+    assert park.seq > max(e.version for e in log)  # numbering continues above the log
+    assert new.handle(Deliver("b", "k"), 10) == [Duplicate("b")]  # upstream re-delivery
+
+
+def test_stale_rq_entry_loses_to_a_newer_dlq_entry() -> None:
+    entries: list[LogEntry] = [
+        ParkInRetry("a", "k", 1, 2, 1, 5.0, "e"),
+        SendToDlq("a", "k", 1, 3, 2, "e"),
+        ParkInRetry("b", "k", 4, 5, 0, 6.0),
+        Released("b", "k", 7),
+        ParkInRetry("b", "k", 4, 6, 1, 7.0, "e"),
+    ]
+    core = from_log(entries, FIXED)
+    core.validate()
+    assert core.group_state("k") == GroupState("k", None, (), ("a",), ())
+
+
+# --- model-based -------------------------------------------------------------------------------
+
+KEYS = ("k1", "k2", "k3")
+
+
+class RetryMachine(RuleBasedStateMachine):
+    """Drives the core like the Kafka sink does, with a durable log and crashes."""
+
+    dlq_blocks = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = RetryPolicy(
+            max_attempts=3,
+            base_backoff=1.0,
+            max_backoff=4.0,
+            jitter=0.5,
+            dlq_blocks=self.dlq_blocks,
+        )
+        self.core = RetryCore(self.policy, seed=7)
+        self.now = 0.0
+        self.n = 0
+        self.log: list[LogEntry] = []  # the RQ and DLQ topics
+        self.in_flight: dict[str, str] = {}  # record -> key, sent and not answered
+        self.arrival: dict[str, list[str]] = {k: [] for k in KEYS}
+        self.key_of: dict[str, str] = {}
+        self.unsettled: dict[str, str] = {}  # upstream will re-deliver these after a crash
+        self.delivered: list[str] = []
+        self.ever_dlq: set[str] = set()
+
+    def run(self, ev: Event) -> None:
+        for c in self.core.handle(ev, self.now):
+            match c:
+                case SendToSink(record_id=rid, key=key):
+                    assert key not in self.in_flight.values(), f"second record in flight for {key}"
+                    self.in_flight[rid] = key
+                case ParkInRetry() | SendToDlq():
+                    self.log.append(c)
+                    self.unsettled.pop(c.record_id, None)
+                    if isinstance(c, SendToDlq):
+                        self.ever_dlq.add(c.record_id)
+                case Released() | Discarded():
+                    self.log.append(c)
+                case Duplicate():
+                    pass
+
+    @rule(key=st.sampled_from(KEYS))
+    def deliver(self, key: str) -> None:
+        rid = f"r{self.n}"
+        self.n += 1
+        self.arrival[key].append(rid)
+        self.key_of[rid] = key
+        self.unsettled[rid] = key
+        self.run(Deliver(rid, key))
+
+    @precondition(lambda self: bool(self.in_flight))
+    @rule(data=st.data(), ok=st.booleans())
+    def answer(self, data: st.DataObject, ok: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.in_flight)))
+        del self.in_flight[rid]
+        if ok:
+            self.delivered.append(rid)
+            self.unsettled.pop(rid, None)
+            self.run(DeliveryOk(rid))
+        else:
+            self.run(DeliveryFailed(rid, "injected"))
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.run(Tick())
+
+    @precondition(lambda self: bool(self.core.dlq_records()))
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(e.record_id for e in self.core.dlq_records())))
+        self.run(ReplayDlq(rid))
+
+    @rule()
+    def crash(self) -> None:
+        """The task dies: in-flight and in-memory state is gone; a new core is built from the
+        log, and upstream re-delivers what was never settled, in order."""
+        self.core = from_log(self.log, self.policy, seed=8)
+        self.in_flight.clear()
+        for rid in sorted(self.unsettled, key=lambda r: int(r[1:])):
+            self.run(Deliver(rid, self.unsettled[rid]))
+
+    @invariant()
+    def core_is_valid(self) -> None:
+        self.core.validate()
+
+    @invariant()
+    def log_rebuilds_the_state(self) -> None:
+        assert from_log(self.log, self.policy).durable_state() == self.core.durable_state()
+
+    @invariant()
+    def per_key_order(self) -> None:
+        assert len(set(self.delivered)) == len(self.delivered), "a record delivered twice"
+        for key in KEYS:
+            got = [r for r in self.delivered if self.key_of[r] == key]
+            if self.dlq_blocks:
+                assert got == self.arrival[key][: len(got)], f"{key}: {got}"
+            else:
+                kept = [r for r in got if r not in self.ever_dlq]
+                assert kept == [r for r in self.arrival[key] if r in set(kept)], f"{key}: {got}"
+
+    def drain(self) -> None:
+        for _ in range(10_000):
+            if self.in_flight:
+                rid = min(self.in_flight)
+                del self.in_flight[rid]
+                self.delivered.append(rid)
+                self.unsettled.pop(rid, None)
+                self.run(DeliveryOk(rid))
+            elif self.core.next_deadline() is not None:
+                self.now = max(self.now, self.core.next_deadline() or 0.0)
+                self.run(Tick())
+            else:
+                return
+        raise AssertionError("did not drain")
+
+    def teardown(self) -> None:
+        self.drain()
+        self.per_key_order()
+        dlq = {e.record_id for e in self.core.dlq_records()}
+        rq = {e.record_id for e in self.core.durable_state() if isinstance(e, ParkInRetry)}
+        everything = set(self.key_of)
+        assert not (dlq & set(self.delivered))
+        if not self.dlq_blocks:
+            assert not rq, "records left in the RQ with nothing blocking them"
+        # blocked keys keep their later records parked in the RQ behind the DLQ record
+        assert all(self.key_of[r] in {self.key_of[d] for d in dlq} for r in rq)
+        assert dlq | rq | set(self.delivered) == everything, "a record was lost"
+        # replaying the DLQ delivers the rest
+        for rid in sorted(dlq):
+            self.run(ReplayDlq(rid))
+        self.drain()
+        assert sorted(self.delivered) == sorted(everything)
+        assert self.core.statistics().held == 0
+        self.per_key_order()
+
+
+class ReleasingRetryMachine(RetryMachine):
+    dlq_blocks = False
+
+
+TestRetryMachine = RetryMachine.TestCase
+TestRetryMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+TestReleasingRetryMachine = ReleasingRetryMachine.TestCase
+TestReleasingRetryMachine.settings = settings(
+    max_examples=300, stateful_step_count=60, deadline=None
+)
