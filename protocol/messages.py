@@ -54,6 +54,7 @@ class Share(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
     target: str | None  # None: parked, waiting for a task with capacity
     kind: ShareKind = "new"
     released: bool = False  # ``move``: the offerer stopped reading; partition.watermark is final
+    since: int = 0  # when the holder made this offer: (holder, token, since) names it
 
     @property
     def token(self) -> str:

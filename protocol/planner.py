@@ -83,6 +83,7 @@ def plan(
     members: tuple[str, ...],
     leader: str,
     generation: int,
+    now: int,
     cap: int,
     rng: Random,
     roots: tuple[Partition, ...] = (),
@@ -99,7 +100,7 @@ def plan(
         target = min(candidates, key=lambda m: (loads[m], m)) if candidates else None
         if target is not None:
             loads[target] += 1
-        offers.append(Share(partition=lost[token], target=target, kind="new"))
+        offers.append(Share(partition=lost[token], target=target, kind="new", since=now))
     return Plan(
         generation=generation,
         members=tuple(members),
@@ -115,6 +116,7 @@ def plan_moving_survivors(
     members: tuple[str, ...],
     leader: str,
     generation: int,
+    now: int,
     cap: int,
     rng: Random,
     roots: tuple[Partition, ...] = (),
@@ -122,7 +124,7 @@ def plan_moving_survivors(
 ) -> Plan:
     """A deliberately broken planner for the simulator's teeth tests: it re-deals *every*
     unfinished partition round-robin, moving survivors' partitions without a hand-off."""
-    good = plan(cim, members, leader, generation, cap, rng, roots, stream_start)
+    good = plan(cim, members, leader, generation, now, cap, rng, roots, stream_start)
     everything: dict[str, Partition] = {s.token: s.partition for s in good.offers}
     for view in cim.tasks.values():
         for part in view.partitions.values():
@@ -130,7 +132,7 @@ def plan_moving_survivors(
                 everything[part.token] = part
     order = sorted(members)
     offers = tuple(
-        Share(partition=everything[t], target=order[(i + 1) % len(order)], kind="new")
+        Share(everything[t], target=order[(i + 1) % len(order)], kind="new", since=now)
         for i, t in enumerate(sorted(everything))
     )
     return msgspec.structs.replace(good, offers=offers)

@@ -203,6 +203,8 @@ class TaskCore:
         self.stopping: set[str] = set()
         self.releasing: set[str] = set()
         self.retired: set[str] = set()  # finished partitions this task removed
+        self.consumed: set[tuple[str, str, int]] = set()  # offers picked up: (holder, token, since)
+        self._now = 0
         self._plan_deadline = -1
         self._plan_requested = -1
         self._urgent = False
@@ -217,6 +219,7 @@ class TaskCore:
     # -- the entry point ------------------------------------------------------------------
     def handle(self, event: Event, now: int) -> list[Command]:
         self.log.append((now, type(event).__name__))
+        self._now = now
         out: list[Command] = []
         match event:
             case SyncRead():
@@ -352,7 +355,7 @@ class TaskCore:
             if target == self.me:
                 self.mine[child.token] = new
             else:
-                self.shares[child.token] = Share(partition=new, target=target, kind="new")
+                self.shares[child.token] = Share(new, target=target, kind="new", since=self._now)
             if target is not None:
                 loads[target] = loads.get(target, 0) + 1
             self.counters["children_registered"] += 1
@@ -363,11 +366,13 @@ class TaskCore:
             self.counters["plan_discarded"] += 1
             return []
         live = set(plan.members)
-        for token, offer in list(self.shares.items()):
-            if offer.kind == "new" and offer.target is not None and offer.target not in live:
-                self._drop_offer(token)
         for offer in plan.offers:
             self.shares[offer.token] = offer
+        planned = {o.token for o in plan.offers}
+        for token, offer in list(self.shares.items()):
+            dead_target = offer.target is not None and offer.target not in live
+            if offer.kind == "new" and dead_target and token not in planned:
+                self._retarget(token, plan.members)  # made after the CIM the plan came from
         for part in plan.adopt:
             self.mine.setdefault(part.token, part)
         self.counters["epochs_opened"] += 1
@@ -439,11 +444,16 @@ class TaskCore:
                     self.counters["handoffs_in"] += 1
                     self._urgent = True
                 continue
-            if not enabled or token in self.retired or holder not in live:
+            key = (holder, token, offer.since)
+            if not enabled or holder not in live or key in self.consumed:
                 continue
+            outgoing = self.shares.get(token)
+            if token in self.retired or (outgoing is not None and outgoing.kind == "move"):
+                continue  # finished here, or this task is handing it away right now
             found = self.cim.find(token)
             if found is not None and found.status == "finished":
                 continue
+            self.consumed.add(key)
             if offer.kind == "new" or offer.released:
                 self.mine[token] = msgspec.structs.replace(
                     offer.partition, status="owned", source=""
@@ -455,6 +465,8 @@ class TaskCore:
                 )
                 self.counters["incoming"] += 1
             self._urgent = True
+        if self.consumed:
+            self.consumed &= {(h, o.token, o.since) for h, o in self.cim.offers()}
         # Moves this task is taking over whose offerer gave up or left.
         for token, part in list(self.mine.items()):
             if part.status != "incoming":
@@ -470,7 +482,14 @@ class TaskCore:
             if target is None:
                 continue
             got = self.cim.view(target).partitions.get(token)
-            if got is not None and got.status != "incoming":
+            taken = got is not None and got.status != "incoming"
+            if offer.kind == "new" and not taken:
+                # Someone else has it already (a task the group dropped does not count: its
+                # partitions are what the leader offers).
+                taken = any(
+                    t in self.members and p.status != "incoming" for t, p in self.cim.holders(token)
+                )
+            if taken:
                 if token in self.moves:
                     self.counters["handoffs_out"] += 1
                 self._drop_offer(token)
@@ -505,7 +524,9 @@ class TaskCore:
             del self.moves[token]
         else:
             self.moves[token] = move
-            self.shares[token] = Share(self.mine[token], target=move.pending, kind="move")
+            self.shares[token] = Share(
+                self.mine[token], target=move.pending, kind="move", since=self._now
+            )
         self._urgent = True
 
     def _start_release(self, token: str) -> None:
@@ -529,13 +550,13 @@ class TaskCore:
         self.shares[token] = msgspec.structs.replace(offer, partition=part, released=True)
         self._urgent = True
 
-    def _retarget(self, token: str) -> None:
+    def _retarget(self, token: str, members: tuple[str, ...] | None = None) -> None:
         loads = self._loads()
+        if members is not None:
+            loads = {m: loads.get(m, 0) for m in members}
         target = share.room_for_parked(loads, self.config.cap)
         offer = self.shares[token]
-        self.shares[token] = Share(
-            partition=offer.partition, target=target, kind="new", released=False
-        )
+        self.shares[token] = Share(offer.partition, target=target, kind="new", since=self._now)
         self.counters["offers_retargeted"] += 1
 
     def _negotiate(self, now: int) -> None:
@@ -565,7 +586,9 @@ class TaskCore:
             if move.pending is None:
                 continue
             self.moves[token] = move
-            self.shares[token] = Share(self.mine[token], target=move.pending, kind="move")
+            self.shares[token] = Share(
+                self.mine[token], target=move.pending, kind="move", since=self._now
+            )
             self.counters["moves_offered"] += 1
             self._urgent = True
 

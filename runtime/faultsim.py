@@ -69,7 +69,7 @@ from runtime.simstream import StreamModel, StreamParams
 Planner = Callable[..., Plan]
 
 
-class Violation(AssertionError):
+class Violation(AssertionError):  # noqa: N818 (a violation, not an error of the simulator)
     """An invariant of the protocol did not hold."""
 
 
@@ -236,7 +236,7 @@ class Simulation:
                 self.start_reader(node, command)
             case StopReader():
                 reader = node.readers.pop(command.token, None)
-                wm = node.committed.get(command.token, command.token and 0)
+                wm = node.committed.get(command.token, 0)
                 if reader is not None:
                     self.deliver(node, ReaderStopped(command.token, wm), 1)
             case RequestPlan():
@@ -251,6 +251,7 @@ class Simulation:
                     command.members,
                     node.id,
                     command.generation,
+                    self.now(),
                     self.p.cap,
                     Random(self.rng.getrandbits(32)),
                     roots,
@@ -265,9 +266,9 @@ class Simulation:
             if parent not in self.finished:
                 raise Violation(f"{node.id} reads {token} before its parent {parent} finished")
         for other in self.nodes.values():
-            if other is not node and other.alive and token in other.readers:
-                if not other.paused(self.step):
-                    raise Violation(f"{node.id} and {other.id} both read {token}")
+            busy = other is not node and other.alive and token in other.readers
+            if busy and not other.paused(self.step):
+                raise Violation(f"{node.id} and {other.id} both read {token}")
         node.readers[token] = _Reader(token, command.start_ts)
         node.committed[token] = command.start_ts
         self.stats["readers_started"] += 1
