@@ -41,7 +41,12 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
-from aiokafka.errors import KafkaError, OffsetOutOfRangeError, TopicAlreadyExistsError
+from aiokafka.errors import (
+    KafkaError,
+    OffsetOutOfRangeError,
+    TopicAlreadyExistsError,
+    for_code,
+)
 from aiokafka.helpers import create_ssl_context
 from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.structs import TopicPartition
@@ -241,8 +246,8 @@ async def ensure_topic(
     """Create ``topic`` (``config.replication_factor`` replicas) if it does not exist; return
     whether it was created. An existing topic is left as it is."""
     admin = AIOKafkaAdminClient(**config.client_kwargs())
-    await admin.start()
     try:
+        await admin.start()
         new = NewTopic(
             name=topic,
             num_partitions=partitions,
@@ -253,15 +258,20 @@ async def ensure_topic(
             response = await admin.create_topics([new])
         except TopicAlreadyExistsError:
             return False
-        for name, code, *_ in getattr(response, "topic_errors", ()):
-            if code == TopicAlreadyExistsError.errno:
-                return False
-            if code != 0:
-                raise KafkaAdapterError(f"creating topic {name!r} failed with error code {code}")
-        log.info("created topic %s (%d partition(s))", topic, partitions)
-        return True
+    except KafkaError as exc:
+        raise KafkaAdapterError(
+            f"cannot create topic {topic!r} on {config.bootstrap_servers}: {exc!r}"
+        ) from exc
     finally:
         await admin.close()
+    for name, code, *rest in getattr(response, "topic_errors", ()):
+        if code == TopicAlreadyExistsError.errno:
+            return False
+        if code != 0:
+            detail = rest[0] if rest and rest[0] else for_code(code).__name__
+            raise KafkaAdapterError(f"creating topic {name!r} failed: {detail} (code {code})")
+    log.info("created topic %s (%d partition(s))", topic, partitions)
+    return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,6 +365,9 @@ class KafkaSyncLog:
                     "cleanup.policy": "delete",
                 },
             )
+        except KafkaAdapterError as exc:
+            raise SyncLogError(str(exc)) from exc
+        try:
             # Batches expire after the producer's request timeout: make that the send timeout so
             # a failed append does not linger (and close() does not wait for it).
             producer_kwargs = {**kwargs, "request_timeout_ms": int(self._send_timeout * 1000)}
@@ -377,6 +390,12 @@ class KafkaSyncLog:
             self._ckpt = ckpt
             await ckpt.start()
             ckpt.assign([self._tp])
+        except KafkaError as exc:
+            await self._stop_clients()
+            raise SyncLogError(
+                f"cannot start the sync log {self.topic!r} on {self._config.bootstrap_servers}: "
+                f"{exc!r}"
+            ) from exc
         except BaseException:
             await self._stop_clients()
             raise
@@ -389,8 +408,8 @@ class KafkaSyncLog:
             )
 
     async def close(self) -> None:
-        """Disconnect. Open readers end with the next message they wait for failing; close them
-        first (``contextlib.aclosing``)."""
+        """Disconnect the producer and the checkpoint client. Each reader has its own
+        connection and ends only when it is closed (``contextlib.aclosing``)."""
         self._closed = True
         await self._stop_clients()
 
@@ -466,7 +485,12 @@ class KafkaSyncLog:
         )
         self._readers_open += 1
         try:
-            await consumer.start()
+            try:
+                await consumer.start()
+            except KafkaError as exc:
+                raise SyncLogError(
+                    f"cannot read {self.topic!r} from {self._config.bootstrap_servers}: {exc!r}"
+                ) from exc
             consumer.assign([self._tp])
             consumer.seek(self._tp, start)
             while True:
@@ -477,6 +501,8 @@ class KafkaSyncLog:
                         f"offset {start} is not in {self.topic!r} (deleted by retention, or "
                         "beyond the end): start from a checkpoint"
                     ) from exc
+                except KafkaError as exc:
+                    raise SyncLogError(f"reading {self.topic!r} failed: {exc!r}") from exc
                 for record in batches.get(self._tp, ()):
                     value = record.value
                     yield record.offset, value if value is not None else b""
@@ -817,7 +843,10 @@ class KafkaMembership:
         background: watch :meth:`events`)."""
         if self._consumer is not None or self._closed:
             raise MembershipError(f"{self!r} was already started")
-        await ensure_topic(self._config, self.topic, partitions=1)
+        try:
+            await ensure_topic(self._config, self.topic, partitions=1)
+        except KafkaAdapterError as exc:
+            raise MembershipError(f"{self!r} cannot start: {exc}") from exc
         consumer = AIOKafkaConsumer(
             **self._config.with_client_id(f"shoal-{self.task_id}").client_kwargs(),
             group_id=self.group_id,
@@ -833,9 +862,11 @@ class KafkaMembership:
             await consumer.start()  # no subscription yet: does not join
             self._observe_heartbeats(consumer)
             consumer.subscribe([self.topic], listener=_Listener(self))
-        except BaseException:
+        except BaseException as exc:
             self._consumer = None
             await consumer.stop()
+            if isinstance(exc, KafkaError):
+                raise MembershipError(f"{self!r} cannot connect: {exc!r}") from exc
             raise
         self._runner = asyncio.create_task(self._run(consumer), name=f"membership-{self.task_id}")
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 import pytest
 
-from runtime.broker import EmbeddedBroker
+from runtime.broker import EmbeddedBroker, free_port
 from runtime.kafka import KafkaConfig, KafkaMembership, MembershipError, heartbeat_topic
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost
 from tests.fixtures.kafka import (
@@ -202,3 +202,11 @@ async def test_events_has_one_reader_and_ends_on_close(
     finally:
         await membership.close()
     assert [event async for event in events] == []
+
+
+async def test_unreachable_kafka_is_a_clear_error(connector: str) -> None:
+    config = KafkaConfig.embedded(f"127.0.0.1:{free_port()}")  # nothing listens there
+    membership = KafkaMembership(config, connector, "task-a")
+    with pytest.raises(MembershipError, match="cannot start"):
+        await membership.start()
+    await membership.close()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from protocol.messages import MarkerMessage, StateMessage, decode, encode
-from runtime.broker import EmbeddedBroker
+from runtime.broker import EmbeddedBroker, free_port
 from runtime.kafka import (
     KafkaAdapterError,
     KafkaConfig,
@@ -267,3 +267,15 @@ async def test_append_to_a_dead_broker_fails_in_bounded_time(connector: str) -> 
             assert log.statistics().append_failures == 1
     finally:
         await broker.astop()
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+async def test_unreachable_kafka_is_a_clear_error(connector: str) -> None:
+    config = KafkaConfig.embedded(f"127.0.0.1:{free_port()}")  # nothing listens there
+    log = KafkaSyncLog(config, connector)
+    started = time.monotonic()
+    with pytest.raises(SyncLogError, match=r"cannot create topic .* on 127\.0\.0\.1:"):
+        await log.start()
+    assert time.monotonic() - started < 5
+    await log.close()
