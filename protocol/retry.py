@@ -244,6 +244,7 @@ class RetryCore:
         self._where: dict[str, str] = {}  # held record id -> key
         self._timers: list[tuple[float, str]] = []  # (due, key), lazily cleaned
         self._clock = 0  # next seq / version
+        self._flying = 0  # records in flight, over all keys
         self.log: deque[tuple[float, Event, tuple[Command, ...]]] = deque(maxlen=log_size)
         self._stats = dict.fromkeys(
             ("sent", "delivered", "failed", "parked", "dead_lettered", "replayed", "discarded"), 0
@@ -271,6 +272,9 @@ class RetryCore:
             dlq=tuple(h.record_id for h in ks.dlq),
             waiting=tuple(r for r, _ in ks.waiting),
         )
+
+    def in_flight_count(self) -> int:
+        return self._flying
 
     def holds(self, record_id: str) -> bool:
         return record_id in self._where
@@ -351,6 +355,7 @@ class RetryCore:
 
     def _send_direct(self, key: str, ks: _Key, rid: str, seq: int) -> list[Command]:
         ks.in_flight, ks.in_flight_seq, ks.from_queue = rid, seq, False
+        self._flying += 1
         self._stats["sent"] += 1
         return [SendToSink(rid, key, 0)]
 
@@ -359,6 +364,7 @@ class RetryCore:
         ks = self._keys.get(key) if key is not None else None
         if key is None or ks is None or ks.in_flight != rid:
             raise RetryProtocolError(f"outcome for record {rid!r}, which is not in flight")
+        self._flying -= 1
         return key, ks
 
     def _take_from_queue(self, ks: _Key, rid: str) -> _Held:
@@ -427,6 +433,7 @@ class RetryCore:
             if head.due <= now:
                 ks.in_flight, ks.in_flight_seq, ks.from_queue = head.record_id, head.seq, True
                 ks.scheduled = None
+                self._flying += 1
                 self._stats["sent"] += 1
                 return [SendToSink(head.record_id, key, head.attempts)]
             if ks.scheduled != head.due:
@@ -529,6 +536,9 @@ class RetryCore:
                 and ks.scheduled != ks.queue[0].due
             ):
                 raise RetryInvariantError(f"key {key!r}: RQ head has no timer")
+        flying = sum(ks.in_flight is not None for ks in self._keys.values())
+        if flying != self._flying:
+            raise RetryInvariantError(f"{self._flying} counted in flight, {flying} found")
         if seen != self._where:
             raise RetryInvariantError("record index does not match the queues")
         if self.log.maxlen is not None and len(self.log) > self.log.maxlen:
