@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import re
 import ssl
 import time
@@ -208,6 +209,35 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def with_client_id(self, client_id: str) -> KafkaConfig:
         return msgspec.structs.replace(self, client_id=client_id)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, str]) -> KafkaConfig:
+        """Build from strings (a config file section, environment variables); field names as
+        in this class. Unknown names are refused, so a typo does not go unnoticed."""
+        unknown = sorted(set(values) - set(cls.__struct_fields__))
+        if unknown:
+            raise ValueError(
+                f"unknown Kafka setting(s) {unknown}; known: {sorted(cls.__struct_fields__)}"
+            )
+        try:
+            return msgspec.convert(dict(values), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid Kafka settings: {exc}") from exc
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, prefix: str = "SHOAL_KAFKA_"
+    ) -> KafkaConfig:
+        """Build from ``SHOAL_KAFKA_<FIELD>`` variables, e.g. ``SHOAL_KAFKA_BOOTSTRAP_SERVERS``,
+        ``SHOAL_KAFKA_SASL_PASSWORD``, ``SHOAL_KAFKA_SESSION_TIMEOUT_MS``."""
+        env = os.environ if environ is None else environ
+        return cls.from_mapping(
+            {
+                key[len(prefix) :].lower(): value
+                for key, value in env.items()
+                if key.startswith(prefix)
+            }
+        )
 
 
 _DEFAULTS: Final = KafkaConfig(bootstrap_servers="localhost:9092")
@@ -972,7 +1002,12 @@ class KafkaMembership:
         """Hook aiokafka's heartbeat (``GroupCoordinator._do_heartbeat``, aiokafka 0.14) to learn
         when one succeeds: there is no public callback for it."""
         coordinator = consumer._coordinator
-        original = coordinator._do_heartbeat
+        original = getattr(coordinator, "_do_heartbeat", None)
+        if original is None:
+            raise MembershipError(
+                "this aiokafka has no GroupCoordinator._do_heartbeat to observe heartbeats "
+                "through: the membership adapter is written for aiokafka 0.14"
+            )
 
         async def observed_heartbeat() -> bool:
             sent = self._clock()

@@ -279,3 +279,25 @@ async def test_unreachable_kafka_is_a_clear_error(connector: str) -> None:
         await log.start()
     assert time.monotonic() - started < 5
     await log.close()
+
+
+def test_config_from_env() -> None:
+    config = KafkaConfig.from_env(
+        {
+            "SHOAL_KAFKA_BOOTSTRAP_SERVERS": "k1:9092",
+            "SHOAL_KAFKA_SESSION_TIMEOUT_MS": "6000",
+            "SHOAL_KAFKA_HEARTBEAT_INTERVAL_MS": "2000",
+            "SHOAL_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "SHOAL_KAFKA_SASL_MECHANISM": "PLAIN",
+            "SHOAL_KAFKA_SASL_USERNAME": "u",
+            "SHOAL_KAFKA_SASL_PASSWORD": "p4ss",
+            "OTHER": "ignored",
+        }
+    )
+    assert config.session_timeout_ms == 6000
+    assert config.sasl_password == "p4ss"
+    assert "p4ss" not in repr(config)
+    with pytest.raises(ValueError, match="unknown Kafka setting"):
+        KafkaConfig.from_env({"SHOAL_KAFKA_BOOTSTRAP_SERVER": "typo:1"})
+    with pytest.raises(ValueError, match="session_timeout_ms"):
+        KafkaConfig.from_mapping({"bootstrap_servers": "k:1", "session_timeout_ms": "soon"})
