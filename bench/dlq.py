@@ -1,0 +1,246 @@
+"""Benchmark: the Kafka output sink (design 003) while 1% of keys fail for a while.
+
+Two runs over the embedded broker in one process, same workload (records spread over many keys,
+handed to the sink in batches like a change-stream reader does):
+
+1. **baseline**: no failures;
+2. **failing**: every delivery of 1% of the keys fails until the whole workload has been accepted
+   (plus a margin); their records go to the RQ, retried with backoff, the oldest ones reach the
+   DLQ and block their key. Then the keys heal, the DLQ is replayed and everything drains.
+
+Figures: ``healthy_ratio`` is the failing run's throughput of healthy-key records (records per
+second until every batch is settled) over the baseline's; ``lost`` counts records of the
+workload that are neither on the output topic nor in the DLQ at the end (read back from Kafka);
+``order_violations`` counts records read back before an older record of the same key;
+``duplicates`` records read back twice (at-least-once; 0 without crashes).
+
+``python -m bench dlq [--quick]``; the last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from protocol.records import ColumnType, DataChange, Mod
+from protocol.retry import RetryPolicy
+from runtime.broker import EmbeddedBroker
+from runtime.kafka import KafkaConfig
+from runtime.kafka_sink import (
+    KafkaSink,
+    KafkaSinkConfig,
+    OutputRecord,
+    decode_output,
+    output_records,
+)
+from runtime.ports import SinkBatch
+
+COLS = (
+    ColumnType("id", '{"code":"INT64"}', True, 1),
+    ColumnType("v", '{"code":"STRING"}', False, 2),
+)
+PARTITIONS = 8
+
+
+def _workload(records: int, keys: int, seed: int) -> list[DataChange]:
+    rng = random.Random(seed)
+    out = []
+    for n in range(records):
+        k = rng.randrange(keys)
+        out.append(
+            DataChange(
+                commit_ts=1_700_000_000_000_000 + n,
+                record_sequence=f"{n:08d}",
+                server_transaction_id=f"tx{n}",
+                is_last_record_in_transaction_in_partition=True,
+                table="Bench",
+                column_types=COLS,
+                mods=(
+                    Mod(
+                        keys=f'{{"id":"{k}"}}', new_values=f'{{"v":"{"x" * 200}"}}', old_values="{}"
+                    ),
+                ),
+                mod_type="UPDATE",
+            )
+        )
+    return out
+
+
+def _key(rec: OutputRecord) -> int:
+    return int(json.loads(rec.keys)["id"])
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    healthy_records: int
+    injected: int
+    dlq_replayed: int
+    lost: int
+    order_violations: int
+    duplicates: int
+
+    @property
+    def healthy_per_s(self) -> float:
+        return self.healthy_records / self.seconds
+
+
+async def _read_back(
+    config: KafkaConfig, topic: str, want: int, timeout_s: float
+) -> list[OutputRecord]:
+    consumer = AIOKafkaConsumer(
+        **config.client_kwargs(),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
+        max_partition_fetch_bytes=4 << 20,
+    )
+    await consumer.start()
+    out: list[OutputRecord] = []
+    seen: set[str] = set()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + timeout_s
+        quiet = 0
+        while time.monotonic() < deadline and (len(seen) < want or quiet < 2):
+            batches = await consumer.getmany(timeout_ms=200, max_records=20_000)
+            got = [decode_output(m.value) for msgs in batches.values() for m in msgs]
+            quiet = quiet + 1 if not got else 0
+            out.extend(got)
+            seen.update(r.record_id for r in got)
+    finally:
+        await consumer.stop()
+    return out
+
+
+def _check(
+    changes: list[DataChange], got: list[OutputRecord], dlq: set[str]
+) -> tuple[int, int, int]:
+    """(lost, order violations, duplicates) of ``got`` against the workload."""
+    expected = [r for c in changes for r in output_records(c)]
+    position = {r.record_id: i for i, r in enumerate(expected)}
+    seen: set[str] = set()
+    duplicates = 0
+    violations = 0
+    last: dict[int, int] = {}
+    for r in got:
+        if r.record_id in seen:
+            duplicates += 1
+            continue
+        seen.add(r.record_id)
+        k, pos = _key(r), position[r.record_id]
+        if last.get(k, -1) > pos:
+            violations += 1
+        last[k] = max(last.get(k, -1), pos)
+    lost = sum(1 for r in expected if r.record_id not in seen and r.record_id not in dlq)
+    return lost, violations, duplicates
+
+
+async def _run(
+    config: KafkaConfig,
+    changes: list[DataChange],
+    failing: set[int],
+    *,
+    batch: int,
+    label: str,
+) -> RunResult:
+    name = f"bench-dlq-{label}-{uuid.uuid4().hex[:8]}"
+    policy = RetryPolicy(max_attempts=5, base_backoff=0.05, max_backoff=0.4, jitter=0.2)
+    cfg = KafkaSinkConfig(
+        name=name, partitions=PARTITIONS, rq_partitions=PARTITIONS, dlq_partitions=2, policy=policy
+    )
+    healed = asyncio.Event()
+
+    def inject(rec: OutputRecord, attempts: int) -> str | None:
+        if not healed.is_set() and _key(rec) in failing:
+            return "bench: key unavailable"
+        return None
+
+    healthy = sum(1 for c in changes if _key(output_records(c)[0]) not in failing)
+    async with KafkaSink(config, cfg, inject=inject) as sink:
+        start = time.perf_counter()
+        futures = [
+            await sink.put(SinkBatch("bench", tuple(changes[i : i + batch]), watermark=i))
+            for i in range(0, len(changes), batch)
+        ]
+        await asyncio.gather(*futures)
+        seconds = time.perf_counter() - start
+        await asyncio.sleep(0.5)  # failing a while longer: retries and DLQ under way
+        healed.set()
+        async with asyncio.timeout(60):
+            await sink.wait_idle()
+        replayed = sink.replay_dlq()
+        async with asyncio.timeout(60):
+            await sink.wait_idle()
+        stats = sink.statistics()
+        dlq = {d.record_id for d in sink.dlq_records()}
+    got = await _read_back(config, name, want=len(changes) - len(dlq), timeout_s=60)
+    lost, violations, duplicates = _check(changes, got, dlq)
+    print(
+        f"{label:>9}: {len(changes)} records, {healthy} healthy, accepted in {seconds:.2f} s "
+        f"({healthy / seconds:,.0f} healthy records/s); injected failures {stats.injected_failures}, "
+        f"RQ writes {stats.rq_writes}, DLQ writes {stats.dlq_writes}, replayed {len(replayed)}; "
+        f"read back {len(got)}: lost {lost}, order violations {violations}, duplicates {duplicates}",
+        file=sys.stderr,
+    )
+    return RunResult(
+        seconds, healthy, stats.injected_failures, len(replayed), lost, violations, duplicates
+    )
+
+
+async def _main(args: argparse.Namespace) -> dict[str, object]:
+    changes = _workload(args.records, args.keys, args.seed)
+    rng = random.Random(args.seed + 1)
+    failing = set(rng.sample(range(args.keys), max(1, args.keys // 100)))
+    async with EmbeddedBroker() as broker:
+        config = KafkaConfig.embedded(broker.bootstrap)
+        await _run(config, changes[: args.records // 10], set(), batch=args.batch, label="warm-up")
+        base = await _run(config, changes, set(), batch=args.batch, label="baseline")
+        fail = await _run(config, changes, failing, batch=args.batch, label="failing")
+    return {
+        "scenario": "dlq",
+        "healthy_ratio": round(fail.healthy_per_s / base.healthy_per_s, 3),
+        "lost": base.lost + fail.lost,
+        "order_violations": base.order_violations + fail.order_violations,
+        "duplicates": base.duplicates + fail.duplicates,
+        "baseline_healthy_per_s": round(base.healthy_per_s),
+        "failing_healthy_per_s": round(fail.healthy_per_s),
+        "records": len(changes),
+        "keys": args.keys,
+        "failing_keys": len(failing),
+        "injected_failures": fail.injected,
+        "dlq_replayed": fail.dlq_replayed,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench dlq", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer records; well under a minute")
+    parser.add_argument("--records", type=int, default=None)
+    parser.add_argument("--keys", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=500, help="records per SinkBatch")
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.records is None:
+        args.records = 30_000 if args.quick else 200_000
+    if args.keys is None:
+        args.keys = 2_000 if args.quick else 10_000
+    result = asyncio.run(_main(args))
+    print(json.dumps(result))
+    return 0 if result["lost"] == 0 and result["order_violations"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
