@@ -1,0 +1,247 @@
+"""Benchmark: change records per second one process decodes from the Spanner emulator, with
+shoal's reader (``lazy_decode`` + ``runtime.spanner.decode``) and with the client's default
+decoding, over the same partitions and time range in the same run.
+
+Steps: start the emulator (``runtime.spanner.emulator``), pre-load rows with the load generator's
+``bulk`` mode (each commit touches every table with INSERT/UPDATE/DELETE: up to 3 records per
+table), discover the partitions of that time range with ``walk_stream`` (following children; this
+also warms up), then:
+
+1. **Decoding capacity per process** (the headline ``records_per_s`` /
+   ``default_client_records_per_s``): the emulator's responses for those partitions are captured
+   once as serialized ``PartialResultSet`` bytes and replayed (one warm-up run, then the best of
+   ``--rounds``) through the client's own ``StreamedResultSet``: parse the bytes, merge chunks,
+   then either shoal's decoder (``SpannerSource.decode_result_set``) or the client's default row
+   decoding followed by building the same ``protocol.records`` from those rows
+   (``records_from_default_row``; checked equal in the tests). The default decoding alone, rows
+   of Python values with no records built, is reported too (``..._rows_only``). This is what one
+   process can decode when the server is not the limit (real Spanner serves many partitions far
+   faster than the emulator).
+2. **End to end from the emulator**: every partition read concurrently over gRPC, once with each
+   decoder. The emulator serves only ~5–10k change records/s here, so both are bounded by it.
+
+Prints figures, and as the last line one JSON object.
+
+``python -m bench spanner [--quick]``; ``--quick`` stays under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from runtime.spanner.decode import count_default_decoded, records_from_default_row
+from runtime.spanner.emulator import EmulatorUnavailable, SpannerEmulator
+from runtime.spanner.loadgen import LoadGenerator
+from runtime.spanner.reader import SpannerSource, walk_stream
+
+Parts = list[tuple[str, int]]
+
+
+async def _capture(source: SpannerSource, parts: Parts, end_ts: int) -> list[list[bytes]]:
+    """The serialized partial result sets the server sends for each partition."""
+    from google.cloud.spanner_v1.types import PartialResultSet
+
+    captured: list[list[bytes]] = []
+    for token, start in parts:
+        params, types = source._params(token, start, end_ts)
+        responses: list[bytes] = []
+        async with source._db.snapshot() as snapshot:
+            rs = await snapshot.execute_sql(
+                source._sql, params=params, param_types=types, lazy_decode=True
+            )
+            responses.extend([PartialResultSet.serialize(i) async for i in rs._response_iterator])
+        captured.append(responses)
+    return captured
+
+
+async def _replay(payloads: list[bytes]) -> AsyncIterator[object]:
+    from google.cloud.spanner_v1.types import PartialResultSet
+
+    for payload in payloads:
+        yield PartialResultSet.deserialize(payload)
+
+
+async def _replay_fast(source: SpannerSource, captured: list[list[bytes]]) -> int:
+    from google.cloud.spanner_v1._async.streamed import StreamedResultSet
+
+    n = 0
+    for payloads in captured:
+        rs = StreamedResultSet(_replay(payloads), lazy_decode=True)
+        async for batch in source.decode_result_set(rs):
+            n += len(batch)
+    return n
+
+
+async def _replay_default(captured: list[list[bytes]]) -> int:
+    """The client's default decoding, then the same ``protocol.records`` built from its rows."""
+    from google.cloud.spanner_v1._async.streamed import StreamedResultSet
+
+    n = 0
+    for payloads in captured:
+        rs = StreamedResultSet(_replay(payloads))
+        async for row in rs:
+            n += len(records_from_default_row(row))
+    return n
+
+
+async def _replay_default_rows_only(captured: list[list[bytes]]) -> int:
+    """The client's default decoding alone (rows of Python values, no records built)."""
+    from google.cloud.spanner_v1._async.streamed import StreamedResultSet
+
+    n = 0
+    for payloads in captured:
+        rs = StreamedResultSet(_replay(payloads))
+        async for row in rs:
+            n += count_default_decoded(row)
+    return n
+
+
+async def _read_fast(source: SpannerSource, parts: Parts, end_ts: int) -> int:
+    counts: list[int] = []
+
+    async def one(token: str, start: int) -> None:
+        n = 0
+        async for batch in source.query(token, start, end_ts):
+            n += len(batch)
+        counts.append(n)
+
+    async with asyncio.TaskGroup() as tg:
+        for token, start in parts:
+            tg.create_task(one(token, start))
+    return sum(counts)
+
+
+async def _read_default(source: SpannerSource, parts: Parts, end_ts: int) -> int:
+    counts: list[int] = []
+
+    async def one(token: str, start: int) -> None:
+        counts.append(await source.count_default_decoded(token, start, end_ts))
+
+    async with asyncio.TaskGroup() as tg:
+        for token, start in parts:
+            tg.create_task(one(token, start))
+    return sum(counts)
+
+
+async def _best(
+    rounds: int, run: Callable[[], Awaitable[int]], label: str, *, warmup: bool = False
+) -> tuple[float, int]:
+    """Best records/s over ``rounds`` runs (after one untimed run if ``warmup``)."""
+    n = await run() if warmup else 0
+    best = 0.0
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        n = await run()
+        dt = time.perf_counter() - t0
+        rate = n / dt if dt > 0 else 0.0
+        print(f"  {label} round {r + 1}: {n} records in {dt:.2f} s = {rate:,.0f}/s", flush=True)
+        best = max(best, rate)
+    return best, n
+
+
+async def _run(args: argparse.Namespace, emulator: SpannerEmulator) -> dict[str, object]:
+    config = emulator.config
+    loader = await LoadGenerator.connect(config, emulator.tables, seed=1)
+    source = await SpannerSource.connect(config, max_batch=4096)
+    try:
+        t0 = time.perf_counter()
+        per_commit = 3 * len(emulator.tables)
+        commits = max(1, args.records // per_commit)
+        written = await loader.bulk(commits)
+        load_s = time.perf_counter() - t0
+        start_ts = loader.committed[0].commit_ts
+        end_ts = loader.committed[-1].commit_ts
+        print(
+            f"pre-loaded {commits} commits, {written} table-mod groups in {load_s:.1f} s "
+            f"({len(emulator.tables)} tables)",
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        walk = await walk_stream(source, start_ts, end_ts)
+        print(
+            f"walk (warm-up): {len(walk.data)} data records, {len(walk.partitions)} partitions, "
+            f"{time.perf_counter() - t0:.2f} s",
+            flush=True,
+        )
+        parts: Parts = [(tok, begin) for tok, (begin, _) in walk.partitions.items()]
+        captured = await _capture(source, parts, end_ts)
+        size = sum(len(p) for c in captured for p in c)
+        print(f"captured {sum(map(len, captured))} partial result sets, {size / 1e6:.1f} MB")
+        print("decoding capacity (captured emulator responses replayed through the client):")
+        fast, n_fast = await _best(
+            args.rounds, lambda: _replay_fast(source, captured), "shoal", warmup=True
+        )
+        slow, n_slow = await _best(
+            args.rounds, lambda: _replay_default(captured), "default+records", warmup=True
+        )
+        rows_only, n_rows = await _best(
+            args.rounds, lambda: _replay_default_rows_only(captured), "default rows only"
+        )
+        print("end to end from the emulator (bounded by the emulator):")
+        e2e_fast, e2e_n_fast = await _best(1, lambda: _read_fast(source, parts, end_ts), "shoal")
+        e2e_slow, e2e_n_slow = await _best(
+            1, lambda: _read_default(source, parts, end_ts), "default rows only"
+        )
+        counts = {n_fast, n_slow, n_rows, e2e_n_fast, e2e_n_slow}
+        if len(counts) != 1:
+            print(f"WARNING: record counts differ between runs: {sorted(counts)}", flush=True)
+        print(f"shoal reader (lazy + own decoder):        {fast:,.0f} records/s")
+        print(
+            f"client default decoding -> same records:  {slow:,.0f} records/s  ({fast / slow:.1f}x)"
+        )
+        print(
+            f"client default decoding, rows only:       {rows_only:,.0f} records/s  "
+            f"({fast / rows_only:.1f}x)"
+        )
+        print(
+            f"end to end, shoal / default rows only:    {e2e_fast:,.0f} / {e2e_slow:,.0f} records/s"
+        )
+        return {
+            "scenario": "spanner",
+            "records_per_s": round(fast),
+            "default_client_records_per_s": round(slow),
+            "ratio": round(fast / slow, 2) if slow else None,
+            "default_client_rows_only_records_per_s": round(rows_only),
+            "ratio_rows_only": round(fast / rows_only, 2) if rows_only else None,
+            "records": n_fast,
+            "partitions": len(parts),
+            "end_to_end_records_per_s": round(e2e_fast),
+            "end_to_end_default_rows_only_records_per_s": round(e2e_slow),
+        }
+    finally:
+        await source.close()
+        await loader.close()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench spanner", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer records; under a minute")
+    parser.add_argument("--records", type=int, default=None, help="records to pre-load")
+    parser.add_argument("--tables", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--emulator", default=None, help="path of emulator_main")
+    args = parser.parse_args(argv)
+    if args.records is None:
+        args.records = 40_000 if args.quick else 200_000
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 5
+    tables = [f"T{i:02d}" for i in range(args.tables)]
+    try:
+        emulator = SpannerEmulator(binary=args.emulator, tables=tables)
+    except EmulatorUnavailable as exc:
+        print(f"spanner benchmark skipped: {exc}", file=sys.stderr)
+        print(json.dumps({"scenario": "spanner", "skipped": str(exc)}))
+        return 2
+    with emulator:
+        result = asyncio.run(_run(args, emulator))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,389 @@
+"""``SpannerSource``: the ``ChangeStreamSource`` port over a real Spanner change stream.
+
+Each ``query(token, start_ts, end_ts)`` runs
+
+    SELECT ChangeRecord FROM READ_<stream>(start_timestamp => @start, end_timestamp => @end,
+        partition_token => @token, heartbeat_milliseconds => @hb)
+
+in a single-use strong read-only snapshot on the asyncio client
+(``google.cloud.spanner_v1.AsyncClient``, experimental in google-cloud-spanner 3.71, which
+pyproject pins) with ``lazy_decode=True``; every partial result set the server sends is decoded by
+``runtime.spanner.decode`` and yielded at once as one or more batches of at most ``max_batch``
+records. ``token=None`` gives the root partitions as one ``ChildPartitions`` record.
+
+- Backpressure: nothing is read from the gRPC stream while the consumer holds a batch.
+- Cancellation: cancelling the consuming task cancels the RPC (grpc.aio does that on
+  cancellation); closing the iterator early (``aclose()``) closes the client's response iterator,
+  which drops and so cancels the call. No threads are involved.
+- Errors: UNAVAILABLE and resumable INTERNAL errors are retried inside the client with resume
+  tokens. Everything else surfaces as ``PartitionQueryError`` (``retryable=True`` for errors from
+  the service, ``False`` for records this decoder cannot read); the reader actor restarts the
+  partition from its watermark with backoff and drops duplicates.
+
+``walk_stream`` reads a whole time range following child partitions (a merged child once, after
+all its parents finished): tests and the benchmark use it; production partition scheduling is the
+actors' business.
+
+Uses two private parts of the client (3.71): the result set's ``_response_iterator`` (the
+resuming stream of ``PartialResultSet``s, consumed directly: one partial result set is one batch,
+and the client's per-value Python row loop is skipped) and ``_async.streamed._merge_by_type`` (to
+join chunked values); both are checked so an upgrade fails loudly, not silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, cast
+
+import msgspec
+
+from protocol.records import ChangeRecord, ChildPartitions, DataChange
+from runtime.spanner.config import SpannerConfig
+from runtime.spanner.decode import DecodeError, RecordLayout, count_default_decoded
+
+__all__ = [
+    "PartitionQueryError",
+    "SourceStats",
+    "SpannerSource",
+    "WalkResult",
+    "micros_to_datetime",
+    "walk_stream",
+]
+
+log = logging.getLogger(__name__)
+
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
+
+
+def micros_to_datetime(micros: int) -> _dt.datetime:
+    return _EPOCH + _dt.timedelta(microseconds=micros)
+
+
+class PartitionQueryError(RuntimeError):
+    """A partition query failed with an error the client does not retry itself."""
+
+    def __init__(
+        self, token: str | None, start_ts: int, message: str, *, retryable: bool = True
+    ) -> None:
+        super().__init__(f"change-stream query of partition {token!r} from {start_ts}: {message}")
+        self.token = token
+        self.start_ts = start_ts
+        self.retryable = retryable
+
+
+class SourceStats(msgspec.Struct, frozen=True):
+    queries_started: int
+    queries_active: int
+    queries_failed: int
+    batches: int
+    records: int
+    decode_seconds: float
+
+
+def _merge_function() -> Callable[[Any, Any, Any], Any]:
+    """The client's merge of a chunked value with its continuation (3.71:
+    ``google.cloud.spanner_v1._async.streamed._merge_by_type``)."""
+    from google.cloud.spanner_v1._async import streamed
+
+    merge = getattr(streamed, "_merge_by_type", None)
+    if merge is None:
+        raise RuntimeError(
+            "google-cloud-spanner lacks _async.streamed._merge_by_type: this reader was written "
+            "against 3.71; check runtime/spanner/reader.py against the installed version"
+        )
+    return cast(Callable[[Any, Any, Any], Any], merge)
+
+
+def _service_errors() -> tuple[type[BaseException], ...]:
+    import grpc
+    from google.api_core import exceptions as api_exceptions
+
+    return (api_exceptions.GoogleAPIError, grpc.RpcError)
+
+
+class SpannerSource:
+    """``ChangeStreamSource`` over one change stream of one database (asyncio client).
+
+    Build it with ``await SpannerSource.connect(config)`` (it owns the client and closes it in
+    ``close()``), or around an existing async ``Database`` (then the caller closes that)."""
+
+    def __init__(
+        self,
+        database: Any,
+        change_stream: str,
+        *,
+        heartbeat_ms: int = 1000,
+        max_batch: int = 1024,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        if not change_stream.replace("_", "").isalnum():
+            raise ValueError(f"change stream name must be an identifier: {change_stream!r}")
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self._db = database
+        self._sql = (
+            f"SELECT ChangeRecord FROM READ_{change_stream}(start_timestamp => @start, "
+            "end_timestamp => @end, partition_token => @token, heartbeat_milliseconds => @hb)"
+        )
+        self._heartbeat_ms = heartbeat_ms
+        self._max_batch = max_batch
+        self._on_close = on_close
+        self._layouts: dict[bytes, RecordLayout] = {}
+        self._errors = _service_errors()
+        self._started = 0
+        self._active = 0
+        self._failed = 0
+        self._batches = 0
+        self._records = 0
+        self._decode_s = 0.0
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, config: SpannerConfig, *, max_batch: int = 1024) -> SpannerSource:
+        from google.cloud.spanner_v1 import AsyncClient
+
+        client: Any = AsyncClient(**config.client_kwargs())
+        database = await client.instance(config.instance).database(config.database)
+
+        async def close() -> None:
+            await close_async_database(database)
+
+        return cls(
+            database,
+            config.change_stream,
+            heartbeat_ms=config.heartbeat_ms,
+            max_batch=max_batch,
+            on_close=close,
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._on_close is not None:
+            await self._on_close()
+
+    async def __aenter__(self) -> SpannerSource:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def statistics(self) -> SourceStats:
+        return SourceStats(
+            self._started, self._active, self._failed, self._batches, self._records, self._decode_s
+        )
+
+    # -- the port -----------------------------------------------------------------------------
+    def _params(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        from google.cloud.spanner_v1 import param_types
+
+        params: dict[str, Any] = {
+            "start": micros_to_datetime(start_ts),
+            "end": None if end_ts is None else micros_to_datetime(end_ts),
+            "token": token,
+            "hb": self._heartbeat_ms,
+        }
+        types = {
+            "start": param_types.TIMESTAMP,
+            "end": param_types.TIMESTAMP,
+            "token": param_types.STRING,
+            "hb": param_types.INT64,
+        }
+        return params, types
+
+    def _layout(self, column_type: Any) -> RecordLayout:
+        key: bytes = column_type.SerializeToString()
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = RecordLayout(column_type)
+        return layout
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[list[ChangeRecord]]:
+        """Records of partition ``token`` from ``start_ts`` (inclusive) on, in batches of at most
+        ``max_batch``, as the server sends them; ends when the partition ends or at ``end_ts``."""
+        if self._closed:
+            raise RuntimeError("SpannerSource is closed")
+        params, types = self._params(token, start_ts, end_ts)
+        self._started += 1
+        self._active += 1
+        rs: Any = None
+        try:
+            async with self._db.snapshot() as snapshot:
+                rs = await snapshot.execute_sql(
+                    self._sql, params=params, param_types=types, lazy_decode=True
+                )
+                async with contextlib.aclosing(self.decode_result_set(rs)) as batches:
+                    async for batch in batches:
+                        yield batch
+        except self._errors as exc:
+            self._failed += 1
+            raise PartitionQueryError(token, start_ts, f"{type(exc).__name__}: {exc}") from exc
+        except DecodeError as exc:
+            self._failed += 1
+            raise PartitionQueryError(token, start_ts, str(exc), retryable=False) from exc
+        finally:
+            self._active -= 1
+            await _close_response_iterator(rs)
+
+    async def decode_result_set(self, rs: Any) -> AsyncGenerator[list[ChangeRecord], None]:
+        """Batches of records from a change-stream ``StreamedResultSet`` opened with
+        ``lazy_decode=True``: one partial result set at a time, split at ``max_batch``.
+
+        Consumes the result set's response iterator directly (one column, so every complete
+        value is a row) and merges chunked values with the client's own merge function."""
+        from google.cloud.spanner_v1.types import PartialResultSet
+
+        merge = _merge_function()
+        responses = rs._response_iterator
+        layout: RecordLayout | None = None
+        column_type: Any = None
+        pending: Any = None  # the chunked last value of the previous partial result set
+        max_batch = self._max_batch
+        async for response in responses:
+            pb = PartialResultSet.pb(response)
+            if layout is None:
+                column_type = RecordLayout.column_type(pb.metadata.row_type.fields)
+                layout = self._layout(column_type)
+            values: Any = pb.values
+            if pending is not None or pb.chunked_value:
+                values = list(values)
+                if pending is not None:
+                    values[0] = merge(pending, values[0], column_type)
+                    pending = None
+                if pb.chunked_value:
+                    pending = values.pop()
+            if not values:
+                continue
+            out: list[ChangeRecord] = []
+            t0 = time.perf_counter()
+            layout.decode_values(values, out)
+            self._decode_s += time.perf_counter() - t0
+            self._records += len(out)
+            if len(out) <= max_batch:
+                self._batches += 1
+                yield out
+                continue
+            for i in range(0, len(out), max_batch):
+                self._batches += 1
+                yield out[i : i + max_batch]
+        if pending is not None:
+            raise DecodeError("stream ended inside a chunked value")
+
+    # -- the benchmark's baseline -------------------------------------------------------------
+    async def count_default_decoded(self, token: str | None, start_ts: int, end_ts: int) -> int:
+        """Read a partition with the client's default decoding and count its records: the
+        baseline the benchmark compares ``query`` with."""
+        params, types = self._params(token, start_ts, end_ts)
+        n = 0
+        async with self._db.snapshot() as snapshot:
+            rs = await snapshot.execute_sql(self._sql, params=params, param_types=types)
+            async for row in rs:
+                n += count_default_decoded(row)
+        return n
+
+
+async def _close_response_iterator(rs: Any) -> None:
+    """Close the client's response iterator (and so the gRPC call) when a query ends early."""
+    if rs is None:
+        return
+    iterator = getattr(rs, "_response_iterator", None)
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def close_async_database(database: Any) -> None:
+    """Stop the database's session maintenance and close its gRPC channel."""
+    await database.close()
+    api = getattr(database, "_spanner_api", None)
+    if api is not None:
+        await api.transport.close()
+
+
+# -- reading a whole time range ---------------------------------------------------------------
+class WalkResult(msgspec.Struct):
+    """What ``walk_stream`` read: every data record in arrival order, and per partition token its
+    query range (start_ts, parents)."""
+
+    data: list[DataChange]
+    partitions: dict[str, tuple[int, tuple[str, ...]]]
+    heartbeats: int = 0
+    child_records: int = 0
+
+
+async def walk_stream(
+    source: Any,
+    start_ts: int,
+    end_ts: int,
+    *,
+    concurrency: int = 64,
+    on_batch: Callable[[str, Sequence[ChangeRecord]], None] | None = None,
+) -> WalkResult:
+    """Read every partition of ``source`` (a ``ChangeStreamSource``) over ``[start_ts, end_ts]``,
+    following child partitions: a child starts once, after every parent it names has finished
+    (a parent not yet discovered counts as unfinished), from the earliest start any parent gave.
+    """
+    result = WalkResult(data=[], partitions={})
+    finished: set[str] = set()
+    started: set[str] = set()
+    pending: dict[str, tuple[int, tuple[str, ...]]] = {}  # child -> (start, parents)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def read(token: str | None, start: int, tg: asyncio.TaskGroup) -> None:
+        async with limit:
+            it = source.query(token, start, end_ts)
+            try:
+                async for batch in it:
+                    if on_batch is not None and token is not None:
+                        on_batch(token, batch)
+                    for rec in batch:
+                        if isinstance(rec, DataChange):
+                            result.data.append(rec)
+                        elif isinstance(rec, ChildPartitions):
+                            result.child_records += 1
+                            note_children(rec)
+                        else:
+                            result.heartbeats += 1
+            finally:
+                await it.aclose()
+        if token is not None:
+            finished.add(token)
+        launch(tg)
+
+    def note_children(rec: ChildPartitions) -> None:
+        for child in rec.children:
+            if child.token in started:
+                continue
+            old = pending.get(child.token)
+            begin = rec.start_ts if old is None else min(old[0], rec.start_ts)
+            pending[child.token] = (begin, child.parent_tokens)
+
+    def launch(tg: asyncio.TaskGroup) -> None:
+        for token, (begin, parents) in list(pending.items()):
+            if all(p in finished for p in parents):
+                del pending[token]
+                started.add(token)
+                result.partitions[token] = (begin, parents)
+                tg.create_task(read(token, begin, tg))
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(read(None, start_ts, tg))
+    if pending:
+        log.info("walk_stream: %d child partitions start after end_ts", len(pending))
+    return result
