@@ -1,0 +1,186 @@
+"""One shoal task, assembled: the embedding API.
+
+``async with TaskNode(config, ...) as node:`` runs one task inside the caller's event loop:
+
+1. the task actor starts and the sync topic is replayed into its CIM (from the latest
+   checkpoint, if one was recorded), until a marker it wrote itself is read back;
+2. only then does it join the heartbeat-topic group (seed 000's subscription order: a new task
+   is ready to read partitions before the others learn about it);
+3. the leader actor, the negotiator actor and the partition readers do the rest.
+
+Leaving the block leaves the group and stops every actor; partitions are handed over by the
+group's next epoch. :meth:`TaskNode.drain` first stops readers and lets in-flight batches commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from random import Random
+from types import TracebackType
+from typing import Self
+
+import msgspec
+
+from actors.kernel import MailboxStats, Supervisor
+from actors.task import LeaderActor, NegotiatorActor, TaskActor, wall_micros
+from protocol import messages
+from protocol.messages import CheckpointMessage
+from protocol.task import SyncRead, TaskConfig
+from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
+
+log = logging.getLogger("shoal.node")
+
+MembershipFactory = Callable[[str], Awaitable[Membership]]
+
+
+class NodeConfig(msgspec.Struct, frozen=True):
+    task: TaskConfig
+    stream_start: int = -1  # where a never-started stream is read from; -1: now
+    tick_interval: float = 0.1
+    replay_timeout: float = 60.0
+    publish_timeout: float = 10.0
+
+
+class NodeStatus(msgspec.Struct, frozen=True):
+    task_id: str
+    member: bool
+    leader: str
+    generation: int
+    epoch: int
+    owned: int
+    reading: int
+    offers: int
+    watermarks: dict[str, int]
+    counters: dict[str, int]
+    mailboxes: list[MailboxStats]
+
+
+class TaskNode:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        sync_log: SyncLog,
+        join: MembershipFactory,
+        source: ChangeStreamSource,
+        sink: Sink,
+        rng: Random | None = None,
+    ) -> None:
+        self.config = config
+        self._sync_log = sync_log
+        self._join = join
+        self._source = source
+        self._sink = sink
+        self._rng = rng or Random()
+        self._supervisor = Supervisor(f"node:{config.task.task_id}")
+        self.task: TaskActor | None = None
+        self.membership: Membership | None = None
+        self.ready = asyncio.Event()
+        self._closed = False
+
+    @property
+    def task_id(self) -> str:
+        return self.config.task.task_id
+
+    async def __aenter__(self) -> Self:
+        await self._supervisor.__aenter__()
+        try:
+            await self._start()
+        except BaseException:
+            await self._supervisor.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _start(self) -> None:
+        cfg = self.config
+        stream_start = cfg.stream_start if cfg.stream_start >= 0 else wall_micros()
+        sup = self._supervisor
+        task = self.task = TaskActor(
+            cfg.task,
+            sync_log=self._sync_log,
+            source=self._source,
+            sink=self._sink,
+            supervisor=sup,
+            stream_start=stream_start,
+            publish_timeout=cfg.publish_timeout,
+            rng=Random(self._rng.getrandbits(64)),
+        )
+        await sup.spawn(task)
+        sup.start_soon(task.publish_loop(), name=f"publish:{self.task_id}")
+        start = await self._replay_start(task)
+        sup.start_soon(task.tail_loop(start), name=f"tail:{self.task_id}")
+        await task.marker(cfg.replay_timeout)
+        log.info("task %s replayed the sync topic to offset %d", self.task_id, task.last_offset)
+        self.membership = await self._join(self.task_id)
+        leader = LeaderActor(task, self._source, cfg.task.cap, Random(self._rng.getrandbits(64)))
+        await sup.spawn(leader)
+        task.leader = leader
+        sup.start_soon(task.membership_loop(self.membership), name=f"group:{self.task_id}")
+        negotiator = NegotiatorActor(task, self.membership, cfg.tick_interval)
+        await sup.spawn(negotiator)
+        sup.start_soon(negotiator.pace(), name=f"pace:{self.task_id}")
+        self.ready.set()
+
+    async def _replay_start(self, task: TaskActor) -> int:
+        """Seed the CIM from the latest checkpoint; return the offset to replay from."""
+        offset = await self._sync_log.checkpoint_offset()
+        if offset is None:
+            return 0
+        async for at, payload in self._sync_log.read(offset):
+            try:
+                message = messages.decode(payload)
+            except messages.SyncDecodeError as exc:
+                log.warning("checkpoint at %d unreadable (%s): full replay", at, exc)
+                return 0
+            if isinstance(message, CheckpointMessage) and message.as_of >= 0:
+                await task.tell(SyncRead(at, message))
+                return message.as_of + 1
+            log.warning("offset %d is not a checkpoint: full replay", at)
+            return 0
+        return 0
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if self._closed:
+            return None
+        self._closed = True
+        if self.membership is not None:
+            try:
+                await self.membership.close()
+            except Exception:
+                log.exception("task %s: leaving the group failed", self.task_id)
+        await self._supervisor.__aexit__(exc_type, exc, tb)
+        return None
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Stop reading, let in-flight batches commit and publish the final state."""
+        task = self.task
+        if task is None:
+            return
+        for reader in list(task.readers.values()):
+            reader.request_stop("shutdown", drain=True)
+        async with asyncio.timeout(timeout):
+            await task.readers_idle.wait()
+
+    def status(self) -> NodeStatus:
+        assert self.task is not None
+        core = self.task.core
+        return NodeStatus(
+            task_id=core.me,
+            member=core.member,
+            leader=core.leader,
+            generation=core.generation,
+            epoch=core.cim.epoch,
+            owned=sum(1 for _ in core.owned_unfinished()),
+            reading=len(core.reading),
+            offers=len(core.shares),
+            watermarks={t: p.watermark for t, p in core.mine.items() if p.status == "owned"},
+            counters=dict(core.counters),
+            mailboxes=self._supervisor.statistics(),
+        )

@@ -1,0 +1,246 @@
+"""The partition reader actor: reads one change-stream partition and hands its records to the
+sink in batches.
+
+* It reads from the resume point its task gave it (the committed watermark, else the partition's
+  start) and puts batches into the sink; the sink's future for a batch resolves when the batch is
+  durably committed, and only then does the committed watermark advance (``ReaderCommitted``).
+* Heartbeats advance the read position without data. ``ChildPartitions`` records are collected;
+  when the query ends the partition has finished: once every batch is committed the reader
+  reports ``ReaderFinished`` with the children.
+* A query error, or a batch the sink failed, restarts the partition from its committed
+  watermark with exponential backoff; records at exactly the watermark that were already
+  committed are dropped by their identity (commit ts, transaction id, record sequence).
+* ``request_stop`` stops reading; for a hand-off it first lets in-flight batches commit (bounded
+  by ``drain_timeout``) so the new owner starts as late as possible; then it reports
+  ``ReaderStopped`` with the committed watermark.
+* Before every batch it checks ``permit()`` (the membership lease): a zombie that wakes up after
+  its lease ran out stops before it hands the sink anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+
+from actors.kernel import Actor
+from protocol.records import ChildPartition, ChildPartitions, DataChange, Heartbeat
+from protocol.task import Event, ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped
+from runtime.ports import ChangeStreamSource, Sink, SinkBatch
+
+log = logging.getLogger("shoal.reader")
+
+
+class Stop(msgspec.Struct, frozen=True):
+    reason: str
+    drain: bool
+
+
+class ReaderStats(msgspec.Struct, frozen=True):
+    token: str
+    records: int
+    batches: int
+    restarts: int
+    duplicates_dropped: int
+    committed: int
+
+
+class NotPermitted(Exception):
+    """The task's lease ran out: stop reading at once."""
+
+
+class PartitionReader(Actor[Stop]):
+    def __init__(
+        self,
+        token: str,
+        start_ts: int,
+        *,
+        source: ChangeStreamSource,
+        sink: Sink,
+        report: Callable[[Event], None],
+        permit: Callable[[], bool],
+        max_backoff: float = 10.0,
+        drain_timeout: float = 5.0,
+        batch_records: int = 2000,
+    ) -> None:
+        super().__init__(f"reader:{token}", capacity=4)
+        self.token = token
+        self.committed = start_ts
+        self._source = source
+        self._sink = sink
+        self._report = report
+        self._permit = permit
+        self._max_backoff = max_backoff
+        self._drain_timeout = drain_timeout
+        self._batch_records = batch_records
+        self._pending: deque[tuple[asyncio.Future[None], int, tuple[DataChange, ...]]] = deque()
+        self._at_watermark: set[tuple[int, str, str]] = set()
+        self._records = 0
+        self._batches = 0
+        self._restarts = 0
+        self._dups = 0
+        self._wake = asyncio.Event()
+        self._sink_error: BaseException | None = None
+
+    def request_stop(self, reason: str, drain: bool) -> None:
+        if self.alive:
+            try:
+                self.tell_nowait(Stop(reason, drain))
+            except Exception as exc:  # a full mailbox: a stop is already queued
+                log.debug("reader %s: stop not queued (%r)", self.token, exc)
+
+    def statistics_reader(self) -> ReaderStats:
+        return ReaderStats(
+            self.token, self._records, self._batches, self._restarts, self._dups, self.committed
+        )
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                reading = group.create_task(self._read_loop(), name=f"read:{self.token}")
+                committing = group.create_task(self._commit_loop(), name=f"commit:{self.token}")
+                self.started.set()
+                stop = await self._next_stop(reading)
+                reading.cancel()
+                committing.cancel()
+                await asyncio.wait({reading, committing})
+                if stop is not None and stop.drain:
+                    await self._drain()
+            if stop is not None:
+                self._report(ReaderStopped(self.token, self.committed))
+        finally:
+            self._dead = True
+            self._fail_pending()
+
+    async def _next_stop(self, reading: asyncio.Task[None]) -> Stop | None:
+        getter = asyncio.ensure_future(self._queue.get())
+        try:
+            await asyncio.wait({getter, reading}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            item = getter.result()
+            return item if isinstance(item, Stop) else Stop("stop", drain=False)
+        return None  # the partition finished (reported by the read loop)
+
+    async def _drain(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._drain_timeout):
+                while self._pending:
+                    await self._advance()
+
+    async def _advance(self) -> None:
+        future, watermark, records = self._pending[0]
+        await asyncio.shield(future)
+        self._pending.popleft()
+        if watermark > self.committed:
+            self._at_watermark = {r.identity for r in records if r.commit_ts == watermark}
+            self.committed = watermark
+        else:
+            self._at_watermark |= {r.identity for r in records if r.commit_ts == watermark}
+
+    async def _commit_loop(self) -> None:
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._advance()
+            except Exception as exc:
+                log.warning("reader %s: the sink failed a batch: %r; re-reading", self.token, exc)
+                self._sink_error = exc
+                self._pending.clear()
+                continue
+            if not self._pending or self._pending[0][0].done() is False:
+                self._report(ReaderCommitted(self.token, self.committed))
+
+    async def _read_loop(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                children, child_start = await self._read_once()
+            except NotPermitted:
+                log.warning("reader %s: lease expired, stopping", self.token)
+                self._report(ReaderStopped(self.token, self.committed))
+                return
+            except Exception as exc:
+                self._restarts += 1
+                attempt += 1
+                self._report(ReaderFailed(self.token, f"{type(exc).__name__}: {exc}"))
+                delay = min(self._max_backoff, 0.05 * 2**attempt)
+                log.warning(
+                    "reader %s: %r; restarting from %d in %.2fs",
+                    self.token,
+                    exc,
+                    self.committed,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            while self._pending:
+                await asyncio.sleep(0.005)
+                if self._sink_error is not None:
+                    break
+            if self._sink_error is not None:
+                self._sink_error = None
+                continue
+            self._report(ReaderFinished(self.token, self.committed, children, child_start))
+            return
+
+    async def _read_once(self) -> tuple[tuple[ChildPartition, ...], int]:
+        self._sink_error = None
+        start = self.committed
+        position = start
+        children: list[ChildPartition] = []
+        child_start = start
+        buffer: list[DataChange] = []
+        async for batch in self._source.query(self.token, start, None):
+            if self._sink_error is not None:
+                raise _SinkFailed(self._sink_error)
+            for record in batch:
+                match record:
+                    case DataChange():
+                        if record.commit_ts == self.committed and (
+                            record.identity in self._at_watermark
+                        ):
+                            self._dups += 1
+                            continue
+                        buffer.append(record)
+                        position = max(position, record.commit_ts)
+                    case Heartbeat():
+                        position = max(position, record.timestamp)
+                    case ChildPartitions():
+                        children.extend(record.children)
+                        child_start = max(child_start, record.start_ts)
+                        position = max(position, record.start_ts)
+            await self._put(buffer, position)
+            buffer = []
+        if self._sink_error is not None:
+            raise _SinkFailed(self._sink_error)
+        return tuple(children), child_start
+
+    async def _put(self, records: list[DataChange], position: int) -> None:
+        if not records and position <= self.committed:
+            return
+        if not self._permit():
+            raise NotPermitted(self.token)
+        for i in range(0, max(1, len(records)), self._batch_records):
+            chunk = tuple(records[i : i + self._batch_records])
+            last = i + self._batch_records >= len(records)
+            watermark = position if last else chunk[-1].commit_ts
+            future = await self._sink.put(SinkBatch(self.token, chunk, watermark))
+            self._pending.append((future, watermark, chunk))
+            self._records += len(chunk)
+            self._batches += 1
+            self._wake.set()
+
+
+class _SinkFailed(Exception):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"sink failed a batch: {cause!r}")

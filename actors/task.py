@@ -1,0 +1,285 @@
+"""The regular-task actor, the leader actor and the share-negotiator actor: thin async shells
+around ``protocol.task.TaskCore``.
+
+``TaskActor`` owns the core. Its mailbox takes the core's events from everywhere: the sync-topic
+tail, the group membership, the partition readers, the leader actor and the negotiator's pacing.
+It carries out the core's commands: a ``Publish`` goes to the publisher loop (which appends to
+the sync topic in order and reports a failed append back as ``PublishFailed``), ``StartReader`` /
+``StopReader`` start and stop :class:`~actors.reader.PartitionReader` actors, ``RequestPlan``
+goes to the ``LeaderActor`` with an immutable snapshot of the CIM.
+
+``LeaderActor`` computes the epoch plan off the task's loop (in a thread: a plan over ten
+thousand partitions must not stall the mailbox), discovering the root partitions first when the
+stream was never started, and tells the task ``PlanReady``.
+
+``NegotiatorActor`` paces the sharing protocol: it renews the task's lease from the membership
+and ticks the core, which decides offers and pick-ups (``protocol/share.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from random import Random
+
+import msgspec
+
+from actors.kernel import Actor, Supervisor
+from actors.reader import PartitionReader
+from protocol import messages, planner
+from protocol.cim import Cim
+from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncMessage
+from protocol.records import ChildPartitions
+from protocol.task import (
+    Command,
+    Event,
+    Lease,
+    Publish,
+    PublishFailed,
+    RequestPlan,
+    StartReader,
+    StopReader,
+    SyncBad,
+    SyncRead,
+    TaskConfig,
+    TaskCore,
+    Tick,
+)
+from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
+
+log = logging.getLogger("shoal.task")
+
+
+def wall_micros() -> int:
+    return time.time_ns() // 1000
+
+
+class PlanRequest(msgspec.Struct, frozen=True):
+    request: RequestPlan
+    snapshot: CheckpointMessage
+
+
+class TaskActor(Actor[Event]):
+    def __init__(
+        self,
+        config: TaskConfig,
+        *,
+        sync_log: SyncLog,
+        source: ChangeStreamSource,
+        sink: Sink,
+        supervisor: Supervisor,
+        stream_start: int,
+        clock: Callable[[], int] = wall_micros,
+        mailbox: int = 4096,
+        publish_timeout: float = 10.0,
+        rng: Random | None = None,
+    ) -> None:
+        super().__init__(f"task:{config.task_id}", capacity=mailbox)
+        self.core = TaskCore(config, rng or Random())
+        self.sync_log = sync_log
+        self.source = source
+        self.sink = sink
+        self.supervisor = supervisor
+        self.clock = clock
+        self.stream_start = stream_start
+        self.readers: dict[str, PartitionReader] = {}
+        self.leader: LeaderActor | None = None
+        self.lease_until_mono = 0.0
+        self._outbox: asyncio.Queue[SyncMessage] = asyncio.Queue(10_000)
+        self._publish_timeout = publish_timeout
+        self.markers: dict[str, asyncio.Event] = {}
+        self.last_offset = -1
+        self.readers_idle = asyncio.Event()
+        self.readers_idle.set()
+
+    # -- mailbox ------------------------------------------------------------------------------
+    async def receive(self, message: Event) -> None:
+        if isinstance(message, SyncRead):
+            self.last_offset = message.offset
+            if isinstance(message.message, MarkerMessage):
+                seen = self.markers.get(message.message.marker)
+                if seen is not None:
+                    seen.set()
+        for command in self.core.handle(message, self.clock()):
+            self.execute(command)
+
+    def report(self, event: Event) -> None:
+        """For readers: queue an event without waiting (their mailboxes are tiny)."""
+        if self.alive:
+            self.tell_nowait(event)
+
+    def permit(self) -> bool:
+        return time.monotonic() < self.lease_until_mono and self.core.member
+
+    def execute(self, command: Command) -> None:
+        match command:
+            case Publish():
+                self._outbox.put_nowait(command.message)
+            case StartReader():
+                self._start_reader(command)
+            case StopReader():
+                reader = self.readers.get(command.token)
+                if reader is not None:
+                    reader.request_stop(command.reason, drain=command.reason == "handoff")
+            case RequestPlan():
+                if self.leader is not None:
+                    snapshot = self.core.cim.checkpoint(self.core.me, self.clock())
+                    self.leader.tell_nowait(PlanRequest(command, snapshot))
+
+    def _start_reader(self, command: StartReader) -> None:
+        token = command.token
+        old = self.readers.get(token)
+        if old is not None and old.alive:
+            log.error("task %s: reader for %s still running", self.core.me, token)
+            return
+        reader = PartitionReader(
+            token,
+            command.start_ts,
+            source=self.source,
+            sink=self.sink,
+            report=self.report,
+            permit=self.permit,
+        )
+        self.readers[token] = reader
+        self.readers_idle.clear()
+        self.supervisor.start_soon(self._run_reader(reader), name=reader.name, daemon=True)
+
+    async def _run_reader(self, reader: PartitionReader) -> None:
+        try:
+            await reader.run()
+        finally:
+            if self.readers.get(reader.token) is reader:
+                del self.readers[reader.token]
+            if not self.readers:
+                self.readers_idle.set()
+
+    # -- publishing ---------------------------------------------------------------------------
+    async def publish_loop(self) -> None:
+        """Append the core's messages to the sync topic, in order, each within a bounded time."""
+        while True:
+            message = await self._outbox.get()
+            payload = messages.encode(message)
+            try:
+                async with asyncio.timeout(self._publish_timeout):
+                    offset = await self.sync_log.append(payload)
+            except Exception as exc:
+                log.exception("task %s: sync append failed", self.core.me)
+                await self.tell(PublishFailed(f"{type(exc).__name__}: {exc}"))
+                continue
+            if isinstance(message, CheckpointMessage):
+                await self.sync_log.record_checkpoint(offset)
+
+    async def tail_loop(self, start: int) -> None:
+        """Every sync message from ``start`` on, into the mailbox; bad ones are counted."""
+        async for offset, payload in self.sync_log.read(start):
+            try:
+                message = messages.decode(payload)
+            except messages.SyncDecodeError as exc:
+                log.warning("sync offset %d skipped: %s", offset, exc)
+                await self.tell(SyncBad(offset, exc.reason))
+                continue
+            await self.tell(SyncRead(offset, message))
+
+    async def membership_loop(self, membership: Membership) -> None:
+        from protocol.task import Joined, Lost
+        from runtime.ports import GroupAssignment
+
+        async for event in membership.events():
+            if isinstance(event, GroupAssignment):
+                self.lease_until_mono = membership.lease_valid_until()
+                await self.tell(self._lease_event())
+                await self.tell(Joined(event.generation, event.leader, event.members))
+            else:
+                await self.tell(Lost(event.reason))
+
+    def _lease_event(self) -> Lease:
+        remaining = self.lease_until_mono - time.monotonic()
+        return Lease(self.clock() + int(remaining * 1_000_000))
+
+    async def marker(self, timeout: float) -> None:
+        """Write a marker and wait until it is read back: everything before it is in the CIM."""
+        marker = f"{self.core.me}:{Random().getrandbits(64):016x}"
+        seen = self.markers[marker] = asyncio.Event()
+        payload = messages.encode(MarkerMessage(task_id=self.core.me, marker=marker))
+        await self.sync_log.append(payload)
+        try:
+            async with asyncio.timeout(timeout):
+                await seen.wait()
+        finally:
+            del self.markers[marker]
+
+
+class LeaderActor(Actor[PlanRequest]):
+    def __init__(
+        self, task: TaskActor, source: ChangeStreamSource, cap: int, rng: Random | None = None
+    ) -> None:
+        super().__init__(f"leader:{task.core.me}", capacity=16)
+        self.task = task
+        self.source = source
+        self.cap = cap
+        self.rng = rng or Random()
+
+    async def receive(self, message: PlanRequest) -> None:
+        from protocol.task import PlanReady
+
+        request = message.request
+        roots: tuple[Partition, ...] = ()
+        stream_start = -1
+        if request.need_roots:
+            stream_start = self.task.stream_start
+            roots = await self.discover_roots(stream_start)
+        cim = Cim()
+        cim.apply(message.snapshot.as_of + 1, message.snapshot)
+        result = await asyncio.to_thread(
+            planner.plan,
+            cim,
+            request.members,
+            self.task.core.me,
+            request.generation,
+            self.task.clock(),
+            self.cap,
+            Random(self.rng.getrandbits(64)),
+            roots,
+            stream_start,
+        )
+        log.info(
+            "leader %s: epoch %d plan: %d offers, %d adopted",
+            self.task.core.me,
+            request.generation,
+            len(result.offers),
+            len(result.adopt),
+        )
+        await self.task.tell(PlanReady(result))
+
+    async def discover_roots(self, start: int) -> tuple[Partition, ...]:
+        roots: list[Partition] = []
+        async for batch in self.source.query(None, start, None):
+            for record in batch:
+                if isinstance(record, ChildPartitions):
+                    roots += [
+                        Partition(token=c.token, start_ts=record.start_ts, parents=())
+                        for c in record.children
+                    ]
+        return tuple(roots)
+
+
+class NegotiatorActor(Actor[Tick]):
+    """Paces the sharing protocol: lease renewal and a tick every ``interval`` seconds."""
+
+    def __init__(self, task: TaskActor, membership: Membership, interval: float) -> None:
+        super().__init__(f"negotiator:{task.core.me}", capacity=4)
+        self.task = task
+        self.membership = membership
+        self.interval = interval
+
+    async def receive(self, message: Tick) -> None:
+        self.task.lease_until_mono = self.membership.lease_valid_until()
+        await self.task.tell(self.task._lease_event())
+        await self.task.tell(message)
+
+    async def pace(self) -> None:
+        while self.alive:
+            await self.tell(Tick())
+            await asyncio.sleep(self.interval)

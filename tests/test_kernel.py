@@ -1,0 +1,94 @@
+"""The actor kernel: bounded mailboxes, tell/ask, lifecycle, failures that propagate."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.kernel import Actor, ActorDead, MailboxFull, Supervisor
+
+
+class Echo(Actor[object]):
+    def __init__(self, capacity: int = 2) -> None:
+        super().__init__("echo", capacity)
+        self.seen: list[object] = []
+        self.stopped = False
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def receive(self, message: object) -> object:
+        await self.gate.wait()
+        if message == "boom":
+            raise ValueError("boom")
+        self.seen.append(message)
+        return ("echo", message)
+
+    async def on_stop(self) -> None:
+        self.stopped = True
+
+
+@pytest.mark.asyncio
+async def test_tell_and_ask_in_order() -> None:
+    async with Supervisor() as sup:
+        echo = Echo(capacity=8)
+        await sup.spawn(echo)
+        await echo.tell(1)
+        assert await echo.ask(2, timeout=1) == ("echo", 2)
+        assert echo.seen == [1, 2]
+    assert echo.stopped
+    assert not echo.alive
+
+
+@pytest.mark.asyncio
+async def test_bounded_mailbox_pushes_back() -> None:
+    async with Supervisor() as sup:
+        echo = Echo(capacity=2)
+        echo.gate.clear()
+        await sup.spawn(echo)
+        echo.tell_nowait(1)  # taken by the loop, blocked in receive
+        await asyncio.sleep(0)
+        echo.tell_nowait(2)
+        echo.tell_nowait(3)
+        with pytest.raises(MailboxFull):
+            echo.tell_nowait(4)
+        blocked = asyncio.ensure_future(echo.tell(4))
+        await asyncio.sleep(0.01)
+        assert not blocked.done()  # backpressure: tell waits for room
+        echo.gate.set()
+        await asyncio.wait_for(blocked, 1)
+        assert await echo.ask(5, timeout=1) == ("echo", 5)
+        assert echo.seen == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.asyncio
+async def test_stop_fails_pending_asks_and_later_sends() -> None:
+    async with Supervisor() as sup:
+        echo = Echo(capacity=8)
+        echo.gate.clear()
+        await sup.spawn(echo)
+        first = asyncio.ensure_future(echo.ask("first"))
+        await asyncio.sleep(0)
+        echo.stop()
+        # Queued behind the stop: never handled.
+        late = asyncio.ensure_future(echo.ask("late"))
+        await asyncio.sleep(0)
+        echo.gate.set()
+        assert await first == ("echo", "first")
+        with pytest.raises(ActorDead, match="echo"):
+            await late
+        with pytest.raises(ActorDead):
+            await echo.tell("after")
+
+
+@pytest.mark.asyncio
+async def test_a_failure_reaches_the_asker_and_the_supervisor() -> None:
+    with pytest.raises(ExceptionGroup) as info:
+        async with Supervisor() as sup:
+            echo = Echo(capacity=8)
+            await sup.spawn(echo)
+            with pytest.raises(ValueError, match="boom"):
+                await echo.ask("boom", timeout=1)
+            await asyncio.sleep(1)  # the group cancels this block
+    assert info.group_contains(ValueError)
+    assert echo.stopped

@@ -1,0 +1,122 @@
+"""Several task nodes (the real actors around the real cores) over the in-memory ports: the
+partitions spread, every record reaches the sink, a node that leaves hands its partitions over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack
+
+import pytest
+
+from actors.node import NodeConfig, TaskNode
+from protocol.records import ChangeRecord, ChildPartitions, Heartbeat
+from protocol.task import TaskConfig
+from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
+from runtime.ports import Membership
+from runtime.simstream import StreamModel, StreamParams
+
+
+class ModelSource:
+    """The stream model in accelerated wall time (a stand-in until the simulator source)."""
+
+    def __init__(self, model: StreamModel, speed: float) -> None:
+        self.model = model
+        self.speed = speed
+        self.t0 = time.monotonic()
+
+    def now(self) -> int:
+        return self.model.params.start_ts + int((time.monotonic() - self.t0) * self.speed * 1e6)
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        if token is None:
+            yield [self.model.root_record()]
+            return
+        pos = start_ts
+        while True:
+            now = self.now()
+            records = list(self.model.records(token, pos, now))
+            yield [*records, Heartbeat(now)] if records else [Heartbeat(now)]
+            if any(isinstance(r, ChildPartitions) for r in records):
+                return
+            pos = now + 1
+            await asyncio.sleep(0.02)
+
+
+async def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_three_nodes_share_and_hand_over() -> None:
+    params = StreamParams(
+        seed=7,
+        roots=9,
+        round_us=2_000_000,
+        split_p=0.1,
+        merge_p=0.1,
+        move_p=0.05,
+        records_per_s=20,
+    )
+    model = StreamModel(params)
+    source = ModelSource(model, speed=4.0)
+    log = MemorySyncLog()
+    group = MemoryGroup(rebalance_delay=0.1, session_timeout=2.0)
+    sink = MemorySink(commit_delay=0.01)
+
+    async def join(task_id: str) -> Membership:
+        return group.join(task_id)
+
+    def node(name: str) -> TaskNode:
+        config = NodeConfig(
+            task=TaskConfig(task_id=name, answer_timeout=500_000, publish_interval=100_000),
+            stream_start=params.start_ts,
+            tick_interval=0.05,
+        )
+        return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)
+
+    nodes = [node(f"n{i}") for i in range(3)]
+    async with AsyncExitStack() as stack:
+        for n in nodes:
+            await stack.enter_async_context(n)
+
+        def balanced() -> bool:
+            owned = [n.status().owned for n in nodes]
+            readers = [set(n.task.readers) if n.task else set() for n in nodes]
+            union = set().union(*readers)
+            return (
+                sum(owned) > 0
+                and max(owned) - min(owned) <= 1
+                and (sum(len(r) for r in readers) == len(union))
+            )
+
+        await _wait_for(balanced, 20)
+        assert all(n.status().epoch >= 0 for n in nodes)
+        leaders = {n.status().leader for n in nodes}
+        assert len(leaders) == 1
+
+        # n0 leaves: its partitions are handed to the others.
+        survivors = nodes[1:]
+        await nodes[0].__aexit__(None, None, None)  # leaves the group
+        await _wait_for(
+            lambda: all("n0" not in n.task.core.cim.members for n in survivors if n.task), 10
+        )
+        await asyncio.sleep(1.0)
+        horizon = source.now() - 2_000_000
+        await _wait_for(lambda: {r.identity for r in model.expected(horizon)} <= set(sink.rows), 20)
+        owners: dict[str, str] = {}
+        for n in survivors:
+            assert n.task is not None
+            for token in n.task.core.owned_unfinished():
+                assert token not in owners, f"{token} owned twice"
+                owners[token] = n.task_id
+        live = {t for t, i in model.partitions.items() if i.end_ts is None and i.start_ts < horizon}
+        assert live <= set(owners)
+        assert len(sink.rows) > 50
+        assert any(n.status().counters.get("picked_up", 0) for n in survivors)
