@@ -70,7 +70,13 @@ from protocol.retry import (
     Tick,
     from_log,
 )
-from protocol.routing import CompositeTopic, key_hash
+from protocol.routing import (
+    CompositeTopic,
+    StorageTopic,
+    key_hash,
+    partitions_for_shard,
+    shard_of_partition,
+)
 from runtime.kafka import KafkaConfig, ensure_topic
 from runtime.ports import SinkBatch
 
@@ -160,7 +166,14 @@ FailureInjector = Callable[[OutputRecord, int], str | None]
 class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Topics and behaviour of one output sink. The output composite topic defaults to one
     storage topic ``name`` of ``partitions`` partitions; RQ and DLQ are ``<name>_rq`` and
-    ``<name>_dlq`` (``rq_partitions``, ``dlq_partitions``)."""
+    ``<name>_dlq`` (``rq_partitions``, ``dlq_partitions``).
+
+    The RQ and DLQ are scaled copies of the output topic's base (``P / K`` of the storage topic
+    produced to) when their partition count is a multiple of it (``K = r / base``, else 1), so a
+    key's RQ/DLQ partition belongs to the same shard as its output partition. With
+    ``shard_count > 1`` this sink is shard ``shard_id``: it accepts only keys whose output
+    partition is in its range, and resumes only its ranges of the RQ and DLQ. The seed asks that
+    ``shard_count`` divide the output base and the RQ/DLQ partition counts; this is checked."""
 
     name: str
     partitions: int = 4
@@ -172,23 +185,67 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
     linger_ms: int = 2
     fetch_max_wait_ms: int = 50
     load_timeout_s: float = 60.0
+    close_timeout_s: float = 10.0  # a clean exit waits this long for unsettled records
     seed: int = 0
+    shard_id: int = 0
+    shard_count: int = 1
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("the sink needs a topic name")
-        for n in ("partitions", "rq_partitions", "dlq_partitions", "max_unsettled"):
-            if getattr(self, n) <= 0:
-                raise ValueError(f"{n} must be positive")
+        for attr in (
+            "partitions",
+            "rq_partitions",
+            "dlq_partitions",
+            "max_unsettled",
+            "shard_count",
+        ):
+            if getattr(self, attr) <= 0:
+                raise ValueError(f"{attr} must be positive")
+        if not 0 <= self.shard_id < self.shard_count:
+            raise ValueError(f"shard_id {self.shard_id} out of range for {self.shard_count} shards")
+        base = self.output_topic().producing.base
+        for label, n in (
+            ("output base", base),
+            ("rq_partitions", self.rq_partitions),
+            ("dlq_partitions", self.dlq_partitions),
+        ):
+            if n % self.shard_count:
+                raise ValueError(f"shard_count {self.shard_count} must divide the {label} ({n})")
+
+    def _internal(self, name: str, partitions: int) -> CompositeTopic:
+        base = self.output_topic().producing.base
+        k = partitions // base if partitions % base == 0 else 1
+        return CompositeTopic(name, (StorageTopic(name, partitions, k),))
+
+    def owns(self, key: str) -> bool:
+        """Whether this shard owns ``key`` (its output partition is in the shard's range)."""
+        if self.shard_count == 1:
+            return True
+        table, keys = split_key(key)
+        out = self.output_topic()
+        _, partition = out.route(key_hash(table, keys))
+        return shard_of_partition(partition, out.producing.partitions, self.shard_count) == (
+            self.shard_id
+        )
+
+    def internal_partitions(self) -> list[tuple[str, int]]:
+        """(topic, partition) of the RQ and DLQ this shard reads."""
+        return [
+            (st.name, p)
+            for t in (self.rq_topic(), self.dlq_topic())
+            for st in t.storage_topics
+            for p in partitions_for_shard(self.shard_id, st.partitions, self.shard_count)
+        ]
 
     def output_topic(self) -> CompositeTopic:
         return self.output or CompositeTopic.create(self.name, self.partitions)
 
     def rq_topic(self) -> CompositeTopic:
-        return CompositeTopic.create(f"{self.name}_rq", self.rq_partitions)
+        return self._internal(f"{self.name}_rq", self.rq_partitions)
 
     def dlq_topic(self) -> CompositeTopic:
-        return CompositeTopic.create(f"{self.name}_dlq", self.dlq_partitions)
+        return self._internal(f"{self.name}_dlq", self.dlq_partitions)
 
 
 class KafkaSinkStats(msgspec.Struct, frozen=True):
@@ -222,23 +279,34 @@ class _Loaded(msgspec.Struct):
     payloads: dict[str, bytes]
 
 
+async def _check_partitions(producer: AIOKafkaProducer, topic: CompositeTopic) -> None:
+    for st in topic.storage_topics:
+        found = await producer.partitions_for(st.name)
+        if set(found) != set(range(st.partitions)):
+            raise SinkError(
+                f"topic {st.name!r} has partitions {sorted(found)}, the sink expects "
+                f"{st.partitions}: routing would change; fix the configuration or the topic"
+            )
+
+
 async def _load_internal(
     config: KafkaConfig,
     producer: AIOKafkaProducer,
-    topics: Sequence[str],
+    partitions: Sequence[tuple[str, int]],
     *,
     fetch_max_wait_ms: int,
     timeout_s: float,
 ) -> _Loaded:
-    """Read every partition of ``topics`` from the beginning up to a fresh marker."""
+    """Read ``partitions`` from the beginning up to a fresh marker written to each."""
     marker = uuid.uuid4().hex
     want: dict[TopicPartition, int] = {}
     raw_marker = _int_encoder.encode(InternalMessage(marker=marker))
-    for topic in topics:
-        parts = await producer.partitions_for(topic)
-        for p in sorted(parts):
-            meta = await producer.send_and_wait(topic, raw_marker, partition=p)
-            want[TopicPartition(topic, p)] = meta.offset
+    sends = [
+        (TopicPartition(t, p), await producer.send(t, raw_marker, partition=p))
+        for t, p in partitions
+    ]
+    for tp, fut in sends:
+        want[tp] = (await fut).offset
     entries: list[LogEntry] = []
     payloads: dict[str, tuple[int, bytes]] = {}
     consumer = AIOKafkaConsumer(
@@ -375,6 +443,18 @@ class KafkaSink:
         tb: TracebackType | None,
     ) -> None:
         if exc_type is None and self._driver is not None and not self._driver.done():
+            try:
+                async with asyncio.timeout(self.sink_config.close_timeout_s):
+                    await self.wait_idle(include_rq=False)
+            except TimeoutError:
+                log.warning(
+                    "%r: closing with %d record(s) unsettled after %.1f s; their batches fail",
+                    self,
+                    len(self._waiters),
+                    self.sink_config.close_timeout_s,
+                )
+            except SinkError as err:  # the driver failed: the task group below raises it
+                log.warning("%r: closing a failed sink: %s", self, err)
             self._queue.put_nowait(_Stop())
         elif self._driver is not None:
             self._driver.cancel()
@@ -406,10 +486,12 @@ class KafkaSink:
         self._producer = producer
         try:
             await producer.start()
+            for topic in (self.output, self.rq, self.dlq):
+                await _check_partitions(producer, topic)
             loaded = await _load_internal(
                 self._config,
                 producer,
-                [st.name for t in (self.rq, self.dlq) for st in t.storage_topics],
+                self.sink_config.internal_partitions(),
                 fetch_max_wait_ms=self.sink_config.fetch_max_wait_ms,
                 timeout_s=self.sink_config.load_timeout_s,
             )
@@ -450,6 +532,12 @@ class KafkaSink:
         self._check_alive()
         loop = asyncio.get_running_loop()
         records = [r for change in batch.records for r in output_records(change)]
+        for rec in records:
+            if not self.sink_config.owns(rec.key):
+                raise ValueError(
+                    f"record {rec.record_id} (key {rec.key}) belongs to another shard than "
+                    f"{self.sink_config.shard_id} of {self.sink_config.shard_count}"
+                )
         tracker = _Batch(len(records), loop.create_future())
         if not records:
             tracker.future.set_result(None)
@@ -714,11 +802,10 @@ async def list_dlq(config: KafkaConfig, sink: KafkaSinkConfig) -> list[DlqRecord
     producer = AIOKafkaProducer(**config.client_kwargs(), acks="all", enable_idempotence=False)
     await producer.start()
     try:
-        topics = [st.name for t in (sink.rq_topic(), sink.dlq_topic()) for st in t.storage_topics]
         loaded = await _load_internal(
             config,
             producer,
-            topics,
+            sink.internal_partitions(),
             fetch_max_wait_ms=sink.fetch_max_wait_ms,
             timeout_s=sink.load_timeout_s,
         )
@@ -750,4 +837,4 @@ async def replay_dlq(
                 dead = {d.record_id for d in s.dlq_records()}
                 if not any(s.holds(rid) and rid not in dead for rid in chosen):
                     return chosen
-                await s.wait_idle()
+                await asyncio.sleep(0.05)

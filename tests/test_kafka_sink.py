@@ -8,13 +8,14 @@ import asyncio
 import json
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from protocol.records import ColumnType, DataChange, Mod
 from protocol.retry import RetryPolicy
-from protocol.routing import key_hash, router
+from protocol.routing import key_hash, router, shard_of_partition
 from runtime.kafka import KafkaConfig
 from runtime.kafka_sink import (
     KafkaSink,
@@ -25,7 +26,7 @@ from runtime.kafka_sink import (
     output_records,
     replay_dlq,
 )
-from runtime.ports import SinkBatch
+from runtime.ports import Sink, SinkBatch
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
@@ -278,3 +279,99 @@ async def test_redelivered_records_held_in_the_rq_settle_at_once(
         after = sink.statistics()
         assert after.held == before.held == 3
         assert after.rq_writes == before.rq_writes
+
+
+# -- sharding (design 003: RQ/DLQ are shard consistent with the output topic) ---------------------
+
+
+@pytest.mark.parametrize(
+    ("partitions", "rq", "dlq", "shards"),
+    [(4, 8, 4, 2), (4, 8, 4, 4), (6, 12, 6, 3), (12, 24, 12, 6), (2, 10, 2, 2)],
+)
+def test_rq_and_dlq_partitions_stay_in_the_keys_shard(
+    partitions: int, rq: int, dlq: int, shards: int
+) -> None:
+    cfg = KafkaSinkConfig(name="o", partitions=partitions, rq_partitions=rq, dlq_partitions=dlq)
+    out, rqt, dlqt = cfg.output_topic(), cfg.rq_topic(), cfg.dlq_topic()
+    assert rqt.storage_topics[0].k == rq // partitions
+    for k in range(500):
+        h = key_hash("T", json.dumps({"id": str(k)}))
+        owners = {
+            shard_of_partition(t.route(h)[1], t.producing.partitions, shards)
+            for t in (out, rqt, dlqt)
+        }
+        assert len(owners) == 1
+        sid = owners.pop()
+        for other in range(shards):
+            shard = KafkaSinkConfig(
+                name="o",
+                partitions=partitions,
+                rq_partitions=rq,
+                dlq_partitions=dlq,
+                shard_id=other,
+                shard_count=shards,
+            )
+            assert shard.owns(kname(k)) == (other == sid)
+
+
+def test_sink_config_checks_the_seed_rules() -> None:
+    with pytest.raises(ValueError, match="must divide the rq_partitions"):
+        KafkaSinkConfig(name="o", partitions=4, rq_partitions=6, shard_count=4)
+    with pytest.raises(ValueError, match="must divide the output base"):
+        KafkaSinkConfig(name="o", partitions=6, rq_partitions=12, dlq_partitions=12, shard_count=4)
+    with pytest.raises(ValueError, match="out of range"):
+        KafkaSinkConfig(name="o", shard_id=2, shard_count=2)
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+async def test_each_shard_resumes_only_its_own_rq(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    slow = RetryPolicy(max_attempts=50, base_backoff=5.0, max_backoff=5.0)
+    shards = [
+        KafkaSinkConfig(
+            name=connector,
+            partitions=4,
+            rq_partitions=4,
+            dlq_partitions=4,
+            policy=slow,
+            shard_id=s,
+            shard_count=2,
+        )
+        for s in range(2)
+    ]
+    changes = workload(keys=12, per_key=2)
+    mine = {s: [c for c in changes if shards[s].owns(output_records(c)[0].key)] for s in range(2)}
+    assert mine[0]
+    assert mine[1]
+    async with KafkaSink(kafka_config, shards[0], inject=failing(set(range(12)))) as s0:
+        with pytest.raises(ValueError, match="another shard"):
+            await s0.put(SinkBatch("tok", tuple(mine[1][:1]), watermark=0))
+        await put_all(s0, mine[0])
+        held = s0.statistics().held
+        assert held == len(mine[0])
+        await s0.abort()
+    async with KafkaSink(kafka_config, shards[1]) as s1:
+        assert s1.statistics().held == 0
+    async with KafkaSink(kafka_config, shards[0]) as s0:
+        assert s0.statistics().held == held
+
+
+def test_kafka_sink_is_a_sink() -> None:
+    sink: Sink = KafkaSink(
+        KafkaConfig(bootstrap_servers="localhost:9092"), KafkaSinkConfig(name="o")
+    )
+    assert isinstance(sink, KafkaSink)
+
+
+def test_output_records_one_per_mod() -> None:
+    c = change(1, 2)
+    two = DataChange(
+        **{f: getattr(c, f) for f in c.__struct_fields__ if f != "mods"},
+        mods=(c.mods[0], Mod(keys='{"id": "9"}', new_values="{}", old_values="{}")),
+    )
+    recs = output_records(two)
+    assert [r.record_id for r in recs] == [f"{c.commit_ts}/tx-1-2/00000002/{i}" for i in (0, 1)]
+    assert [r.key for r in recs] == [kname(1), kname(9)]
+    assert decode_output(msgspec.json.encode(recs[0])) == recs[0]
