@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -16,6 +19,7 @@ from aiokafka.structs import TopicPartition
 from protocol.records import ColumnType, DataChange, Mod
 from protocol.retry import RetryPolicy
 from protocol.routing import key_hash, router, shard_of_partition
+from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig
 from runtime.kafka_sink import (
     KafkaSink,
@@ -375,3 +379,69 @@ def test_output_records_one_per_mod() -> None:
     assert [r.record_id for r in recs] == [f"{c.commit_ts}/tx-1-2/00000002/{i}" for i in (0, 1)]
     assert [r.key for r in recs] == [kname(1), kname(9)]
     assert decode_output(msgspec.json.encode(recs[0])) == recs[0]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+_CHILD = """
+import asyncio, sys
+from protocol.retry import RetryPolicy
+from runtime.kafka import KafkaConfig
+from runtime.kafka_sink import KafkaSink, KafkaSinkConfig
+from tests.test_kafka_sink import failing, put_all, workload
+
+async def main() -> None:
+    config = KafkaConfig.embedded(sys.argv[1])
+    policy = RetryPolicy(max_attempts=50, base_backoff=0.2, max_backoff=0.3)
+    cfg = KafkaSinkConfig(name=sys.argv[2], partitions=3, rq_partitions=3, dlq_partitions=3,
+                          policy=policy)
+    async with KafkaSink(config, cfg, inject=failing({1, 5})) as sink:
+        await put_all(sink, workload(keys=12, per_key=6), batch=10)
+        print("settled", sink.statistics().held, flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+async def test_a_sigkilled_sink_process_loses_nothing_from_its_rq(
+    kafka_broker: EmbeddedBroker, kafka_config: KafkaConfig, connector: str
+) -> None:
+    repo = REPO
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CHILD,
+        kafka_broker.bootstrap,
+        connector,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            line = await proc.stdout.readline()
+        assert line.split() == [b"settled", b"12"]
+        await asyncio.sleep(0.5)  # retries under way when it dies
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+    changes = workload(keys=12, per_key=6)
+    want = expected_ids(changes)
+    cfg = KafkaSinkConfig(name=connector, partitions=3, rq_partitions=3, dlq_partitions=3)
+    async with KafkaSink(kafka_config, cfg) as sink:
+        assert sink.statistics().held == 12
+        async with asyncio.timeout(20):
+            await sink.wait_idle()
+        assert sink.statistics().held == 0
+    got = await read_output(kafka_config, connector, 3, want=72)
+    firsts: dict[str, int] = {}
+    for i, (_, r) in enumerate(got):
+        firsts.setdefault(r.record_id, i)
+    assert set(firsts) == {rid for ids in want.values() for rid in ids}, "records lost"
+    for k, ids in want.items():
+        assert sorted(ids, key=lambda rid: firsts[rid]) == ids, f"key {k} out of order"
