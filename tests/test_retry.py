@@ -342,3 +342,68 @@ TestReleasingRetryMachine = ReleasingRetryMachine.TestCase
 TestReleasingRetryMachine.settings = settings(
     max_examples=300, stateful_step_count=60, deadline=None
 )
+
+
+# --- every state x event: a legal transition or a clear protocol error ---------------------------
+
+
+def _state(name: str) -> tuple[RetryCore, str]:
+    """A core with key ``k`` in state ``name`` and the id of the record that state is about."""
+    core = RetryCore(FIXED)
+    if name == "idle":
+        return core, "a"
+    core.handle(Deliver("a", "k"), 0)
+    if name == "in-flight":
+        return core, "a"
+    core.handle(DeliveryFailed("a", "e"), 0)
+    if name == "rq-waiting":
+        return core, "a"
+    core.handle(Tick(), 1)
+    if name == "rq-in-flight":
+        return core, "a"
+    core.handle(DeliveryFailed("a", "e"), 1)
+    core.handle(Tick(), 10)
+    core.handle(DeliveryFailed("a", "e"), 10)
+    assert name == "dead-lettered"
+    return core, "a"
+
+
+STATES = ("idle", "in-flight", "rq-waiting", "rq-in-flight", "dead-lettered")
+LEGAL = {
+    ("idle", "deliver"),
+    ("idle", "tick"),
+    ("in-flight", "deliver"),
+    ("in-flight", "ok"),
+    ("in-flight", "failed"),
+    ("in-flight", "tick"),
+    ("rq-waiting", "deliver"),
+    ("rq-waiting", "tick"),
+    ("rq-in-flight", "deliver"),
+    ("rq-in-flight", "ok"),
+    ("rq-in-flight", "failed"),
+    ("rq-in-flight", "tick"),
+    ("dead-lettered", "deliver"),
+    ("dead-lettered", "tick"),
+    ("dead-lettered", "replay"),
+    ("dead-lettered", "discard"),
+}
+
+
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("kind", ["deliver", "ok", "failed", "tick", "replay", "discard"])
+def test_every_state_and_event(state: str, kind: str) -> None:
+    core, rid = _state(state)
+    event: Event = {
+        "deliver": Deliver("b", "k"),
+        "ok": DeliveryOk(rid),
+        "failed": DeliveryFailed(rid, "x"),
+        "tick": Tick(),
+        "replay": ReplayDlq(rid),
+        "discard": DiscardDlq(rid),
+    }[kind]
+    if (state, kind) in LEGAL:
+        core.handle(event, 20)
+    else:
+        with pytest.raises(RetryProtocolError):
+            core.handle(event, 20)
+    core.validate()
