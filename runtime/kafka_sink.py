@@ -261,6 +261,7 @@ class KafkaSinkStats(msgspec.Struct, frozen=True):
     held: int  # in flight, waiting, in the RQ or in the DLQ
     in_dlq: int
     loaded_entries: int  # log entries read back at start
+    missing_payloads: int  # resumed records whose payload was not found (they will fail)
 
 
 class DlqRecord(msgspec.Struct, frozen=True):
@@ -631,6 +632,7 @@ class KafkaSink:
             held=core.held,
             in_dlq=len(self._core.dlq_records()),
             loaded_entries=self._n.loaded,
+            missing_payloads=self._n.missing_payloads,
         )
 
     # -- the driver ------------------------------------------------------------------------
