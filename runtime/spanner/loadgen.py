@@ -71,6 +71,7 @@ class LoadGenerator:
         *,
         seed: int = 0,
         max_keys: int = 3,
+        first_key: int | None = None,
         on_close: Any = None,
     ) -> None:
         if not tables:
@@ -80,7 +81,8 @@ class LoadGenerator:
         self._rng = random.Random(seed)
         self._max_keys = max_keys
         self._live: dict[str, list[int]] = {t: [] for t in self.tables}
-        self._next_key = 1
+        # generators with different seeds can share tables: their key ranges do not overlap
+        self._next_key = seed * 1_000_000_000 + 1 if first_key is None else first_key
         self._version = 0
         self._on_close = on_close
         self.committed: list[Committed] = []

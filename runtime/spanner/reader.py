@@ -37,7 +37,7 @@ import contextlib
 import datetime as _dt
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -214,7 +214,7 @@ class SpannerSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[list[ChangeRecord]]:
+    ) -> AsyncGenerator[list[ChangeRecord], None]:
         """Records of partition ``token`` from ``start_ts`` (inclusive) on, in batches of at most
         ``max_batch``, as the server sends them; ends when the partition ends or at ``end_ts``."""
         if self._closed:
