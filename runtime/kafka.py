@@ -797,6 +797,7 @@ class KafkaMembership:
         self._current: GroupAssignment | None = None  # None: not a member
         self._last_ok = -math.inf  # monotonic time of the last proof of membership
         self._joining = False
+        self._settled = asyncio.Event()  # set while no rebalance of this member is in flight
         # Counters.
         self._assignments = 0
         self._losses = 0
@@ -933,11 +934,24 @@ class KafkaMembership:
 
     async def _leave(self, consumer: AIOKafkaConsumer) -> None:
         coordinator = consumer._coordinator
-        # aiokafka skips LeaveGroup in generation 0, where the embedded broker starts counting:
-        # leave explicitly so the others do not wait a session timeout for us.
+        if self._joining:
+            # Leaving while our JoinGroup/SyncGroup is in flight can make the embedded broker
+            # elect the departed member leader of the next generation, which then never
+            # completes (seen with Tansu 0.6.0-510f3e2). Let the rebalance finish first.
+            wait_s = self._rebalance_timeout_ms / 1000 + 1.0
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._settled.wait()
+            except TimeoutError:
+                log.warning(
+                    "%r: leaving although its rebalance did not finish in %.1f s", self, wait_s
+                )
+        # aiokafka sends LeaveGroup only in a generation > 0. The embedded broker starts at 0,
+        # and a member closed while its JoinGroup is in flight has a member id but generation
+        # -1: leave explicitly then, or the others wait a whole session timeout for us.
         if (
             coordinator is not None
-            and coordinator.generation == 0
+            and coordinator.generation <= 0
             and coordinator.member_id != _UNKNOWN_MEMBER_ID
         ):
             try:
@@ -946,7 +960,9 @@ class KafkaMembership:
                         LeaveGroupRequest(self.group_id, coordinator.member_id)
                     )
             except (TimeoutError, KafkaError) as exc:
-                log.warning("%r: LeaveGroup (generation 0) failed: %r", self, exc)
+                log.warning(
+                    "%r: LeaveGroup (generation %d) failed: %r", self, coordinator.generation, exc
+                )
         await consumer.stop()
 
     # -- the background work -------------------------------------------------------------------
@@ -1027,12 +1043,14 @@ class KafkaMembership:
 
     def _rebalance_started(self) -> None:
         self._joining = True
+        self._settled.clear()
 
     def _rebalance_done(self) -> None:
         consumer = self._consumer
         assert consumer is not None
         coordinator = consumer._coordinator
         self._joining = False
+        self._settled.set()
         info = self._assignor.received
         if info is None:
             self._poll_errors += 1

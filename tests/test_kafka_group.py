@@ -210,3 +210,13 @@ async def test_unreachable_kafka_is_a_clear_error(connector: str) -> None:
     with pytest.raises(MembershipError, match="cannot start"):
         await membership.start()
     await membership.close()
+
+
+async def test_closed_members_leave_at_once(kafka_config: KafkaConfig, connector: str) -> None:
+    """Members closed right after the group formed (generation 0 on the embedded broker, or a
+    join still in flight) leave the group: a new group does not carry them until they expire."""
+    async with members(kafka_config, connector, ["old-a", "old-b"]) as group:
+        await next_assignment(group[0][1], lambda a: len(a.members) == 2)
+    async with members(kafka_config, connector, ["new-c", "new-d"]) as group:
+        view = await next_assignment(group[0][1], lambda a: {"new-c", "new-d"} <= set(a.members))
+        assert view.members == ("new-c", "new-d")
