@@ -497,7 +497,8 @@ class KafkaSyncLog:
         forever (no consumer group: assign + seek). A message with a null value reads as ``b""``.
 
         Close the iterator when done (``async with contextlib.aclosing(log.read(0)) as it``).
-        Raises :class:`SyncLogError` if ``start`` is no longer (or not yet) in the log.
+        Raises :class:`SyncLogError` if ``start`` is no longer in the log (retention) or, on a
+        real Kafka, beyond its end (the embedded broker just waits there).
         """
         if start < 0:
             raise ValueError(f"start offset must be >= 0, got {start}")
@@ -756,6 +757,13 @@ class KafkaMembership:
     this member is kept; :attr:`rebalance_in_progress` tells that case apart, and the next
     assignment renews the lease. Measured on the embedded broker (3000/1000 ms): the lease
     keeps >= ~0.5 s of headroom through ordinary joins, leaves and kills.
+
+    :meth:`close` leaves the group at once (others rebalance in ~2 s on the embedded broker
+    instead of waiting a session timeout); if this member's rebalance is in flight it first lets
+    it finish (at most the rebalance timeout + 1 s). ``rebalance_timeout_ms`` defaults to the
+    session timeout. Generations are the broker's: they start at 0 on the embedded broker, and
+    on a real Kafka they restart when an empty group's metadata is deleted, so do not use them
+    alone as an ever-increasing epoch across restarts of the whole connector.
     """
 
     def __init__(
