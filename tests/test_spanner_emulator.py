@@ -207,6 +207,44 @@ async def test_unavailable_mid_stream_is_resumed_by_the_client(mock_spanner: Moc
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+async def test_stopping_the_iterator_cancels_the_rpc(mock_spanner: MockSpanner, how: str) -> None:
+    """Closing the iterator early or cancelling the consuming task ends the server's stream."""
+    server_saw_end = threading.Event()
+
+    def script(request: Any, context: Any) -> Iterator[PartialResultSet]:
+        context.add_callback(server_saw_end.set)
+        yield _partial(row_value(heartbeats=["2026-11-22T10:00:01Z"]), first=True, resume=b"r1")
+        while context.is_active():  # a live partition: nothing more to say for now
+            time.sleep(0.01)
+
+    mock_spanner.servicer.script = script
+    async with await SpannerSource.connect(mock_spanner.config) as source:
+        it = source.query("tok-1", 0, None)
+        if how == "aclose":
+            assert await anext(it)
+            await it.aclose()
+        else:
+            first = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in it:
+                    first.set()
+
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(consume())
+                await first.wait()
+                await asyncio.sleep(0.05)  # now blocked reading the stream
+                task.cancel()
+        assert source.statistics().queries_active == 0
+        t0 = time.monotonic()
+        while not server_saw_end.is_set() and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        assert server_saw_end.is_set(), "the server still streams"
+        assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.asyncio
 async def test_undecodable_stream_is_a_non_retryable_error(mock_spanner: MockSpanner) -> None:
     def script(request: Any, context: Any) -> Iterator[PartialResultSet]:
         bad = change_record_type(("data_change_record", "heartbeat_record"))
