@@ -123,6 +123,7 @@ async def test_walk_reads_every_model_record_once() -> None:
     assert len(result.data) == len({r.identity for r in result.data}), "duplicates"
     assert sorted(r.identity for r in result.data) == sorted(r.identity for r in expected)
     assert len(result.partitions) > CHURNY.roots  # children were followed
+    assert any(len(parents) == 2 for _, parents in result.partitions.values())  # a merge
 
 
 @pytest.mark.asyncio
