@@ -21,10 +21,11 @@ task's CIM is the same at the same offset):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
+from protocol import lifecycle
 from protocol.messages import (
     CheckpointMessage,
     EpochMessage,
@@ -45,14 +46,18 @@ class TaskView(msgspec.Struct):
     share: dict[str, Share] = msgspec.field(default_factory=dict)
     epoch_seen: int = -1  # the newest epoch this task has written a message in
 
-    def load(self) -> int:
+    def load(self, waits: Callable[[Partition], bool] | None = None) -> int:
         """Unfinished partitions this task is responsible for, counted at their destination:
-        owned ones it is not moving away, and ones it is taking over."""
+        owned ones it is not moving away, and ones it is taking over. With ``waits``, owned
+        partitions that cannot be read yet (a merged child whose other parents have not
+        finished) do not count: they hold no reader, and counting them against a cap could
+        park the very parents they wait for (a deadlock the simulator found)."""
         moving = {t for t, s in self.share.items() if s.kind == "move"}
         return sum(
             1
             for t, p in self.partitions.items()
-            if p.status == "incoming" or (p.status == "owned" and t not in moving)
+            if p.status == "incoming"
+            or (p.status == "owned" and t not in moving and not (waits and waits(p)))
         )
 
 
@@ -155,6 +160,10 @@ class Cim:
     def view(self, task: str) -> TaskView:
         return self.tasks.get(task) or TaskView()
 
+    def waits(self, part: Partition) -> bool:
+        """An owned partition that is not readable yet: some parent has not finished."""
+        return not lifecycle.readable(part, self.find)
+
     def holders(self, token: str) -> Iterator[tuple[str, Partition]]:
         for task, view in self.tasks.items():
             part = view.partitions.get(token)
@@ -177,7 +186,7 @@ class Cim:
 
     def loads(self, members: Iterable[str]) -> dict[str, int]:
         """Each member's load, plus offers addressed to it that it has not picked up yet."""
-        loads = {m: self.view(m).load() for m in members}
+        loads = {m: self.view(m).load(self.waits) for m in members}
         for _, share in self.offers():
             target = share.target
             if target in loads and share.token not in self.view(target).partitions:

@@ -21,8 +21,9 @@ Rebalance
 Incremental messages
   A task writes only its own state, as the difference between what it has and what its earlier
   messages told the CIM. Ownership changes go out at once; watermark advances are coalesced for
-  ``publish_interval``. When the CIM ignores one of its messages (fenced by a newer epoch), the
-  task re-sends the difference against what the CIM really holds.
+  ``publish_interval``. When the CIM ignores one of its messages (fenced by a newer epoch), or
+  when all its messages are read back and the CIM's view of it still differs from what it has,
+  the task re-sends the difference against what the CIM really holds.
 
 Sharing and hand-off (``protocol/share.py``, ``protocol/handoff.py``)
   A ``new`` offer addressed to the task is picked up into its own state. A ``move`` offer is
@@ -119,6 +120,12 @@ class PlanReady(msgspec.Struct, frozen=True):
     plan: Plan
 
 
+class PublishFailed(msgspec.Struct, frozen=True):
+    """A message this task sent never reached the sync topic."""
+
+    error: str
+
+
 Event = (
     SyncRead
     | SyncBad
@@ -131,6 +138,7 @@ Event = (
     | ReaderStopped
     | ReaderFailed
     | PlanReady
+    | PublishFailed
 )
 
 # -- commands -------------------------------------------------------------------------------
@@ -213,6 +221,7 @@ class TaskCore:
         self._last_negotiate = -(10**18)
         self._last_checkpoint = -(10**18)
         self._last_state_ts = -1
+        self._inflight = 0  # own messages published and not yet read back
         self.counters: Counter[str] = Counter()
         self.log: deque[tuple[int, str]] = deque(maxlen=256)
 
@@ -245,6 +254,9 @@ class TaskCore:
                 self.counters["reader_failed"] += 1
             case PlanReady():
                 out += self._on_plan(event.plan, now)
+            case PublishFailed():
+                self.counters["publish_failed"] += 1
+                self._resync()
         out += self._step(now)
         return out
 
@@ -265,11 +277,21 @@ class TaskCore:
         message = event.message
         before_epoch = self.cim.epoch
         ignored = self.cim.apply(event.offset, message)
+        own = message.task_id == self.me and isinstance(message, StateMessage | EpochMessage)
+        if own:
+            self._inflight = max(0, self._inflight - 1)
         if ignored is not None:
             self.counters[f"sync_ignored.{ignored}"] += 1
-            if message.task_id == self.me and isinstance(message, StateMessage | EpochMessage):
+            if own:
                 self._resync()
             return
+        if own and self._inflight == 0:
+            view = self.cim.view(self.me)
+            if view.partitions != self._sent_parts or view.share != self._sent_share:
+                # every message is read back, yet the log holds something other than what
+                # they said (e.g. an answer written before an epoch that dropped this task
+                # landed after it): re-send the difference against the truth
+                self._resync()
         if isinstance(message, EpochMessage) and self.cim.epoch != before_epoch:
             self._on_epoch(now)
 
@@ -379,6 +401,7 @@ class TaskCore:
         state = self._diff(now, force=True)
         assert state is not None
         self._mark_sent(state)
+        self._inflight += 1
         return [
             Publish(
                 EpochMessage(
@@ -483,9 +506,10 @@ class TaskCore:
                 continue
             got = self.cim.view(target).partitions.get(token)
             taken = got is not None and got.status != "incoming"
-            if offer.kind == "new" and not taken:
+            if offer.kind == "new" and not taken and enabled:
                 # Someone else has it already (a task the group dropped does not count: its
-                # partitions are what the leader offers).
+                # partitions are what the leader offers). Judged only once the CIM holds this
+                # generation's epoch: before, it may still show claims that epoch removes.
                 taken = any(
                     t in self.members and p.status != "incoming" for t, p in self.cim.holders(token)
                 )
@@ -665,6 +689,7 @@ class TaskCore:
             return None
         self._mark_sent(state)
         self._last_publish = now
+        self._inflight += 1
         self.counters["messages_published"] += 1
         return StateMessage(
             task_id=self.me,
@@ -718,9 +743,14 @@ class TaskCore:
         loads[self.me] = sum(
             1
             for t, p in self.mine.items()
-            if p.status == "incoming" or (p.status == "owned" and t not in moving)
+            if p.status == "incoming"
+            or (p.status == "owned" and t not in moving and not self._waits(p))
         )
         return loads
+
+    def _waits(self, part: Partition) -> bool:
+        """Owned but not readable yet (see :meth:`Cim.waits`): it does not count against the cap."""
+        return not self.config.rules.readable(part, self._lookup)
 
     def owned_unfinished(self) -> Iterator[str]:
         for token, part in self.mine.items():

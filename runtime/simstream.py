@@ -11,7 +11,6 @@ be produced in any order and always comes out the same.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 
@@ -68,6 +67,7 @@ class StreamModel:
         self.partitions: dict[str, PartitionInfo] = {}
         self._live: list[str] = []
         self._rounds = 0  # boundaries generated: rounds 1.._rounds
+        self._cache: dict[tuple[str, int], list[DataChange]] = {}
         self.roots = tuple(self._new(()) for _ in range(params.roots))
 
     # -- topology ---------------------------------------------------------------------------
@@ -139,6 +139,15 @@ class StreamModel:
         return (ts - self.params.start_ts) // self.params.round_us
 
     def _round_records(self, token: str, r: int) -> list[DataChange]:
+        key = (token, r)
+        cached = self._cache.get(key)
+        if cached is None:
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            cached = self._cache[key] = self._make_round_records(token, r)
+        return cached
+
+    def _make_round_records(self, token: str, r: int) -> list[DataChange]:
         p = self.params
         rng = random.Random(f"{p.seed}:{token}:{r}")
         lo = self._boundary(r)
@@ -159,9 +168,9 @@ class StreamModel:
             mods = []
             for _ in range(1 + rng.randrange(p.max_mods)):
                 key = rng.randrange(1_000_000)
-                new = "{}" if mod_type == "DELETE" else json.dumps({"Name": f"n{key}", "Value": k})
-                old = "{}" if mod_type == "INSERT" else json.dumps({"Value": k - 1})
-                mods.append(Mod(json.dumps({"Id": key}), new, old))
+                new = "{}" if mod_type == "DELETE" else f'{{"Name":"n{key}","Value":{k}}}'
+                old = "{}" if mod_type == "INSERT" else f'{{"Value":{k - 1}}}'
+                mods.append(Mod(f'{{"Id":{key}}}', new, old))
             out.append(
                 DataChange(
                     commit_ts=ts,
