@@ -255,3 +255,4 @@ def close_sync_client(client: Any, databases: Sequence[Any] = ()) -> None:
         api = getattr(client, attr, None)
         if api is not None:
             api.transport.close()
+    client.close()

@@ -100,6 +100,7 @@ class LoadGenerator:
 
         async def close() -> None:
             await close_async_database(database)
+            client.close()  # its HTTP session, if any (the gRPC channel closed above)
 
         return cls(database, tables, seed=seed, on_close=close)
 

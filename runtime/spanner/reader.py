@@ -153,6 +153,7 @@ class SpannerSource:
 
         async def close() -> None:
             await close_async_database(database)
+            client.close()  # its HTTP session, if any (the gRPC channel closed above)
 
         return cls(
             database,
