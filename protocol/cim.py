@@ -6,13 +6,17 @@ task's CIM is the same at the same offset):
 1. A message at an offset already applied is ignored (duplicate delivery, overlapping replay).
 2. A ``state`` or ``epoch`` message whose ``epoch`` is older than the CIM's epoch is ignored:
    epochs fence messages written before a rebalance was settled.
+   2b. A ``state`` message from a task that is not a member of the current epoch changes
+   nothing but its answer (the epoch it has seen): it was dropped, and whatever it claims was
+   written before it learnt that; it joins the state again with the epoch that includes it.
 3. A task may change only its own state: in a ``state`` message, entries for other tasks are
    ignored (and counted).
 4. Per task the latest state wins by ``stateTimestamp``; an older one is ignored.
 5. Only the leader's ``epoch`` message removes tasks: every task not in its member list is
-   dropped. The epoch must be newer than the CIM's. An offer in the epoch of a dropped task's
-   partition resumes from the newest watermark the log holds for it (the leader may have planned
-   before that task's last message).
+   dropped. The epoch must be newer than the CIM's.
+   5b. An offer in the epoch resumes from the newest watermark the CIM holds for its partition
+   when the epoch lands (the leader may have planned before a dropped task's last report, or
+   before a superseded plan's offer), so watermarks never go back.
 6. A ``checkpoint`` seeds an empty CIM (a replay that starts at the checkpoint); a CIM that has
    already applied the checkpoint's ``as_of`` offset ignores it.
 7. ``marker`` messages change nothing.
@@ -99,22 +103,42 @@ class Cim:
                 if message.stream_start >= 0:
                     self.stream_start = message.stream_start
                 live = set(message.members)
-                best: dict[str, int] = {}
+                best = self._newest_watermarks()
                 for task in [t for t in self.tasks if t not in live]:
-                    for part in self.tasks.pop(task).partitions.values():
-                        best[part.token] = max(best.get(part.token, 0), part.watermark)
+                    del self.tasks[task]
                 self._apply_states(message.task_id, message.epoch, message.connector_state)
                 self._raise_offered_watermarks(message.task_id, best)
                 return None
             case StateMessage():
                 if message.epoch < self.epoch and self._fence:
                     return self._ignore("stale-epoch")
+                if self._fence and self.epoch >= 0 and message.task_id not in self.members:
+                    # Rule 2b: the current epoch dropped (or never had) this task; what it
+                    # claims was written before it learnt that. Only its answer counts.
+                    view = self.tasks.setdefault(message.task_id, TaskView())
+                    view.epoch_seen = max(view.epoch_seen, message.epoch)
+                    return self._ignore("not-a-member")
                 return self._apply_states(message.task_id, message.epoch, message.connector_state)
 
+    def _newest_watermarks(self) -> dict[str, int]:
+        """The newest watermark the CIM holds for each partition, in any task's partitions or
+        offers (dropped tasks and the previous plan's offers included)."""
+        best: dict[str, int] = {}
+        for view in self.tasks.values():
+            for part in view.partitions.values():
+                if part.watermark > best.get(part.token, -1):
+                    best[part.token] = part.watermark
+            for offer in view.share.values():
+                wm = offer.partition.watermark
+                if wm > best.get(offer.token, -1):
+                    best[offer.token] = wm
+        return best
+
     def _raise_offered_watermarks(self, leader: str, best: dict[str, int]) -> None:
-        """Rule 5b: the leader planned from the CIM as it was when it planned; a dropped task
-        may have written a newer watermark after that. An offer in the epoch resumes from the
-        newest watermark the log holds, so watermarks never go back."""
+        """Rule 5b: the leader planned from the CIM as it was when it planned; a newer
+        watermark may have landed after that (a dropped task's last report, an offer of a plan
+        that was superseded). An offer in the epoch resumes from the newest watermark the CIM
+        held when the epoch landed, so watermarks never go back."""
         view = self.tasks.get(leader)
         if view is None or not best:
             return

@@ -8,10 +8,11 @@ spread). Pure functions over loads; ``protocol/task.py`` applies them to a task'
   the task that found the child; otherwise the finder keeps it. Nobody is given more than the
   per-task cap (``cap <= 0``: no cap); when every member is full the child is parked (offered to
   nobody) and offered as soon as some member has room.
-* Balancing: only the most loaded member offers (ties: smallest task id), and only when its load
-  exceeds the least loaded member's by two or more; it offers half the difference, never more than
-  the target's free capacity. One task at a time offering keeps concurrent offers from piling up
-  on one target; repeating this converges to loads within one of each other.
+* Balancing: the total load split evenly gives each member a goal (the remainder to the most
+  loaded, so loads within one of each other are balanced already). Every member above its goal
+  offers exactly its surplus to members below theirs, matched in a fixed order every task
+  computes alike from the same loads: donors act at once without piling onto one target, and a
+  join moves about total/members partitions, not more (never past a target's cap).
 """
 
 from __future__ import annotations
@@ -44,19 +45,49 @@ def room_for_parked(loads: Mapping[str, int], cap: int) -> str | None:
     return most_underloaded({t: n for t, n in loads.items() if has_room(n, cap)})
 
 
-def balance(me: str, loads: Mapping[str, int], cap: int) -> tuple[str, int] | None:
-    """``(target, count)`` when ``me`` should offer ``count`` partitions to ``target``."""
+def goals(loads: Mapping[str, int]) -> dict[str, int]:
+    """The balanced load of each member: the total split evenly, the remainder going to the
+    most loaded members (ties: task id), so loads already within one are their own goal."""
+    if not loads:
+        return {}
+    base, extra = divmod(sum(loads.values()), len(loads))
+    order = sorted(loads, key=lambda t: (-loads[t], t))
+    return {t: base + (1 if i < extra else 0) for i, t in enumerate(order)}
+
+
+def balance_moves(loads: Mapping[str, int], cap: int) -> list[tuple[str, str, int]]:
+    """``(donor, target, count)``: every member above its goal gives exactly its surplus to
+    members below theirs (never past a target's cap). Donors in order of load (ties: task id)
+    fill targets in order of load (ties: task id); every task computes the same list from the
+    same loads, so donors act at once without piling onto one target, and no partition moves
+    between two members that are both at their goal."""
+    goal = goals(loads)
+    donors = [t for t in sorted(loads, key=lambda t: (-loads[t], t)) if loads[t] > goal[t]]
+    surplus = {t: loads[t] - goal[t] for t in donors}
+    need: dict[str, int] = {}
+    for t in sorted(loads, key=lambda t: (loads[t], t)):
+        room = goal[t] - loads[t]
+        if cap > 0:
+            room = min(room, cap - loads[t])
+        if room > 0:
+            need[t] = room
+    targets = list(need)
+    moves: list[tuple[str, str, int]] = []
+    ti = 0
+    for donor in donors:
+        while surplus[donor] > 0 and ti < len(targets):
+            target = targets[ti]
+            count = min(surplus[donor], need[target])
+            moves.append((donor, target, count))
+            surplus[donor] -= count
+            need[target] -= count
+            if need[target] == 0:
+                ti += 1
+    return moves
+
+
+def balance(me: str, loads: Mapping[str, int], cap: int) -> list[tuple[str, int]]:
+    """``[(target, count)]``: what ``me`` should offer, from :func:`balance_moves`."""
     if me not in loads or len(loads) < 2:
-        return None
-    top = min(loads.items(), key=lambda kv: (-kv[1], kv[0]))[0]
-    if top != me:
-        return None
-    target = most_underloaded(loads, exclude=me)
-    assert target is not None
-    gap = loads[me] - loads[target]
-    if gap < 2:
-        return None
-    count = gap // 2
-    if cap > 0:
-        count = min(count, cap - loads[target])
-    return (target, count) if count > 0 else None
+        return []
+    return [(t, n) for d, t, n in balance_moves(loads, cap) if d == me]

@@ -41,6 +41,7 @@ Partitions (``protocol/lifecycle.py``)
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from random import Random
@@ -48,7 +49,7 @@ from random import Random
 import msgspec
 
 from protocol import lifecycle, share
-from protocol.cim import Cim
+from protocol.cim import Cim, TaskView
 from protocol.handoff import Move
 from protocol.messages import (
     CheckpointMessage,
@@ -175,6 +176,10 @@ class Rules(msgspec.Struct, frozen=True):
 
     fence_epochs: bool = True
     readable: Readable = lifecycle.readable
+    # A 'new' offer for a partition a member of the epoch already owns is not picked up. Defence
+    # in depth: it makes a planner that deals out survivors' partitions harmless, so the teeth
+    # test of such a planner turns it off to show the simulator still catches the planner.
+    refuse_owned_offers: bool = True
 
 
 class TaskConfig(msgspec.Struct, frozen=True):
@@ -315,6 +320,7 @@ class TaskCore:
             self._sent_share.clear()
             return
         view = self.cim.view(self.me)
+        self._yield_replanned(view)
         for token, offer in self.shares.items():
             seen = view.share.get(token)
             if seen is not None and seen.partition.watermark > offer.partition.watermark:
@@ -322,6 +328,33 @@ class TaskCore:
         self._sent_parts = dict(view.partitions)
         self._sent_share = dict(view.share)
         self._urgent = True
+
+    def _yield_replanned(self, view: TaskView) -> None:
+        """Claims this task made that never reached the CIM before the new epoch (a pickup whose
+        message was held or fenced) may have been planned elsewhere: the epoch is the truth, so
+        a claim another member holds, or the epoch's leader offers, is dropped here."""
+        live = set(self.cim.members)
+        leader = self.cim.leader
+        offered = {
+            token
+            for token, offer in self.cim.view(leader).share.items()
+            if leader != self.me and offer.target != self.me
+        }
+        for token, part in list(self.mine.items()):
+            seen = view.partitions.get(token)
+            if part.status == "finished" or (
+                seen is not None and (seen.status != "incoming" or part.status == "incoming")
+            ):
+                continue  # the CIM knows this claim as it stands
+            elsewhere = any(
+                t != self.me and t in live and p.status != "incoming"
+                for t, p in self.cim.holders(token)
+            )
+            if elsewhere or token in offered:
+                del self.mine[token]
+                self.shares.pop(token, None)
+                self.moves.pop(token, None)
+                self.counters["claims_replanned"] += 1
 
     def _on_joined(self, event: Joined, now: int) -> None:
         self.counters["rebalances"] += 1
@@ -389,6 +422,13 @@ class TaskCore:
             return []
         live = set(plan.members)
         for offer in plan.offers:
+            held = self.mine.get(offer.token)
+            if held is not None and held.status == "finished":
+                continue  # finished here after the snapshot the plan came from
+            if held is not None:
+                # claimed here after that snapshot (not yet in the CIM): the plan wins
+                del self.mine[offer.token]
+                self.counters["claims_replanned"] += 1
             self.shares[offer.token] = offer
         planned = {o.token for o in plan.offers}
         for token, offer in list(self.shares.items()):
@@ -475,6 +515,18 @@ class TaskCore:
                 continue  # finished here, or this task is handing it away right now
             found = self.cim.find(token)
             if found is not None and found.status == "finished":
+                continue
+            if (
+                offer.kind == "new"
+                and self.config.rules.refuse_owned_offers
+                and any(
+                    t != self.me and t in live and p.status == "owned"
+                    for t, p in self.cim.holders(token)
+                )
+            ):
+                # a member of this epoch owns it: the offer came from a plan made before that
+                # member's claim was known (or one that never became the epoch)
+                self.counters["offer_already_owned"] += 1
                 continue
             self.consumed.add(key)
             if offer.kind == "new" or offer.released:
@@ -599,22 +651,20 @@ class TaskCore:
                     self._urgent = True
         if any(o.target is not None and o.kind == "move" for o in self.shares.values()):
             return  # one round of moves at a time
-        decision = share.balance(self.me, loads, self.config.cap)
-        if decision is None:
-            return
-        target, count = decision
         revision = self.cim.offset
-        for token in self._movable()[:count]:
-            move = self.moves.get(token) or Move(token, stable=self.me)
-            move = move.request(target, revision)
-            if move.pending is None:
-                continue
-            self.moves[token] = move
-            self.shares[token] = Share(
-                self.mine[token], target=move.pending, kind="move", since=self._now
-            )
-            self.counters["moves_offered"] += 1
-            self._urgent = True
+        movable = iter(self._movable())
+        for target, count in share.balance(self.me, loads, self.config.cap):
+            for token in itertools.islice(movable, count):
+                move = self.moves.get(token) or Move(token, stable=self.me)
+                move = move.request(target, revision)
+                if move.pending is None:
+                    continue
+                self.moves[token] = move
+                self.shares[token] = Share(
+                    self.mine[token], target=move.pending, kind="move", since=self._now
+                )
+                self.counters["moves_offered"] += 1
+                self._urgent = True
 
     def _movable(self) -> list[str]:
         """Own partitions to offer, cheapest to move first: not being read, then being read."""

@@ -99,6 +99,7 @@ class SimParams(msgspec.Struct, frozen=True):
     fence_epochs: bool = True
     broken_readable: bool = False
     broken_planner: bool = False
+    refuse_owned_offers: bool = True
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -184,6 +185,7 @@ class Simulation:
         self.rules = Rules(
             fence_epochs=params.fence_epochs,
             readable=(_first_parent if params.broken_readable else Rules().readable),
+            refuse_owned_offers=params.refuse_owned_offers,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
 

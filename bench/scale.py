@@ -1,0 +1,231 @@
+"""``python -m bench scale``: many partitions and tasks in one process.
+
+10,000 idle partitions spread over 20 tasks (real actors and cores, in-memory group, sink and
+sync log whose bytes are counted), then:
+
+* **sync bytes per rebalance**: a 21st task joins and the partitions spread to it; the bytes
+  written to the sync topic from the join until the spread is balanced again, and how many
+  partitions moved. It must grow with the partitions that moved, not with the total: the quick
+  run (1,000 partitions) prints the same figures for comparison.
+* **replay**: the sync topic so far is copied into a topic on the embedded Kafka-compatible
+  broker and a fresh task's replay is timed the way a starting task does it: from the latest
+  checkpoint to the end, decoded and folded into a CIM.
+* **RSS per idle owned partition**: resident memory of the process with every partition owned
+  and read, minus before, divided by the partitions.
+* **plan**: time for the leader to plan an epoch from this CIM after a task died (its partitions
+  re-dealt) — the pure planner, median of a few runs.
+
+Last line: ``{"scenario": "scale", "sync_bytes_per_rebalance": .., "replay_s": ..,
+"rss_per_partition_kb": .., "plan_s": ..}``. Goals: replay < 2 s, < 20 KB per idle partition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import time
+from contextlib import AsyncExitStack, aclosing
+from random import Random
+
+from actors.node import NodeConfig, TaskNode
+from bench.capacity import rss_mb, wait_for
+from protocol import messages
+from protocol.cim import Cim
+from protocol.messages import CheckpointMessage
+from protocol.planner import plan
+from protocol.task import TaskConfig
+from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
+from runtime.ports import Membership
+from runtime.simsource import SimulatedSource
+from runtime.simstream import StreamParams
+
+
+class CountingLog(MemorySyncLog):
+    """The in-memory sync log, counting bytes written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_written = 0
+
+    async def append(self, payload: bytes) -> int:
+        self.bytes_written += len(payload)
+        return await super().append(payload)
+
+
+def replay_cim(entries: list[tuple[int, bytes]]) -> Cim:
+    cim = Cim()
+    for offset, payload in entries:
+        try:
+            cim.apply(offset, messages.decode(payload))
+        except messages.SyncDecodeError as exc:
+            raise RuntimeError(f"sync message at {offset} unreadable: {exc}") from exc
+    return cim
+
+
+async def replay_from_kafka(log: CountingLog) -> tuple[float, int, int]:
+    """Copy the log into the embedded broker; time a replay from the latest checkpoint.
+    Returns (seconds, messages replayed, total messages)."""
+    from runtime.broker import EmbeddedBroker
+    from runtime.kafka import KafkaConfig, KafkaSyncLog
+
+    async with EmbeddedBroker() as broker:
+        config = KafkaConfig.embedded(broker.bootstrap)
+        async with KafkaSyncLog(config, "scale") as kafka_log:
+            checkpoint = None
+            for payload in log.entries:
+                at = await kafka_log.append(payload)
+                if isinstance(messages.decode(payload), CheckpointMessage):
+                    checkpoint = at
+            if checkpoint is not None:
+                await kafka_log.record_checkpoint(checkpoint)
+            end = len(log.entries) - 1
+            t0 = time.perf_counter()
+            start = await kafka_log.checkpoint_offset() or 0
+            cim = Cim()
+            replayed = 0
+            async with aclosing(kafka_log.read(start)) as reader:
+                async for offset, payload in reader:
+                    cim.apply(offset, messages.decode(payload))
+                    replayed += 1
+                    if offset >= end:
+                        break
+            return time.perf_counter() - t0, replayed, len(log.entries)
+
+
+async def measure(partitions: int, tasks: int) -> dict[str, object]:
+    params = StreamParams(
+        seed=5,
+        roots=partitions,
+        split_p=0.0,
+        merge_p=0.0,
+        move_p=0.0,
+        records_per_s=0.01,
+        round_us=60_000_000,
+    )
+    source = SimulatedSource.from_params(params, heartbeat_ms=5000, poll_s=1.0)
+    log = CountingLog()
+    group = MemoryGroup(rebalance_delay=0.2, session_timeout=10.0)
+    sink = MemorySink(max_in_flight=100_000)
+
+    async def join(task_id: str) -> Membership:
+        return group.join(task_id)
+
+    def node(name: str) -> TaskNode:
+        config = NodeConfig(
+            task=TaskConfig(
+                task_id=name,
+                cap=0,
+                answer_timeout=1_000_000,
+                publish_interval=1_000_000,
+                checkpoint_interval=5_000_000,
+            ),
+            stream_start=params.start_ts,
+            tick_interval=0.2,
+        )
+        return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)
+
+    out: dict[str, object] = {"partitions": partitions, "tasks": tasks}
+    gc.collect()
+    rss_before = rss_mb()
+    async with AsyncExitStack() as stack:
+        nodes = [node(f"t{i:02d}") for i in range(tasks)]
+        t0 = time.perf_counter()
+        for n in nodes:
+            await stack.enter_async_context(n)
+
+        def spread(ns: list[TaskNode]) -> bool:
+            reading = [n.status().reading for n in ns]
+            return sum(reading) == partitions and max(reading) - min(reading) <= 1
+
+        if not await wait_for(lambda: spread(nodes), 300):
+            raise RuntimeError(f"never spread: {[n.status().reading for n in nodes]}")
+        out["start_s"] = round(time.perf_counter() - t0, 2)
+        await asyncio.sleep(2.0)
+        gc.collect()
+        rss_full = rss_mb()
+        out["rss_mb"] = round(rss_full, 1)
+        out["rss_per_partition_kb"] = round((rss_full - rss_before) * 1000 / partitions, 2)
+
+        # Steady state: watermark reports of idle partitions (heartbeats) cost bytes too; that
+        # rate is subtracted so the figure is what the rebalance itself wrote.
+        b0, s0 = log.bytes_written, time.perf_counter()
+        await asyncio.sleep(5.0)
+        steady_rate = (log.bytes_written - b0) / (time.perf_counter() - s0)
+        out["steady_sync_bytes_per_s"] = round(steady_rate)
+
+        # A task joins: bytes written until the spread is balanced again.
+        before_owner = {t: n.task_id for n in nodes for t in n.status().watermarks}
+        bytes0, msgs0 = log.bytes_written, len(log.entries)
+        t1 = time.perf_counter()
+        extra = await stack.enter_async_context(node(f"t{tasks:02d}"))
+        everyone = [*nodes, extra]
+        if not await wait_for(lambda: spread(everyone), 300):
+            raise RuntimeError(f"never re-spread: {[n.status().reading for n in everyone]}")
+        out["join_rebalance_s"] = round(time.perf_counter() - t1, 2)
+        await asyncio.sleep(1.5)  # the last ownership reports land
+        after_owner = {t: n.task_id for n in everyone for t in n.status().watermarks}
+        moved = sum(1 for t, who in after_owner.items() if before_owner.get(t) != who)
+        out["moved"] = moved
+        window = time.perf_counter() - t1
+        out["sync_bytes_in_window"] = log.bytes_written - bytes0
+        rebalance_bytes = max(0, round(log.bytes_written - bytes0 - steady_rate * window))
+        out["sync_bytes_per_rebalance"] = rebalance_bytes
+        out["sync_messages_per_rebalance"] = len(log.entries) - msgs0
+        out["sync_bytes_per_moved_partition"] = round(rebalance_bytes / max(1, moved), 1)
+        out["sync_topic_messages"] = len(log.entries)
+        out["sync_topic_bytes"] = log.bytes_written
+        leader = next(n for n in everyone if n.task and n.task.core.leader == n.task_id)
+        assert leader.task is not None
+        cim = leader.task.core.cim
+
+    # The leader plans an epoch after a task died: its partitions are re-dealt.
+    members = tuple(sorted(cim.members))
+    survivors = members[1:]
+    times = []
+    for i in range(5):
+        t = time.perf_counter()
+        p = plan(cim, survivors, survivors[0], cim.epoch + 1, 0, 0, Random(i))
+        times.append(time.perf_counter() - t)
+    out["plan_offers"] = len(p.offers)
+    out["plan_s"] = round(statistics.median(times), 4)
+
+    # Replay the sync topic the way a starting task does, from the embedded broker.
+    t = time.perf_counter()
+    replay_cim(list(enumerate(log.entries)))
+    out["replay_full_in_memory_s"] = round(time.perf_counter() - t, 3)
+    seconds, replayed, total = await replay_from_kafka(log)
+    out["sync_topic_total_messages"] = total
+    out["replay_s"] = round(seconds, 3)
+    out["replay_messages"] = replayed
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench scale", description=__doc__)
+    parser.add_argument("--partitions", type=int, default=10_000)
+    parser.add_argument("--tasks", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="1,000 partitions, 10 tasks")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.partitions, args.tasks = 1000, 10
+    if args.partitions < args.tasks or args.tasks < 2:
+        parser.error("need at least 2 tasks and a partition per task")
+    import uvloop
+
+    try:
+        result = uvloop.run(measure(args.partitions, args.tasks))
+    except RuntimeError as exc:
+        print(f"scale: {exc}", file=sys.stderr)
+        return 1
+    for key, value in result.items():
+        print(f"{key:>32}: {value}")
+    keys = ("sync_bytes_per_rebalance", "replay_s", "rss_per_partition_kb", "plan_s")
+    figures = {k: result[k] for k in keys}
+    extra = ("partitions", "tasks", "moved", "sync_bytes_per_moved_partition", "start_s")
+    figures.update({k: result[k] for k in extra})
+    print(json.dumps({"scenario": "scale", **figures}))
+    return 0
