@@ -15,6 +15,7 @@ SCENARIOS = {
     "scale": "bench.scale",
     "capacity": "bench.capacity",
     "chaos": "bench.chaos",
+    "timeline": "bench.timeline",
     "report": "bench.report",
 }
 
