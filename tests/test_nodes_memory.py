@@ -4,46 +4,17 @@ partitions spread, every record reaches the sink, a node that leaves hands its p
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import pytest
 
 from actors.node import NodeConfig, TaskNode
-from protocol.records import ChangeRecord, ChildPartitions, Heartbeat
 from protocol.task import TaskConfig
 from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
 from runtime.ports import Membership
+from runtime.simsource import SimulatedSource
 from runtime.simstream import StreamModel, StreamParams
-
-
-class ModelSource:
-    """The stream model in accelerated wall time (a stand-in until the simulator source)."""
-
-    def __init__(self, model: StreamModel, speed: float) -> None:
-        self.model = model
-        self.speed = speed
-        self.t0 = time.monotonic()
-
-    def now(self) -> int:
-        return self.model.params.start_ts + int((time.monotonic() - self.t0) * self.speed * 1e6)
-
-    async def query(
-        self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
-        if token is None:
-            yield [self.model.root_record()]
-            return
-        pos = start_ts
-        while True:
-            now = self.now()
-            records = list(self.model.records(token, pos, now))
-            yield [*records, Heartbeat(now)] if records else [Heartbeat(now)]
-            if any(isinstance(r, ChildPartitions) for r in records):
-                return
-            pos = now + 1
-            await asyncio.sleep(0.02)
 
 
 async def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
@@ -65,7 +36,7 @@ async def test_three_nodes_share_and_hand_over() -> None:
         records_per_s=20,
     )
     model = StreamModel(params)
-    source = ModelSource(model, speed=4.0)
+    source = SimulatedSource(model, speedup=4.0, heartbeat_ms=250)
     log = MemorySyncLog()
     group = MemoryGroup(rebalance_delay=0.1, session_timeout=2.0)
     sink = MemorySink(commit_delay=0.01)
