@@ -195,7 +195,9 @@ class TaskActor(Actor[Event]):
                 await self.tell(Lost(event.reason))
 
     def _lease_event(self) -> Lease:
-        remaining = self.lease_until_mono - time.monotonic()
+        # A membership that is not (yet) a member has no lease: KafkaMembership says -inf. A
+        # lease in the past changes nothing (the core keeps the latest), so clamp it to now.
+        remaining = max(0.0, self.lease_until_mono - time.monotonic())
         return Lease(self.clock() + int(remaining * 1_000_000))
 
     async def marker(self, timeout: float) -> None:
