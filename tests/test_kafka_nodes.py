@@ -1,0 +1,183 @@
+"""Task nodes coordinating over the embedded broker (issue 3): the real actors, the real Kafka
+adapters, the simulated change stream; nothing of Kafka is mocked.
+
+Three checkers watch every test: the nodes' own views (:meth:`Cluster.settled`), an observer
+that replays the sync topic into its own CIM and checks it after every message
+(:class:`SyncObserver`), and the sinks' ledger of every batch handed over, from this process and
+from the subprocess task (:class:`SinkLedger`). Session timeout 3 s (the embedded broker's
+settings): a join or leave settles in a few seconds, a killed task is replaced after ~5 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from runtime.kafka import KafkaConfig, KafkaSyncLog
+from runtime.simstream import StreamModel
+from tests.fixtures.kafka import connector, kafka_broker, kafka_config
+from tests.fixtures.kafka_nodes import STREAM, Cluster, Delivery, SinkLedger, SyncObserver
+
+__all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
+
+pytestmark = [pytest.mark.kafka]
+
+TOKENS = set(StreamModel(STREAM).roots)
+
+
+@pytest_asyncio.fixture
+async def observer(kafka_config: KafkaConfig, connector: str) -> AsyncIterator[SyncObserver]:
+    async with SyncObserver(kafka_config, connector) as obs:
+        yield obs
+
+
+@pytest_asyncio.fixture
+async def nodes(kafka_config: KafkaConfig, connector: str) -> AsyncIterator[Cluster]:
+    async with Cluster(kafka_config, connector) as c:
+        yield c
+
+
+def assert_clean(cluster: Cluster, observer: SyncObserver) -> None:
+    assert observer.violations == []
+    assert cluster.ledger.violations(cluster.killed) == []
+    assert all(len(openers) == 1 for openers in observer.epoch_openers.values()), (
+        observer.epoch_openers
+    )
+
+
+def assert_one_leader(cluster: Cluster, observer: SyncObserver) -> str:
+    views = cluster.views().values()
+    leaders = {v.leader for v in views}
+    assert len(leaders) == 1, leaders
+    (leader,) = leaders
+    epoch = next(iter(views)).epoch
+    assert observer.epoch_openers[epoch] == {leader}
+    assert observer.cim.leader == leader
+    return leader
+
+
+async def observer_caught_up(cluster: Cluster, observer: SyncObserver) -> None:
+    """The observer has read up to every epoch the nodes know, and agrees on the owners."""
+    async with asyncio.timeout(10):
+        while True:
+            views = cluster.views()
+            owned = {t: [v.task] for v in views.values() for t in v.owned}
+            if observer.cim.epoch >= max(v.epoch for v in views.values()) and all(
+                observer.owners().get(t) == who for t, who in owned.items()
+            ):
+                return
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+async def test_tasks_share_survive_a_kill_and_spread_to_a_newcomer(
+    nodes: Cluster, observer: SyncObserver
+) -> None:
+    for task_id in ("n0", "n1", "n2"):
+        await nodes.start_node(task_id)
+    await nodes.start_proc("p3")
+    await nodes.wait_settled({"n0", "n1", "n2", "p3"}, TOKENS, timeout=40)
+    leader = assert_one_leader(nodes, observer)
+    assert leader != "p3"
+    await observer_caught_up(nodes, observer)
+    assert_clean(nodes, observer)
+    before_kill = nodes.views()["p3"].owned
+    assert before_kill
+
+    # kill -9 the subprocess: after the session timeout its partitions are owned again, and
+    # nobody read one of them while it could still have been reading.
+    killed_at = time.monotonic()
+    await nodes.kill_proc("p3")
+    took = await nodes.wait_settled({"n0", "n1", "n2"}, TOKENS, timeout=40)
+    assert took > 2.0, "re-owned faster than the group can notice a killed member"
+    async with asyncio.timeout(10):  # and read: the new owners deliver them
+        while not before_kill <= nodes.ledger.tokens_delivered_since(killed_at, besides="p3"):
+            await asyncio.sleep(0.05)
+    await observer_caught_up(nodes, observer)
+    assert_clean(nodes, observer)
+    assert_one_leader(nodes, observer)
+
+    # A task joins: the sharing protocol spreads the load to it.
+    await nodes.start_node("n4")
+    await nodes.wait_settled({"n0", "n1", "n2", "n4"}, TOKENS, timeout=40)
+    assert nodes.views()["n4"].owned
+    await observer_caught_up(nodes, observer)
+    assert_clean(nodes, observer)
+    assert_one_leader(nodes, observer)
+    assert sum(v.counters.get("picked_up", 0) for v in nodes.views().values()) > 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_killed_leader_is_replaced(nodes: Cluster, observer: SyncObserver) -> None:
+    proc = await nodes.start_proc("p0")
+    async with asyncio.timeout(30):
+        while proc.view is None or proc.view.owned != TOKENS:
+            await asyncio.sleep(0.05)
+    await nodes.start_node("n1")
+    await nodes.start_node("n2")
+    await nodes.wait_settled({"p0", "n1", "n2"}, TOKENS, timeout=40)
+    assert assert_one_leader(nodes, observer) == "p0"
+    first_epoch = observer.cim.epoch
+
+    await nodes.kill_proc("p0")
+    await nodes.wait_settled({"n1", "n2"}, TOKENS, timeout=40)
+    new_leader = assert_one_leader(nodes, observer)
+    assert new_leader in {"n1", "n2"}
+    await observer_caught_up(nodes, observer)
+    assert observer.cim.epoch > first_epoch
+    assert "p0" not in observer.cim.members
+    assert_clean(nodes, observer)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_garbage_on_the_sync_topic_is_skipped_and_counted(
+    nodes: Cluster, observer: SyncObserver, kafka_config: KafkaConfig, connector: str
+) -> None:
+    await nodes.start_node("n0")
+    await nodes.start_node("n1")
+    await nodes.wait_settled({"n0", "n1"}, TOKENS, timeout=30)
+    await observer_caught_up(nodes, observer)
+    before = {t: (v.owned, v.leader, v.epoch) for t, v in nodes.views().items()}
+    cim_epoch = observer.cim.epoch
+
+    async with KafkaSyncLog(kafka_config, connector) as log:
+        garbage_at = await log.append(b"\x00\xffnot a sync message{")
+
+    async with asyncio.timeout(10):
+        while not (
+            observer.undecodable
+            and all(v.counters.get("sync_bad.malformed", 0) for v in nodes.views().values())
+        ):
+            await asyncio.sleep(0.05)
+    assert observer.undecodable == [garbage_at]
+    await asyncio.sleep(1.0)  # long enough for a ripple to show
+    assert nodes.settled({"n0", "n1"}, TOKENS) is None
+    assert {t: (v.owned, v.leader, v.epoch) for t, v in nodes.views().items()} == before
+    assert all(v.counters["sync_bad.malformed"] == 1 for v in nodes.views().values())
+    assert observer.cim.epoch == cim_epoch
+    assert_clean(nodes, observer)
+
+
+def test_ledger_catches_overlap_and_regression() -> None:
+    """The sink-side checker has teeth: two tasks delivering one partition at overlapping times,
+    and a new owner starting below its predecessor's watermark, are both reported."""
+    ledger = SinkLedger()
+    for i in range(5):
+        ledger.add(Delivery(10.0 + i * 0.2, "a", "p1", 100 + i, 100 + i, 1))
+    ledger.add(Delivery(10.5, "b", "p1", 200, 150, 1))  # while a still delivers
+    ledger.add(Delivery(20.0, "b", "p2", 300, 300, 1))
+    ledger.add(Delivery(22.0, "c", "p2", 310, 250, 1))  # c starts below b's 300
+    found = ledger.violations()
+    assert len(found) == 2, found
+    assert "p1: a delivered" in found[0]
+    assert "p2: c re-delivered from 250" in found[1]
+    assert ledger.violations(killed={"b"}) == found[:1]  # a killed task may not have published
