@@ -10,8 +10,9 @@ sync log whose bytes are counted), then:
 * **replay**: the sync topic so far is copied into a topic on the embedded Kafka-compatible
   broker and a fresh task's replay is timed the way a starting task does it: from the latest
   checkpoint to the end, decoded and folded into a CIM.
-* **RSS per idle owned partition**: resident memory of the process with every partition owned
-  and read, minus before, divided by the partitions.
+* **RSS per idle owned partition**: one task alone in a fresh process (as in production: one
+  task per process) owns and reads every partition; its resident memory minus before, divided
+  by the partitions. (The 20-task process is reported too: each of its tasks holds the CIM.)
 * **plan**: time for the leader to plan an epoch from this CIM after a task died (its partitions
   re-dealt) — the pure planner, median of a few runs.
 
@@ -148,7 +149,8 @@ async def measure(partitions: int, tasks: int) -> dict[str, object]:
         gc.collect()
         rss_full = rss_mb()
         out["rss_mb"] = round(rss_full, 1)
-        out["rss_per_partition_kb"] = round((rss_full - rss_before) * 1000 / partitions, 2)
+        # Every task in this process holds the whole CIM: this counts it once per task.
+        out["rss_cluster_per_partition_kb"] = round((rss_full - rss_before) * 1000 / partitions, 2)
 
         # Steady state: watermark reports of idle partitions (heartbeats) cost bytes too; that
         # rate is subtracted so the figure is what the rebalance itself wrote.
@@ -204,6 +206,52 @@ async def measure(partitions: int, tasks: int) -> dict[str, object]:
     return out
 
 
+async def measure_one_task(partitions: int) -> float:
+    """RSS (KB) per idle partition owned and read by one task."""
+    params = StreamParams(
+        seed=6,
+        roots=partitions,
+        split_p=0.0,
+        merge_p=0.0,
+        move_p=0.0,
+        records_per_s=0.01,
+        round_us=60_000_000,
+    )
+    source = SimulatedSource.from_params(params, heartbeat_ms=5000, poll_s=1.0)
+    group = MemoryGroup(rebalance_delay=0.1, session_timeout=30.0)
+
+    async def join(task_id: str) -> Membership:
+        return group.join(task_id)
+
+    config = NodeConfig(
+        task=TaskConfig(task_id="solo", cap=0, publish_interval=1_000_000),
+        stream_start=params.start_ts,
+        tick_interval=0.2,
+    )
+    gc.collect()
+    before = rss_mb()
+    sink = MemorySink(max_in_flight=100_000)
+    async with TaskNode(config, sync_log=CountingLog(), join=join, source=source, sink=sink) as n:
+        if not await wait_for(lambda: n.status().reading == partitions, 300):
+            raise RuntimeError(f"one task read only {n.status().reading} of {partitions}")
+        await asyncio.sleep(3.0)
+        gc.collect()
+        return (rss_mb() - before) * 1000 / partitions
+
+
+def one_task_process(partitions: int) -> float:
+    """Run :func:`measure_one_task` in a fresh process so nothing else is in its RSS."""
+    import subprocess
+
+    code = f"import uvloop, bench.scale as s; print(uvloop.run(s.measure_one_task({partitions})))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=900
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"one-task measurement failed: {proc.stderr.strip()[-500:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench scale", description=__doc__)
     parser.add_argument("--partitions", type=int, default=10_000)
@@ -218,6 +266,7 @@ def main(argv: list[str]) -> int:
 
     try:
         result = uvloop.run(measure(args.partitions, args.tasks))
+        result["rss_per_partition_kb"] = round(one_task_process(args.partitions), 2)
     except RuntimeError as exc:
         print(f"scale: {exc}", file=sys.stderr)
         return 1
@@ -225,7 +274,14 @@ def main(argv: list[str]) -> int:
         print(f"{key:>32}: {value}")
     keys = ("sync_bytes_per_rebalance", "replay_s", "rss_per_partition_kb", "plan_s")
     figures = {k: result[k] for k in keys}
-    extra = ("partitions", "tasks", "moved", "sync_bytes_per_moved_partition", "start_s")
+    extra = (
+        "partitions",
+        "tasks",
+        "moved",
+        "sync_bytes_per_moved_partition",
+        "start_s",
+        "rss_cluster_per_partition_kb",
+    )
     figures.update({k: result[k] for k in extra})
     print(json.dumps({"scenario": "scale", **figures}))
     return 0
