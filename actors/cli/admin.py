@@ -1,0 +1,153 @@
+"""The ``status`` and ``dlq`` subcommands: read-only views of a running connector, and the
+dead-letter queue of the Kafka output sink.
+
+``status`` replays the connector's sync topic (from its latest checkpoint) into a CIM, exactly
+as a joining task does, and prints the epoch, the leader, every task with its partitions, and
+every partition with its owner, status, watermark and lag (now minus watermark). It appends one
+marker message to the sync topic (that is how it knows it has read everything) and writes
+nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from typing import TextIO
+
+import msgspec
+
+from protocol import messages
+from protocol.cim import Cim
+from runtime.config import ConfigError, ShoalConfig, kafka_config
+
+
+def _need_kafka(config: ShoalConfig, command: str) -> str:
+    bootstrap = config.kafka.bootstrap_servers
+    if bootstrap is None:
+        raise ConfigError(
+            f"{command} needs a Kafka to read: give --kafka-bootstrap-servers "
+            "(the embedded broker keeps nothing once its process ends)"
+        )
+    return bootstrap
+
+
+def _when(micros: int) -> str:
+    if micros <= 0:
+        return "-"
+    when = _dt.datetime.fromtimestamp(micros / 1e6, tz=_dt.UTC)
+    return when.strftime("%H:%M:%S.%f")[:-3]
+
+
+def _lag(now: int, watermark: int) -> str:
+    if watermark <= 0:
+        return "-"
+    return f"{max(0, now - watermark) / 1e6:.1f}s"
+
+
+async def replay_cim(config: ShoalConfig, *, timeout_s: float = 60.0) -> Cim:
+    from runtime.kafka import KafkaSyncLog, replay_until_marker
+
+    kafka = kafka_config(config, _need_kafka(config, "status"))
+    cim = Cim()
+    bad = 0
+
+    def apply(offset: int, payload: bytes) -> None:
+        nonlocal bad
+        try:
+            cim.apply(offset, messages.decode(payload))
+        except messages.SyncDecodeError:
+            bad += 1
+
+    async with KafkaSyncLog(kafka, config.run.connector) as log:
+        start = await log.checkpoint_offset()
+        await replay_until_marker(
+            log,
+            start or 0,
+            task_id=f"status-{os.getpid()}",
+            on_message=apply,
+            timeout_s=timeout_s,
+        )
+    cim.ignored["undecodable"] += bad
+    return cim
+
+
+def format_status(connector: str, cim: Cim, now: int) -> str:
+    lines = [
+        f"connector {connector!r}: epoch {cim.epoch}, leader {cim.leader or '-'}, "
+        f"{len(cim.members)} member(s), sync offset {cim.offset}"
+    ]
+    if cim.epoch < 0:
+        lines.append("  no epoch yet: no task has joined (or the sync topic is new)")
+    lines.append("")
+    lines.append(
+        f"{'task':<24} {'member':>6} {'owned':>6} {'finished':>8} {'offers':>6} {'max lag':>8}"
+    )
+    for task_id in sorted(set(cim.tasks) | set(cim.members)):
+        view = cim.tasks.get(task_id)
+        parts = view.partitions if view is not None else {}
+        owned = [p for p in parts.values() if p.status == "owned"]
+        finished = sum(1 for p in parts.values() if p.status == "finished")
+        offers = len(view.share) if view is not None else 0
+        lag = max((now - max(p.watermark, p.start_ts) for p in owned), default=0)
+        leader = "*" if task_id == cim.leader else ""
+        lines.append(
+            f"{task_id + leader:<24} {'yes' if task_id in cim.members else 'no':>6} "
+            f"{len(owned):>6} {finished:>8} {offers:>6} {lag / 1e6 if owned else 0:>7.1f}s"
+        )
+    lines.append("")
+    lines.append(f"{'partition':<28} {'owner':<24} {'status':<9} {'watermark':>12} {'lag':>8}")
+    for task_id, view in sorted(cim.tasks.items()):
+        for token, p in sorted(view.partitions.items()):
+            shown = _lag(now, p.watermark) if p.status == "owned" else "-"
+            lines.append(
+                f"{token:<28} {task_id:<24} {p.status:<9} {_when(p.watermark):>12} {shown:>8}"
+            )
+        for token, offer in sorted(view.share.items()):
+            target = offer.target or "(parked)"
+            lines.append(
+                f"{token:<28} {task_id + ' -> ' + target:<24} {'offer:' + offer.kind:<9} "
+                f"{_when(offer.partition.watermark):>12} {'-':>8}"
+            )
+    return "\n".join(lines)
+
+
+async def status(config: ShoalConfig, out: TextIO, *, as_json: bool = False) -> int:
+    from actors.task import wall_micros
+
+    cim = await replay_cim(config)
+    if as_json:
+        data = {
+            "connector": config.run.connector,
+            "epoch": cim.epoch,
+            "leader": cim.leader,
+            "members": list(cim.members),
+            "offset": cim.offset,
+            "tasks": {
+                task_id: {
+                    "partitions": {t: msgspec.to_builtins(p) for t, p in view.partitions.items()},
+                    "share": {t: msgspec.to_builtins(s) for t, s in view.share.items()},
+                }
+                for task_id, view in cim.tasks.items()
+            },
+        }
+        out.write(msgspec.json.encode(data).decode() + "\n")
+    else:
+        out.write(format_status(config.run.connector, cim, wall_micros()) + "\n")
+    return 0
+
+
+async def dlq(config: ShoalConfig, action: str, ids: list[str], out: TextIO) -> int:
+    from runtime.kafka_sink import KafkaSinkConfig, list_dlq, replay_dlq
+
+    kafka = kafka_config(config, _need_kafka(config, "dlq"))
+    name = config.kafka.output_topic or f"{config.run.connector}_output"
+    sink = KafkaSinkConfig(name=name, partitions=config.kafka.output_partitions)
+    if action == "list":
+        records = await list_dlq(kafka, sink)
+        out.write(f"{len(records)} record(s) in the DLQ of {name!r}\n")
+        for r in records:
+            out.write(f"{r.record_id}  key={r.key}  attempts={r.attempts}  error={r.error}\n")
+        return 0
+    replayed = await replay_dlq(kafka, sink, ids or None)
+    out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r}\n")
+    return 0

@@ -1,0 +1,671 @@
+"""One shoal process: Kafka (embedded or real), a change-stream source, a sink, N task nodes,
+metrics and progress, and the way it ends.
+
+:class:`Pipeline` runs in phases:
+
+1. **start** – the embedded broker (unless ``kafka.bootstrap_servers`` names a real Kafka), the
+   source (simulator, emulator with a write load, or Spanner), the sink, the metrics server, then
+   every task node in its own task (``TaskNode`` over ``KafkaSyncLog`` + ``KafkaMembership``);
+2. **run** – until ``duration`` passed, ``max_records`` were delivered, or a stop was requested
+   (SIGINT/SIGTERM); the progress display and the rebalance tracker sample every node;
+3. **catch up** (bounded runs of the simulator or the emulator) – the stream is closed at the
+   current time (the simulator's clock stops, the write load ends) and the run waits until the
+   sink committed every record produced up to then, so the output equals what was produced;
+4. **drain** – every task stops taking new work (:class:`GatedSource` makes every further read
+   wait), its readers let in-flight batches commit and report their final watermark, which the
+   task publishes to the sync topic; the run waits until each task reads its final state back;
+5. **leave** – the nodes leave the group and stop, then the sink, the source and the broker.
+
+Phases 3–5 together are bounded by ``drain_timeout``. The result is a :class:`RunSummary`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any, TextIO
+
+from actors.cli.sinks import CountingSink, FileSink
+from actors.node import NodeConfig, TaskNode
+from actors.task import wall_micros
+from protocol.records import ChangeRecord, DataChange
+from protocol.task import TaskConfig
+from runtime.config import ConfigError, ShoalConfig, kafka_config
+from runtime.metrics import MetricsServer, Sample, TaskSample
+from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
+from runtime.progress import PartitionEnd, Progress, RunSummary
+
+log = logging.getLogger("shoal.runtime")
+
+_ERROR_COUNTERS = ("reader_failed", "publish_failed", "membership_lost", "evicted")
+
+
+class RunFailed(RuntimeError):
+    """A component failed for good; the message says which and why."""
+
+
+class GatedSource:
+    """A source that can be closed for new work: once :meth:`close` is called, every query
+    (running or new) waits at its next batch until it is cancelled. A task that drains keeps
+    its readers from re-reading what they already handed over."""
+
+    def __init__(self, inner: ChangeStreamSource) -> None:
+        self.inner = inner
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    @property
+    def closed(self) -> bool:
+        return not self._open.is_set()
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        if token is not None:
+            await self._open.wait()
+        async for batch in self.inner.query(token, start_ts, end_ts):
+            if token is not None:
+                await self._open.wait()
+            yield batch
+
+
+class Ledger:
+    """The shared sink, remembering which records it committed (bounded runs only)."""
+
+    def __init__(self, inner: Sink, *, keep_ids: bool) -> None:
+        self.inner = inner
+        self.keep_ids = keep_ids
+        self.ids: set[tuple[int, str, str]] = set()
+        self.records = 0
+        self.rows = 0
+        self.duplicates = 0
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        future = await self.inner.put(batch)
+        records = batch.records
+
+        def done(f: asyncio.Future[None]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            self.records += len(records)
+            self.rows += sum(len(r.mods) for r in records)
+            if self.keep_ids:
+                for r in records:
+                    if r.identity in self.ids:
+                        self.duplicates += 1
+                    else:
+                        self.ids.add(r.identity)
+
+        future.add_done_callback(done)
+        return future
+
+
+class _Task:
+    """One task node of this process and what the runtime tracks about it."""
+
+    def __init__(self, node: TaskNode, sink: CountingSink, gate: GatedSource, log: Any) -> None:
+        self.node = node
+        self.sink = sink
+        self.gate = gate
+        self.sync_log = log
+        self.rebalance_since: float | None = None
+        self.rebalances = 0
+        self.done = asyncio.Event()  # drained and final state confirmed (or gave up)
+        self.drained = False
+
+    @property
+    def task_id(self) -> str:
+        return self.node.task_id
+
+
+def default_task_ids(config: ShoalConfig) -> list[str]:
+    run = config.run
+    if run.task_id is not None:
+        return [run.task_id]
+    if run.tasks == 1 and config.kafka.bootstrap_servers is not None:
+        return [f"{socket.gethostname()}-{os.getpid()}"]
+    return [f"task-{i}" for i in range(run.tasks)]
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: ShoalConfig,
+        *,
+        stop: asyncio.Event,
+        out: TextIO,
+        live: bool = False,
+    ) -> None:
+        self.config = config
+        self.stop = stop
+        self.out = out
+        self.progress: Progress | None = None
+        if config.run.progress == "on" or (config.run.progress == "auto" and live):
+            self.progress = Progress(out, live=live)
+        self.tasks: list[_Task] = []
+        self.metrics: MetricsServer | None = None
+        self.errors: dict[str, int] = {}
+        self.failed: str | None = None
+        self.stopping = False
+        self.started_at = time.monotonic()
+        self._now: Callable[[], int] = wall_micros
+        self._cap: int | None = None  # simulated stream closed at this time
+        self._model: Any = None
+        self._loadgen: Any = None
+        self._load_stop = asyncio.Event()
+        self._draining = asyncio.Event()
+        self._ledger: Ledger | None = None
+        self._file_sink: FileSink | None = None
+        self._bounded = config.run.duration is not None or config.run.max_records is not None
+        self.output_dir = Path(config.run.output_dir)
+
+    # -- the sample every observer reads ---------------------------------------------------------
+    def sample(self) -> Sample:
+        now = self._now()
+        tasks = []
+        for t in self.tasks:
+            node = t.node
+            if node.task is None:
+                tasks.append(TaskSample(task_id=t.task_id))
+                continue
+            st = node.status()
+            errors = {k: v for k, v in st.counters.items() if k in _ERROR_COUNTERS}
+            errors.update({k: v for k, v in st.counters.items() if k.startswith("sync_bad.")})
+            sink = t.sink.statistics()
+            if sink.batches_failed:
+                errors["sink_batch_failed"] = sink.batches_failed
+            membership = node.membership
+            rebalancing = bool(getattr(membership, "rebalance_in_progress", False)) or (
+                st.member and st.epoch < st.generation
+            )
+            stats = t.sync_log.statistics() if t.sync_log is not None else None
+            tasks.append(
+                TaskSample(
+                    task_id=t.task_id,
+                    ready=node.ready.is_set(),
+                    member=st.member,
+                    leader=st.leader,
+                    generation=st.generation,
+                    epoch=st.epoch,
+                    owned=st.owned,
+                    reading=st.reading,
+                    records_read=sink.records_read,
+                    records_delivered=sink.records_delivered,
+                    lag_us={tok: max(0, now - wm) for tok, wm in st.watermarks.items() if wm > 0},
+                    rebalances=t.rebalances,
+                    rebalancing=rebalancing,
+                    sync_messages=stats.appends if stats is not None else 0,
+                    sync_bytes=stats.appended_bytes if stats is not None else 0,
+                    errors=errors,
+                    mailboxes={m.name: m.depth for m in st.mailboxes},
+                )
+            )
+        return Sample(
+            at=time.monotonic(),
+            tasks=tuple(tasks),
+            errors=dict(self.errors),
+            failed=self.failed,
+            stopping=self.stopping,
+        )
+
+    def count_error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    # -- the run ---------------------------------------------------------------------------------
+    async def run(self) -> RunSummary:
+        cfg = self.config
+        reason = "error"
+        caught_up: bool | None = None
+        drained = False
+        partitions: tuple[PartitionEnd, ...] = ()
+        final: Sample | None = None
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        async with AsyncExitStack() as stack:
+            bootstrap = await self._start_kafka(stack)
+            kafka = kafka_config(cfg, bootstrap)
+            source = await self._start_source(stack)
+            sink = await self._start_sink(stack, kafka)
+            if cfg.run.metrics_port is not None:
+                self.metrics = await stack.enter_async_context(
+                    MetricsServer(self.sample, cfg.run.metrics_host, cfg.run.metrics_port)
+                )
+                self._say(f"metrics: {self.metrics.url}/metrics (and /healthz, /readyz)")
+            await self._make_tasks(stack, kafka, source, sink)
+            self._say(
+                f"shoal: connector {cfg.run.connector!r}, {len(self.tasks)} task(s), "
+                f"source {cfg.run.source}, sink {cfg.run.sink} -> {self._sink_dir()}"
+            )
+            async with asyncio.TaskGroup() as group:
+                nodes = [
+                    group.create_task(self._run_task(t), name=f"node:{t.task_id}")
+                    for t in self.tasks
+                ]
+                sampler = group.create_task(self._sample_loop(), name="sampler")
+                if self._loadgen is not None:
+                    group.create_task(self._load_loop(), name="loadgen")
+                reason = await self._wait_for_end()
+                try:
+                    async with asyncio.timeout(cfg.run.drain_timeout):
+                        if self._bounded and reason != "signal":
+                            caught_up = await self._catch_up()
+                        self.stopping = True
+                        self._load_stop.set()
+                        for t in self.tasks:
+                            t.gate.close()
+                        self._draining.set()
+                        await asyncio.gather(*(t.done.wait() for t in self.tasks))
+                        drained = all(t.drained for t in self.tasks)
+                except TimeoutError:
+                    self.count_error("drain_timeout")
+                    self._say(
+                        f"shoal: the drain took longer than {cfg.run.drain_timeout:.0f}s; "
+                        "stopping anyway (a restart resumes from the last published state)"
+                    )
+                final = self.sample()
+                partitions = self._partitions()
+                self._draining.set()
+                for t, node in zip(self.tasks, nodes, strict=True):
+                    t.gate.close()
+                    if not t.done.is_set():
+                        node.cancel()  # gave up on its drain: leave the group now
+                self._load_stop.set()
+                sampler.cancel()
+            self._say("shoal: tasks left the group")
+        return self._summary(reason, caught_up, drained, partitions, final or self.sample())
+
+    def _say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def _sink_dir(self) -> str:
+        if self.config.run.sink == "kafka":
+            return self._output_topic()
+        return str(self.output_dir / "data")
+
+    def _output_topic(self) -> str:
+        return self.config.kafka.output_topic or f"{self.config.run.connector}_output"
+
+    # -- components ------------------------------------------------------------------------------
+    async def _start_kafka(self, stack: AsyncExitStack) -> str:
+        if self.config.kafka.bootstrap_servers is not None:
+            return self.config.kafka.bootstrap_servers
+        from runtime.broker import EmbeddedBroker
+
+        broker = EmbeddedBroker(log_path=self.output_dir / "broker.log")
+        await stack.enter_async_context(broker)
+        log.info("embedded broker at %s", broker.bootstrap)
+        return broker.bootstrap
+
+    async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
+        cfg = self.config
+        match cfg.run.source:
+            case "sim":
+                return self._sim_source()
+            case "emulator":
+                return await self._emulator_source(stack)
+            case "spanner":
+                from runtime.spanner.config import SpannerConfig
+                from runtime.spanner.reader import SpannerSource
+
+                s = cfg.spanner
+                spanner = SpannerConfig(
+                    project=s.project or "",
+                    instance=s.instance or "",
+                    database=s.database or "",
+                    change_stream=s.change_stream or "",
+                    credentials_file=s.credentials_file,
+                    emulator_host=s.emulator_host,
+                    heartbeat_ms=s.heartbeat_ms,
+                )
+                source = await SpannerSource.connect(spanner)
+                stack.push_async_callback(source.close)
+                return source
+
+    def _sim_source(self) -> ChangeStreamSource:
+        from runtime.simsource import SimulatedSource
+        from runtime.simstream import StreamModel, StreamParams
+
+        sim = self.config.sim
+        start = sim.start_ts if sim.start_ts is not None else wall_micros()
+        params = StreamParams(
+            seed=sim.seed,
+            roots=sim.roots,
+            start_ts=start,
+            round_us=int(sim.round_s * 1e6),
+            split_p=sim.split_p,
+            move_p=sim.move_p,
+            merge_p=sim.merge_p,
+            records_per_s=sim.records_per_s,
+        )
+        self._model = model = StreamModel(params)
+        speed = sim.speedup
+
+        def clock() -> int:
+            now = start + int((wall_micros() - start) * speed)
+            cap = self._cap
+            return now if cap is None else min(now, cap)
+
+        self._now = clock
+        self._stream_start = start
+        return SimulatedSource(model, clock=clock, poll_s=0.05)
+
+    async def _emulator_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
+        from runtime.spanner.emulator import DEFAULT_TABLES, EmulatorUnavailable, SpannerEmulator
+        from runtime.spanner.loadgen import LoadGenerator
+        from runtime.spanner.reader import SpannerSource
+
+        s = self.config.spanner
+        try:
+            emulator = SpannerEmulator(binary=s.emulator_path, partition_alive_s=s.emulator_churn_s)
+        except EmulatorUnavailable as exc:
+            raise RunFailed(f"--source emulator: {exc}") from exc
+        spanner = await asyncio.to_thread(emulator.start)
+        stack.callback(emulator.stop)
+        self._loadgen = await LoadGenerator.connect(
+            spanner, DEFAULT_TABLES, seed=self.config.sim.seed
+        )
+        stack.push_async_callback(self._loadgen.close)
+        source = await SpannerSource.connect(spanner)
+        stack.push_async_callback(source.close)
+        return source
+
+    async def _start_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
+        cfg = self.config
+        inner: Sink
+        match cfg.run.sink:
+            case "files":
+                self._file_sink = FileSink(self.output_dir / "data")
+                inner = await stack.enter_async_context(self._file_sink)
+            case "spark":
+                inner = await self._spark_sink(stack)
+            case "kafka":
+                from runtime.kafka_sink import KafkaSink, KafkaSinkConfig
+
+                sink_config = KafkaSinkConfig(
+                    name=self._output_topic(), partitions=cfg.kafka.output_partitions
+                )
+                inner = await stack.enter_async_context(KafkaSink(kafka, sink_config))
+        self._ledger = Ledger(inner, keep_ids=self._bounded)
+        return self._ledger
+
+    async def _spark_sink(self, stack: AsyncExitStack) -> Sink:
+        try:
+            spark_module: Any = importlib.import_module("runtime.spark")
+        except ImportError as exc:
+            raise ConfigError(
+                f"--sink spark: the Spark bridge is not available ({exc}); use --sink files"
+            ) from exc
+        sc = self.config.spark
+        kwargs: dict[str, Any] = {
+            "master": sc.master,
+            "remote": sc.remote,
+            "app_name": sc.app_name,
+            "conf": dict(sc.conf),
+            "output_dir": str(self.output_dir / "data"),
+            "checkpoint_dir": sc.checkpoint_dir,
+            "path": sc.path,
+        }
+        for name in ("max_rows", "max_age_s", "max_inflight_batches"):
+            value = getattr(sc, name)
+            if value is not None:
+                kwargs[name] = value
+        bridge: Sink = await stack.enter_async_context(
+            spark_module.SparkBridge(spark_module.SparkConfig(**kwargs))
+        )
+        return bridge
+
+    async def _make_tasks(
+        self, stack: AsyncExitStack, kafka: Any, source: ChangeStreamSource, sink: Sink
+    ) -> None:
+        from runtime.kafka import KafkaMembership, KafkaSyncLog
+
+        cfg = self.config
+        connector = cfg.run.connector
+
+        async def join(task_id: str) -> Membership:
+            membership = KafkaMembership(kafka, connector, task_id)
+            await membership.start()
+            return membership
+
+        stream_start = getattr(self, "_stream_start", -1)
+        t = cfg.task
+        for task_id in default_task_ids(cfg):
+            sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
+            gate = GatedSource(source)
+            counting = CountingSink(sink)
+            node = TaskNode(
+                NodeConfig(
+                    task=TaskConfig(
+                        task_id=task_id,
+                        cap=t.cap,
+                        answer_timeout=t.answer_timeout_ms * 1000,
+                        publish_interval=t.publish_interval_ms * 1000,
+                        negotiate_interval=t.negotiate_interval_ms * 1000,
+                        checkpoint_interval=int(t.checkpoint_interval_s * 1e6),
+                    ),
+                    stream_start=stream_start,
+                ),
+                sync_log=sync_log,
+                join=join,
+                source=gate,
+                sink=counting,
+            )
+            self.tasks.append(_Task(node, counting, gate, sync_log))
+
+    # -- phases ----------------------------------------------------------------------------------
+    async def _run_task(self, t: _Task) -> None:
+        async with t.node:
+            await self._drain_requested(t)
+            try:
+                await self._drain(t)
+            finally:
+                t.done.set()
+            # Leave only once every task drained: a task that left early would have its
+            # partitions planned onto a task that is still reading.
+            await asyncio.gather(*(o.done.wait() for o in self.tasks))
+
+    async def _drain_requested(self, t: _Task) -> None:
+        await self._draining.wait()
+
+    async def _drain(self, t: _Task) -> None:
+        """Readers stop and commit what is in flight; the task's final state is read back."""
+        task = t.node.task
+        assert task is not None
+        readers = list(task.readers.values())
+        for reader in readers:
+            reader.request_stop("shutdown", drain=True)
+        # A reader has no "stopped" event to wait for; it reports to its task and dies.
+        while any(r.alive for r in readers):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        core = task.core
+        while True:
+            view = core.cim.view(core.me)
+            if view.partitions == core.mine or not core.member:
+                break
+            await asyncio.sleep(0.05)
+        t.drained = True
+
+    async def _wait_for_end(self) -> str:
+        run = self.config.run
+        deadline = None if run.duration is None else time.monotonic() + run.duration
+        while True:
+            if self.stop.is_set():
+                return "signal"
+            if deadline is not None and time.monotonic() >= deadline:
+                return "duration"
+            if run.max_records is not None and self._delivered() >= run.max_records:
+                return "max-records"
+            await asyncio.sleep(0.05)
+
+    def _delivered(self) -> int:
+        return sum(t.sink.records_delivered for t in self.tasks)
+
+    async def _catch_up(self) -> bool:
+        """Close the stream at the current time and wait until the sink holds all of it."""
+        ledger = self._ledger
+        assert ledger is not None
+        if self._model is not None:
+            self._cap = cap = self._now()
+            expected = {r.identity for r in self._model.expected(cap)}
+            self._expected_rows = sum(len(r.mods) for r in self._model.expected(cap))
+            self._expected_records = len(expected)
+            self._say(f"shoal: stream closed; catching up on {len(expected)} records")
+            while not expected <= ledger.ids:
+                if self.stop.is_set():
+                    return False
+                await asyncio.sleep(0.1)
+            return True
+        if self._loadgen is not None:
+            self._load_stop.set()
+            await asyncio.sleep(0.2)  # the commit in flight, if any
+            rows = sum(self._loadgen.expected_mods().values())
+            self._expected_rows = rows
+            self._expected_records = len(self._loadgen.committed)
+            self._say(f"shoal: write load stopped; catching up on {rows} rows")
+            while ledger.rows < rows:
+                if self.stop.is_set():
+                    return False
+                await asyncio.sleep(0.1)
+            return True
+        return True
+
+    async def _load_loop(self) -> None:
+        loadgen = self._loadgen
+        interval = 1.0 / self.config.spanner.load_rate
+        while not self._load_stop.is_set():
+            try:
+                await loadgen.commit_one()
+            except Exception as exc:
+                self.count_error("loadgen")
+                log.warning("write load: commit failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._load_stop.wait()
+
+    async def _sample_loop(self) -> None:
+        interval = self.config.run.progress_interval
+        next_draw = time.monotonic()
+        while True:
+            sample = self.sample()
+            self._track_rebalances(sample)
+            if self.progress is not None and time.monotonic() >= next_draw:
+                self.progress.update(sample)
+                next_draw += interval
+            await asyncio.sleep(0.1)
+
+    def _track_rebalances(self, sample: Sample) -> None:
+        by_id = {s.task_id: s for s in sample.tasks}
+        for t in self.tasks:
+            s = by_id.get(t.task_id)
+            if s is None:
+                continue
+            if s.rebalancing and t.rebalance_since is None:
+                t.rebalance_since = sample.at
+            elif not s.rebalancing and t.rebalance_since is not None and s.epoch >= 0:
+                took = sample.at - t.rebalance_since
+                t.rebalance_since = None
+                t.rebalances += 1
+                if self.metrics is not None:
+                    self.metrics.observe_rebalance(t.task_id, took)
+                if s.leader == s.task_id:
+                    self._say(
+                        f"rebalance: epoch {s.epoch} settled in {took:.1f}s, leader {s.leader}"
+                    )
+
+    # -- the end ---------------------------------------------------------------------------------
+    def _partitions(self) -> tuple[PartitionEnd, ...]:
+        """Every partition's final state, from the CIM of a task (they all replay one log)."""
+        out: dict[str, PartitionEnd] = {}
+        for t in self.tasks:
+            task = t.node.task
+            if task is None:
+                continue
+            cim = task.core.cim
+            for owner, view in cim.tasks.items():
+                for token, p in view.partitions.items():
+                    seen = out.get(token)
+                    if seen is None or p.status == "finished" or p.watermark > seen.watermark:
+                        out[token] = PartitionEnd(token, p.status, p.watermark, owner)
+                for token, offer in view.share.items():
+                    if token not in out:
+                        part = offer.partition
+                        out[token] = PartitionEnd(token, part.status, part.watermark, owner)
+        return tuple(sorted(out.values(), key=lambda p: p.token))
+
+    def _summary(
+        self,
+        reason: str,
+        caught_up: bool | None,
+        drained: bool,
+        partitions: tuple[PartitionEnd, ...],
+        final: Sample,
+    ) -> RunSummary:
+        errors = dict(final.errors)
+        for task in final.tasks:
+            for kind, n in task.errors.items():
+                errors[kind] = errors.get(kind, 0) + n
+        ledger = self._ledger
+        if ledger is not None and ledger.duplicates:
+            errors["duplicate_records"] = ledger.duplicates
+        epoch = max((t.epoch for t in final.tasks), default=-1)
+        leader = next((t.leader for t in final.tasks if t.epoch == epoch), "")
+        return RunSummary(
+            connector=self.config.run.connector,
+            source=self.config.run.source,
+            sink=self.config.run.sink,
+            output_dir=self._sink_dir(),
+            seconds=time.monotonic() - self.started_at,
+            tasks=final.tasks,
+            records_read=sum(t.records_read for t in final.tasks),
+            records_delivered=sum(t.records_delivered for t in final.tasks),
+            rows_written=ledger.rows if ledger is not None else None,
+            produced_records=getattr(self, "_expected_records", None),
+            produced_rows=getattr(self, "_expected_rows", None),
+            stream_end=self._cap,
+            caught_up=caught_up,
+            drained=drained,
+            reason=reason,
+            partitions=partitions,
+            epoch=epoch,
+            leader=leader,
+            rebalances=max((t.rebalances for t in self.tasks), default=0),
+            errors=errors,
+        )
+
+
+def expected_below_watermarks(model: Any, partitions: Sequence[PartitionEnd]) -> set[str]:
+    """Record ids (``commit/txn/seq/mod``) a restart would not read again: every record of a
+    finished partition, and those of an unfinished one strictly before its final watermark."""
+    out: set[str] = set()
+    for p in partitions:
+        info = model.partitions.get(p.token)
+        if info is None:
+            continue
+        if p.status == "finished":
+            assert info.end_ts is not None
+            until = info.end_ts - 1
+        else:
+            until = p.watermark - 1
+        if until < info.start_ts:
+            continue
+        for rec in model.records(p.token, info.start_ts, until):
+            if isinstance(rec, DataChange):
+                for i in range(len(rec.mods)):
+                    out.add(
+                        f"{rec.commit_ts}/{rec.server_transaction_id}/{rec.record_sequence}/{i}"
+                    )
+    return out

@@ -1,0 +1,269 @@
+"""Sinks of the command-line runtime: the parquet file sink (``--sink files``, no Java needed) and
+the per-task counting view every task node writes through.
+
+``FileSink`` buffers the rows of many batches (one row per mod, the output-record shape of
+``runtime.kafka_sink.output_records``) and writes them as one parquet file once ``max_rows`` rows
+or ``max_age_s`` seconds have gathered; a file is written under a temporary name and renamed, so
+a reader never sees half a file. A batch's future resolves when the file holding its rows is
+renamed into place: that is its commit. ``max_buffered_rows`` bounds what is accepted and not yet
+written (``put`` waits: backpressure).
+
+``CountingSink`` wraps the shared sink for one task and counts records handed over and
+committed, so the progress display and the metrics can show them per task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import msgspec
+
+from runtime.kafka_sink import output_records
+from runtime.ports import Sink, SinkBatch
+
+log = logging.getLogger("shoal.sink")
+
+COLUMNS = (
+    "record_id",
+    "partition_token",
+    "table",
+    "keys",
+    "mod_type",
+    "commit_ts",
+    "server_transaction_id",
+    "record_sequence",
+    "mod_index",
+    "new_values",
+    "old_values",
+)
+
+
+class SinkError(RuntimeError):
+    """The sink failed or is closed; the batches it holds will not be committed by it."""
+
+
+class FileSinkStats(msgspec.Struct, frozen=True):
+    files: int
+    rows: int  # rows written (committed)
+    batches: int  # batches committed
+    buffered_rows: int
+    failures: int
+
+
+class FileSink:
+    """``Sink`` writing parquet files to ``directory``; ``async with FileSink(...) as sink:``."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_rows: int = 50_000,
+        max_age_s: float = 0.5,
+        max_buffered_rows: int = 500_000,
+    ) -> None:
+        if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
+            raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
+        self.directory = Path(directory)
+        self._max_rows = max_rows
+        self._max_age = max_age_s
+        self._max_buffered = max_buffered_rows
+        self._columns: dict[str, list[Any]] = {c: [] for c in COLUMNS}
+        self._waiting: list[tuple[asyncio.Future[None], int]] = []
+        self._first_at: float | None = None
+        self._buffered = 0
+        self._room = asyncio.Condition()
+        self._kick = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self._files = 0
+        self._rows = 0
+        self._batches = 0
+        self._failures = 0
+
+    def __repr__(self) -> str:
+        return f"FileSink({str(self.directory)!r})"
+
+    async def __aenter__(self) -> Self:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._writer = asyncio.create_task(self._write_loop(), name="file-sink")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._closed = True
+        self._kick.set()
+        writer = self._writer
+        if writer is not None:
+            if exc_type is not None:
+                writer.cancel()
+            try:
+                await writer
+            except asyncio.CancelledError:
+                if exc_type is None:
+                    raise
+        self._fail_waiting(SinkError(f"{self!r} is closed"))
+
+    def statistics(self) -> FileSinkStats:
+        return FileSinkStats(self._files, self._rows, self._batches, self._buffered, self._failures)
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        if self._closed or self._error is not None:
+            raise SinkError(f"{self!r} is closed" if self._error is None else str(self._error))
+        rows = sum(len(r.mods) for r in batch.records)
+        async with self._room:
+            await self._room.wait_for(
+                lambda: self._buffered == 0 or self._buffered + rows <= self._max_buffered
+            )
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        cols = self._columns
+        for change in batch.records:
+            for out in output_records(change):
+                cols["record_id"].append(out.record_id)
+                cols["partition_token"].append(batch.token)
+                cols["table"].append(out.table)
+                cols["keys"].append(out.keys)
+                cols["mod_type"].append(out.mod_type)
+                cols["commit_ts"].append(out.commit_ts)
+                cols["server_transaction_id"].append(out.server_transaction_id)
+                cols["record_sequence"].append(out.record_sequence)
+                cols["mod_index"].append(out.mod_index)
+                cols["new_values"].append(out.new_values)
+                cols["old_values"].append(out.old_values)
+        self._buffered += rows
+        self._waiting.append((future, rows))
+        if self._first_at is None:
+            self._first_at = time.monotonic()
+            self._kick.set()  # the writer starts the age clock of this file
+        if self._buffered >= self._max_rows:
+            self._kick.set()
+        return future
+
+    async def _write_loop(self) -> None:
+        while True:
+            if self._first_at is None:
+                if self._closed:
+                    return
+                self._kick.clear()
+                await self._kick.wait()
+                continue
+            due = self._first_at + self._max_age - time.monotonic()
+            if due > 0 and self._buffered < self._max_rows and not self._closed:
+                self._kick.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(due):
+                        await self._kick.wait()
+                continue
+            await self._flush()
+
+    async def _flush(self) -> None:
+        columns, waiting, rows = self._columns, self._waiting, self._buffered
+        self._columns = {c: [] for c in COLUMNS}
+        self._waiting = []
+        self._first_at = None
+        try:
+            if rows:
+                await asyncio.to_thread(self._write_file, columns)
+        except Exception as exc:
+            self._failures += 1
+            log.exception("%r: writing %d rows failed", self)
+            for future, _ in waiting:
+                if not future.done():
+                    future.set_exception(SinkError(f"writing parquet failed: {exc!r}"))
+        else:
+            if rows:
+                self._files += 1
+            self._rows += rows
+            self._batches += len(waiting)
+            for future, _ in waiting:
+                if not future.done():
+                    future.set_result(None)
+        async with self._room:
+            self._buffered -= rows
+            self._room.notify_all()
+
+    def _write_file(self, columns: dict[str, list[Any]]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.table(
+            {
+                name: pa.array(values, type=pa.int64())
+                if name in ("commit_ts", "mod_index")
+                else pa.array(values, type=pa.string())
+                for name, values in columns.items()
+            }
+        )
+        name = f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = self.directory / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        tmp.rename(self.directory / name)
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        for future, _ in self._waiting:
+            if not future.done():
+                future.set_exception(error)
+        self._waiting = []
+
+
+def read_rows(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Every row the file sink (or a Spark parquet writer) left in ``directory``."""
+    import pyarrow.parquet as pq
+
+    for path in sorted(Path(directory).rglob("*.parquet")):
+        if path.name.startswith((".", "_")):
+            continue
+        yield from pq.read_table(path).to_pylist()
+
+
+class TaskSinkStats(msgspec.Struct, frozen=True):
+    records_read: int  # data change records handed to the sink
+    records_delivered: int  # ... whose batch committed
+    batches_failed: int
+    inflight_batches: int
+
+
+class CountingSink:
+    """The shared sink as one task sees it, with counts."""
+
+    def __init__(self, inner: Sink) -> None:
+        self.inner = inner
+        self.records_read = 0
+        self.records_delivered = 0
+        self.batches_failed = 0
+        self.inflight = 0
+        self.delivered_by_token: dict[str, int] = {}
+
+    def statistics(self) -> TaskSinkStats:
+        return TaskSinkStats(
+            self.records_read, self.records_delivered, self.batches_failed, self.inflight
+        )
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        future = await self.inner.put(batch)
+        n = len(batch.records)
+        self.records_read += n
+        self.inflight += 1
+
+        def done(f: asyncio.Future[None]) -> None:
+            self.inflight -= 1
+            if f.cancelled() or f.exception() is not None:
+                self.batches_failed += 1
+            else:
+                self.records_delivered += n
+
+        future.add_done_callback(done)
+        return future

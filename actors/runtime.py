@@ -1,0 +1,192 @@
+"""``python -m actors.runtime``: run shoal, or look at a running connector.
+
+Commands (``run`` is the default)::
+
+    python -m actors.runtime [run] [options]    run tasks until stopped, or a bounded run
+    python -m actors.runtime status [options]   replay the sync topic, print tasks/partitions
+    python -m actors.runtime dlq list|replay    the Kafka output sink's dead-letter queue
+    python -m actors.runtime config [--reference]   the effective options / the docs table
+
+With no option at all it runs the whole pipeline on this machine: the embedded Kafka-compatible
+broker, the simulated change stream, three tasks, and the sink, with a live progress display.
+
+Exit codes: 0 done (a bounded run caught up and drained, or a stop signal drained cleanly);
+1 a component failed, a bounded run did not catch up, or the drain timed out; 2 a bad option or
+file; 130/143 a second SIGINT/SIGTERM cut the drain short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn, TextIO
+
+import msgspec
+
+from runtime import config as options
+from runtime.config import ConfigError, ShoalConfig
+
+PROG = "python -m actors.runtime"
+COMMANDS = ("run", "status", "dlq", "config")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(command: str = "run") -> argparse.ArgumentParser:
+    descriptions = {
+        "run": "Run shoal tasks. With no option: embedded broker, simulated stream, "
+        "3 tasks, parquet output, live progress.",
+        "status": "Replay the connector's sync topic and print its tasks, partitions, "
+        "watermarks, lag, epoch and leader.",
+        "dlq": "List or replay the dead-letter queue of the Kafka output sink (--sink kafka).",
+        "config": "Print the effective configuration (secrets hidden), or the reference.",
+    }
+    prog = PROG if command == "run" else f"{PROG} {command}"
+    parser = _Parser(
+        prog=prog,
+        description=descriptions[command],
+        epilog="Precedence: flags > SHOAL_* environment variables > --config TOML file > "
+        "defaults. Commands: run (default), status, dlq, config. "
+        "Reference: docs/configuration.md.",
+    )
+    if command == "dlq":
+        parser.add_argument("action", choices=("list", "replay"))
+        parser.add_argument(
+            "--id", dest="ids", action="append", default=[], help="replay only this record id"
+        )
+    if command == "status":
+        parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    if command == "config":
+        parser.add_argument("--reference", action="store_true", help="print docs/configuration.md")
+    options.add_arguments(parser)
+    return parser
+
+
+def _split(argv: Sequence[str]) -> tuple[str, list[str]]:
+    if argv and argv[0] in COMMANDS:
+        return argv[0], list(argv[1:])
+    return "run", list(argv)
+
+
+def _fail(out: TextIO, message: str, code: int) -> int:
+    out.write(f"shoal: error: {message}\n")
+    out.flush()
+    return code
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
+    return [error]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    command, rest = _split(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(command)
+    args = parser.parse_args(rest)
+    try:
+        config = options.load(args)
+    except ConfigError as exc:
+        return _fail(sys.stderr, str(exc), 2)
+
+    from runtime import logs
+
+    logs.configure(config.run.log_level, json_lines=config.run.log_json)
+    if command == "config":
+        if args.reference:
+            sys.stdout.write(options.reference_markdown())
+        else:
+            sys.stdout.write(
+                msgspec.json.format(msgspec.json.encode(options.redacted(config))).decode() + "\n"
+            )
+        return 0
+    try:
+        return _run_loop(_main_async(command, args, config))
+    except ConfigError as exc:
+        return _fail(sys.stderr, str(exc), 2)
+
+
+def _run_loop(coro: object) -> int:
+    import uvloop
+
+    result: int = uvloop.run(coro)  # type: ignore[arg-type]
+    return result
+
+
+async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfig) -> int:
+    from actors.cli import admin
+
+    try:
+        if command == "status":
+            return await admin.status(config, sys.stdout, as_json=args.json)
+        if command == "dlq":
+            return await admin.dlq(config, args.action, args.ids, sys.stdout)
+        return await run(config)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        messages = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(exc))
+        if isinstance(exc, BaseExceptionGroup) and all(
+            isinstance(e, ConfigError) for e in _leaves(exc)
+        ):
+            raise ConfigError(messages) from exc
+        import logging
+
+        logging.getLogger("shoal.runtime").debug("run failed", exc_info=exc)
+        return _fail(sys.stderr, messages, 1)
+
+
+async def run(config: ShoalConfig) -> int:
+    """The ``run`` command: a :class:`~actors.cli.run.Pipeline` with signal handling."""
+    from actors.cli.run import Pipeline
+    from runtime.progress import format_summary
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        name = signal.Signals(signum).name
+        if signals_seen == 1:
+            sys.stderr.write(
+                f"\nshoal: {name}: draining (at most {config.run.drain_timeout:.0f}s); "
+                "send it again to exit at once\n"
+            )
+            sys.stderr.flush()
+            stop.set()
+        else:
+            sys.stderr.write(f"\nshoal: second {name}: exiting now\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        pipeline = Pipeline(config, stop=stop, out=sys.stdout, live=sys.stdout.isatty())
+        summary = await pipeline.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    sys.stdout.write(format_summary(summary) + "\n")
+    sys.stdout.flush()
+    if config.run.summary_json:
+        path = Path(config.run.summary_json)
+        await asyncio.to_thread(path.write_bytes, msgspec.json.encode(summary))
+    ok = summary.drained and summary.caught_up is not False
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

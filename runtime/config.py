@@ -1,0 +1,679 @@
+"""Every option of ``python -m actors.runtime``, and how they are read.
+
+One frozen msgspec Struct per section; each field carries its default and a description
+(``msgspec.Meta(description=...)``). Everything else is derived from these Structs: the
+command-line flags, the environment variable names, the TOML keys, ``--help`` and the reference in
+``docs/configuration.md`` (:func:`reference_markdown`; a test keeps that file current).
+
+Precedence, highest first: flags > environment variables ``SHOAL_*`` > the TOML file
+(``--config PATH`` or ``SHOAL_CONFIG``) > defaults.
+
+Naming, for a top-level option ``tasks`` and an option ``bootstrap_servers`` of section ``kafka``:
+
+==============  ==========================  ===============================  =====================
+option          flag                        environment                      TOML
+==============  ==========================  ===============================  =====================
+tasks           ``--tasks``                 ``SHOAL_TASKS``                  ``tasks = 3``
+kafka           ``--kafka-bootstrap-        ``SHOAL_KAFKA_BOOTSTRAP_         ``[kafka]``
+bootstrap       servers``                   SERVERS``                        ``bootstrap_servers``
+==============  ==========================  ===============================  =====================
+
+A bad value, an unknown key or variable, or an unreadable file raises :class:`ConfigError`, whose
+message names the option and where it came from; the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+
+import msgspec
+from msgspec import Meta
+
+if TYPE_CHECKING:
+    from runtime.kafka import KafkaConfig
+
+__all__ = [
+    "ConfigError",
+    "KafkaOptions",
+    "Option",
+    "RunOptions",
+    "ShoalConfig",
+    "SimOptions",
+    "SpannerOptions",
+    "SparkOptions",
+    "TaskOptions",
+    "add_arguments",
+    "load",
+    "options",
+    "reference_markdown",
+]
+
+
+class ConfigError(ValueError):
+    """A bad option, variable or file; the message names it and where it came from."""
+
+
+def _d(text: str) -> Meta:
+    return Meta(description=text)
+
+
+class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    connector: Annotated[
+        str,
+        Meta(
+            pattern=r"^[A-Za-z0-9._-]+$",
+            description="Connector name: names the sync topic, the heartbeat topic and the group. "
+            "Every process with the same name and Kafka cooperates.",
+        ),
+    ] = "shoal"
+    tasks: Annotated[
+        int, Meta(ge=1, le=64, description="Tasks run in this process (embedded default).")
+    ] = 3
+    task_id: Annotated[
+        str | None,
+        _d(
+            "Run exactly one task with this id (production: one task per process). "
+            "Default: task-0..task-N-1, or host-pid for --task-id-auto."
+        ),
+    ] = None
+    source: Annotated[
+        Literal["sim", "emulator", "spanner"],
+        _d(
+            "Change stream: sim (seeded simulator), emulator (starts the Cloud Spanner emulator "
+            "with a write load), spanner (the [spanner] database)."
+        ),
+    ] = "sim"
+    sink: Annotated[
+        Literal["spark", "files", "kafka"],
+        _d(
+            "Where records go: spark (local or remote Spark writing parquet), files (parquet "
+            "files written by pyarrow, no Java needed), kafka (the design-003 output topic)."
+        ),
+    ] = "files"
+    output_dir: Annotated[str, _d("Directory of the output (parquet files) and run files.")] = (
+        "shoal-output"
+    )
+    duration: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        Meta(description="Stop after this many seconds (then catch up, drain, exit 0)."),
+    ] = None
+    max_records: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="Stop once this many records were delivered (then catch up)."),
+    ] = None
+    drain_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Seconds a shutdown may take to commit in-flight batches, publish the "
+            "final state and leave the group; a second signal exits at once.",
+        ),
+    ] = 30.0
+    progress: Annotated[
+        Literal["auto", "on", "off"],
+        _d("Live progress display: auto shows it when stdout is a terminal, on prints lines."),
+    ] = "auto"
+    progress_interval: Annotated[float, Meta(gt=0, description="Seconds between updates.")] = 1.0
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error"], _d("Log level (logs go to stderr).")
+    ] = "warning"
+    log_json: Annotated[bool, _d("Logs as JSON lines (one object per record).")] = False
+    metrics_port: Annotated[
+        Annotated[int, Meta(ge=0, le=65535)] | None,
+        Meta(
+            description="Serve Prometheus /metrics, /healthz and /readyz on this port "
+            "(0: any free port, printed at start); unset: no HTTP server.",
+        ),
+    ] = None
+    metrics_host: Annotated[str, _d("Address the metrics server binds to.")] = "127.0.0.1"
+    summary_json: Annotated[
+        str | None, _d("Also write the end-of-run summary as JSON to this file.")
+    ] = None
+
+
+class KafkaOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    bootstrap_servers: Annotated[
+        str | None,
+        _d("host:port[,host:port...] of a real Kafka; unset: start the embedded broker."),
+    ] = None
+    security_protocol: Annotated[
+        Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"], _d("Kafka security protocol.")
+    ] = "PLAINTEXT"
+    sasl_mechanism: Annotated[
+        Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None, _d("SASL mechanism.")
+    ] = None
+    sasl_username: Annotated[str | None, _d("SASL user name.")] = None
+    sasl_password: Annotated[
+        str | None, _d("SASL password (prefer the environment variable to a flag).")
+    ] = None
+    ssl_cafile: Annotated[str | None, _d("CA bundle to verify the brokers.")] = None
+    ssl_certfile: Annotated[str | None, _d("Client certificate (with ssl_keyfile).")] = None
+    ssl_keyfile: Annotated[str | None, _d("Client private key.")] = None
+    ssl_keyfile_password: Annotated[str | None, _d("Password of the client private key.")] = None
+    session_timeout_ms: Annotated[
+        Annotated[int, Meta(gt=0)] | None,
+        Meta(
+            description="Heartbeat-group session timeout; unset: 3000 on the embedded broker, "
+            "10000 on a real Kafka (which refuses < 6000 by default).",
+        ),
+    ] = None
+    heartbeat_interval_ms: Annotated[
+        Annotated[int, Meta(gt=0)] | None,
+        Meta(description="Group heartbeat interval; unset: 1000 / 3000."),
+    ] = None
+    request_timeout_ms: Annotated[
+        Annotated[int, Meta(gt=0)] | None,
+        Meta(description="Kafka request timeout; unset: 10000 / 15000."),
+    ] = None
+    replication_factor: Annotated[
+        int, Meta(ge=1, description="Replicas of the topics shoal creates (3 in production).")
+    ] = 1
+    client_id: Annotated[str, _d("Kafka client id prefix.")] = "shoal"
+    output_topic: Annotated[
+        str | None, _d("Output topic of --sink kafka (default: <connector>_output).")
+    ] = None
+    output_partitions: Annotated[int, Meta(ge=1, description="Partitions of the output topic.")] = 4
+
+
+class SpannerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    project: Annotated[str | None, _d("Google Cloud project (--source spanner).")] = None
+    instance: Annotated[str | None, _d("Spanner instance id.")] = None
+    database: Annotated[str | None, _d("Spanner database id.")] = None
+    change_stream: Annotated[str | None, _d("Change stream name.")] = None
+    credentials_file: Annotated[
+        str | None, _d("Service-account key file; unset: Application Default Credentials.")
+    ] = None
+    emulator_host: Annotated[
+        str | None, _d("host:port of an already running emulator (plain-text, anonymous).")
+    ] = None
+    heartbeat_ms: Annotated[
+        int, Meta(gt=0, description="heartbeat_milliseconds of the partition queries.")
+    ] = 1000
+    emulator_path: Annotated[
+        str | None,
+        _d("emulator_main binary for --source emulator; unset: $SHOAL_SPANNER_EMULATOR, Debian."),
+    ] = None
+    emulator_churn_s: Annotated[
+        Annotated[int, Meta(gt=0)] | None,
+        Meta(description="Emulator partitions end every N..2N s (splits/moves/merges)."),
+    ] = None
+    load_rate: Annotated[
+        float, Meta(gt=0, description="Commits per second written to the emulator.")
+    ] = 50.0
+
+
+class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    master: Annotated[str, _d("Spark master URL, e.g. local[2] or spark://host:7077.")] = "local[2]"
+    remote: Annotated[str | None, _d("Spark Connect URL sc://host:port (instead of master).")] = (
+        None
+    )
+    app_name: Annotated[str, _d("Spark application name.")] = "shoal"
+    path: Annotated[
+        Literal["embedded", "streaming"],
+        _d("embedded: createDataFrame per batch; streaming: Structured Streaming source."),
+    ] = "embedded"
+    checkpoint_dir: Annotated[
+        str | None, _d("Streaming checkpoint directory (default under output_dir).")
+    ] = None
+    max_rows: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="Rows per Spark micro-batch (bridge default)."),
+    ] = None
+    max_age_s: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        Meta(description="Seconds a micro-batch may wait to fill."),
+    ] = None
+    max_inflight_batches: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="Micro-batches in flight before backpressure."),
+    ] = None
+    conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
+
+
+class SimOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seed: Annotated[int, _d("Seed of the simulated stream (same seed: same records).")] = 1
+    roots: Annotated[int, Meta(ge=1, description="Root partitions.")] = 8
+    records_per_s: Annotated[
+        float, Meta(gt=0, description="Records per second per partition (stream time).")
+    ] = 200.0
+    round_s: Annotated[
+        float, Meta(gt=0, description="Stream seconds between partition split/move/merge.")
+    ] = 5.0
+    split_p: Annotated[float, Meta(ge=0, le=1, description="Split chance per round.")] = 0.05
+    move_p: Annotated[float, Meta(ge=0, le=1, description="Move chance per round.")] = 0.03
+    merge_p: Annotated[float, Meta(ge=0, le=1, description="Merge chance per round.")] = 0.05
+    speedup: Annotated[float, Meta(gt=0, description="Stream time runs this much faster.")] = 1.0
+    start_ts: Annotated[
+        int | None,
+        _d(
+            "Stream start, Unix microseconds; unset: now. Processes that share a simulated "
+            "stream must share this (and seed)."
+        ),
+    ] = None
+
+
+class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    cap: Annotated[
+        int, Meta(ge=0, description="Partitions one task reads at once (0: no cap).")
+    ] = 100
+    answer_timeout_ms: Annotated[
+        int, Meta(gt=0, description="Leader's wait for rebalance answers.")
+    ] = 2000
+    publish_interval_ms: Annotated[
+        int, Meta(gt=0, description="Coalescing of watermark-only sync messages.")
+    ] = 250
+    negotiate_interval_ms: Annotated[
+        int, Meta(gt=0, description="How often balancing offers are considered.")
+    ] = 200
+    checkpoint_interval_s: Annotated[
+        float, Meta(gt=0, description="Leader's full-state checkpoints to the sync topic.")
+    ] = 10.0
+
+
+class ShoalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    run: RunOptions = msgspec.field(default_factory=RunOptions)
+    kafka: KafkaOptions = msgspec.field(default_factory=KafkaOptions)
+    spanner: SpannerOptions = msgspec.field(default_factory=SpannerOptions)
+    spark: SparkOptions = msgspec.field(default_factory=SparkOptions)
+    sim: SimOptions = msgspec.field(default_factory=SimOptions)
+    task: TaskOptions = msgspec.field(default_factory=TaskOptions)
+
+
+SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
+    "run": RunOptions,
+    "kafka": KafkaOptions,
+    "spanner": SpannerOptions,
+    "spark": SparkOptions,
+    "sim": SimOptions,
+    "task": TaskOptions,
+}
+SECTION_TITLES: Final = {
+    "run": "Run",
+    "kafka": "Kafka (coordination topics and group)",
+    "spanner": "Spanner (--source spanner / emulator)",
+    "spark": "Spark (--sink spark)",
+    "sim": "Simulated change stream (--source sim)",
+    "task": "Task protocol tuning",
+}
+CONFIG_ENV: Final = "SHOAL_CONFIG"
+# SHOAL_* variables that are not options but are read elsewhere.
+_FOREIGN_ENV: Final = frozenset({CONFIG_ENV, "SHOAL_SPANNER_EMULATOR"})
+_SECRET_FIELDS: Final = frozenset({"sasl_password", "ssl_keyfile_password"})
+
+
+class Option(msgspec.Struct, frozen=True):
+    """One option as the flags, the environment and the docs see it."""
+
+    section: str  # "run" for top-level options
+    name: str
+    kind: str  # human-readable type
+    default: Any
+    description: str
+    choices: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return self.name if self.section == "run" else f"{self.section}.{self.name}"
+
+    @property
+    def flag(self) -> str:
+        dashed = self.name.replace("_", "-")
+        return f"--{dashed}" if self.section == "run" else f"--{self.section}-{dashed}"
+
+    @property
+    def env(self) -> str:
+        base = self.name.upper() if self.section == "run" else f"{self.section}_{self.name}".upper()
+        return f"SHOAL_{base}"
+
+    @property
+    def dest(self) -> str:
+        return f"{self.section}__{self.name}"
+
+    @property
+    def toml(self) -> str:
+        return self.name if self.section == "run" else f"[{self.section}] {self.name}"
+
+    @property
+    def secret(self) -> bool:
+        return self.name in _SECRET_FIELDS
+
+
+def _describe(t: msgspec.inspect.Type) -> tuple[str, str, tuple[str, ...]]:
+    """(kind, description, choices) of a field type."""
+    description = ""
+    if isinstance(t, msgspec.inspect.Metadata):
+        description = str((t.extra_json_schema or {}).get("description", ""))
+        t = t.type
+    optional = False
+    if isinstance(t, msgspec.inspect.UnionType):
+        rest = [u for u in t.types if not isinstance(u, msgspec.inspect.NoneType)]
+        optional = len(rest) < len(t.types)
+        t = rest[0] if len(rest) == 1 else t
+    choices: tuple[str, ...] = ()
+    match t:
+        case msgspec.inspect.LiteralType():
+            choices = tuple(str(v) for v in t.values)
+            kind = "|".join(choices)
+        case msgspec.inspect.BoolType():
+            kind = "bool"
+        case msgspec.inspect.IntType():
+            kind = "int"
+        case msgspec.inspect.FloatType():
+            kind = "float"
+        case msgspec.inspect.StrType():
+            kind = "str"
+        case msgspec.inspect.DictType():
+            kind = "table"
+        case _:
+            kind = type(t).__name__
+    return (f"{kind} (optional)" if optional else kind), description, choices
+
+
+def options() -> list[Option]:
+    """Every option, in declaration order."""
+    out: list[Option] = []
+    for section, cls in SECTIONS.items():
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)
+        for field in info.fields:
+            kind, description, choices = _describe(field.type)
+            default = (
+                field.default_factory()
+                if field.default is msgspec.NODEFAULT
+                and field.default_factory is not msgspec.NODEFAULT
+                else field.default
+            )
+            out.append(Option(section, field.name, kind, default, description, choices))
+    return out
+
+
+def _by_dest() -> dict[str, Option]:
+    return {o.dest: o for o in options()}
+
+
+# -- flags --------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per option (``--config`` too). Flags default to ``None`` (= not given)."""
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help=f"TOML file of options (also ${CONFIG_ENV}); flags and SHOAL_* variables win.",
+    )
+    for section, title in SECTION_TITLES.items():
+        group = parser.add_argument_group(title)
+        for option in options():
+            if option.section != section or option.kind == "table":
+                continue
+            shown = "***" if option.secret and option.default is not None else option.default
+            text = f"{option.description} [default: {shown}; env {option.env}]"
+            if option.kind == "bool":
+                group.add_argument(
+                    option.flag,
+                    dest=option.dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=text,
+                )
+            else:
+                metavar = (
+                    option.name.upper()
+                    if not option.choices
+                    else "{" + ",".join(option.choices) + "}"
+                )
+                group.add_argument(
+                    option.flag, dest=option.dest, default=None, metavar=metavar, help=text
+                )
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: cannot read it ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {exc}") from exc
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+
+
+def _suggest(word: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load(
+    argv_values: Mapping[str, Any] | argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+) -> ShoalConfig:
+    """The effective configuration: flags (``argparse`` values by ``dest``) > ``environ``
+    ``SHOAL_*`` > the TOML file (``config_path``, else ``$SHOAL_CONFIG``) > defaults."""
+    env = os.environ if environ is None else environ
+    if isinstance(argv_values, argparse.Namespace):
+        flags = vars(argv_values)
+    else:
+        flags = dict(argv_values or {})
+    if config_path is None:
+        config_path = flags.get("config") or env.get(CONFIG_ENV) or None
+    by_dest = _by_dest()
+    by_key = {(o.section, o.name): o for o in options()}
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    origin: dict[tuple[str, str], str] = {}
+
+    if config_path:
+        data = _read_toml(Path(config_path))
+        where = f"config file {config_path!r}"
+        for key, value in data.items():
+            if key in SECTIONS and key != "run":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{where}: [{key}] must be a table, got {value!r}")
+                known = [n for (s, n) in by_key if s == key]
+                for name, item in value.items():
+                    if (key, name) not in by_key:
+                        raise ConfigError(
+                            f"{where}: unknown key {name!r} in [{key}]{_suggest(name, known)}"
+                        )
+                    values[key][name] = item
+                    origin[(key, name)] = f"{where}, [{key}] {name}"
+            elif ("run", key) in by_key:
+                values["run"][key] = value
+                origin[("run", key)] = f"{where}, key {key}"
+            else:
+                known = [n for (s, n) in by_key if s == "run"] + [s for s in SECTIONS if s != "run"]
+                raise ConfigError(f"{where}: unknown key {key!r}{_suggest(key, known)}")
+
+    env_names = {o.env: o for o in options() if o.kind != "table"}
+    for name, value in env.items():
+        if not name.startswith("SHOAL_") or name in _FOREIGN_ENV:
+            continue
+        option = env_names.get(name)
+        if option is None:
+            raise ConfigError(
+                f"unknown environment variable {name}{_suggest(name, list(env_names))}"
+            )
+        values[option.section][option.name] = _env_value(option, value)
+        origin[(option.section, option.name)] = f"environment variable {name}"
+
+    for dest, value in flags.items():
+        option = by_dest.get(dest)
+        if option is None or value is None:
+            continue
+        values[option.section][option.name] = (
+            _env_value(option, value) if isinstance(value, str) else value
+        )
+        origin[(option.section, option.name)] = f"flag {option.flag}"
+
+    try:
+        config = msgspec.convert(values, ShoalConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(str(exc), origin, by_key)) from exc
+    check(config)
+    return config
+
+
+def _env_value(option: Option, value: str) -> Any:
+    """Strings from the environment and flags: empty means unset for optional options."""
+    if value == "" and option.kind.endswith("(optional)"):
+        return None
+    return value
+
+
+def _explain(
+    message: str, origin: Mapping[tuple[str, str], str], by_key: Mapping[tuple[str, str], Option]
+) -> str:
+    text, _, path = message.rpartition(" - at `")
+    parts = path.rstrip("`").removeprefix("$.").split(".") if path else []
+    if len(parts) >= 2 and (parts[0], parts[1]) in by_key:
+        option = by_key[(parts[0], parts[1])]
+        where = origin.get((parts[0], parts[1]), "the defaults")
+        return f"invalid value for {option.key} (from {where}): {text or message}"
+    return f"invalid configuration: {message}"
+
+
+def check(config: ShoalConfig) -> None:
+    """Rules that span options."""
+    run, kafka, spanner = config.run, config.kafka, config.spanner
+    if run.task_id is not None and not run.task_id.strip():
+        raise ConfigError("task_id must not be empty")
+    if run.source == "spanner":
+        missing = [
+            f"spanner.{name}"
+            for name in ("project", "instance", "database", "change_stream")
+            if getattr(spanner, name) is None
+        ]
+        if missing:
+            raise ConfigError(f"--source spanner needs {', '.join(missing)}")
+    if spanner.change_stream is not None and not spanner.change_stream.replace("_", "").isalnum():
+        raise ConfigError(
+            f"spanner.change_stream must be an identifier, got {spanner.change_stream!r}"
+        )
+    if kafka.bootstrap_servers is not None:
+        try:
+            kafka_config(config, kafka.bootstrap_servers)
+        except ValueError as exc:
+            raise ConfigError(f"kafka: {exc}") from exc
+
+
+def kafka_config(config: ShoalConfig, bootstrap: str) -> KafkaConfig:
+    """The :class:`runtime.kafka.KafkaConfig` for ``bootstrap`` (the embedded broker's timeouts
+    unless ``kafka.bootstrap_servers`` names a real Kafka)."""
+    from runtime.kafka import KafkaConfig
+
+    k = config.kafka
+    base = (
+        KafkaConfig.embedded(bootstrap)
+        if k.bootstrap_servers is None
+        else KafkaConfig(bootstrap_servers=bootstrap)
+    )
+    return KafkaConfig(
+        bootstrap_servers=bootstrap,
+        security_protocol=k.security_protocol,
+        sasl_mechanism=k.sasl_mechanism,
+        sasl_username=k.sasl_username,
+        sasl_password=k.sasl_password,
+        ssl_cafile=k.ssl_cafile,
+        ssl_certfile=k.ssl_certfile,
+        ssl_keyfile=k.ssl_keyfile,
+        ssl_keyfile_password=k.ssl_keyfile_password,
+        session_timeout_ms=k.session_timeout_ms or base.session_timeout_ms,
+        heartbeat_interval_ms=k.heartbeat_interval_ms or base.heartbeat_interval_ms,
+        request_timeout_ms=k.request_timeout_ms or base.request_timeout_ms,
+        replication_factor=k.replication_factor,
+        client_id=k.client_id,
+    )
+
+
+def redacted(config: ShoalConfig) -> dict[str, Any]:
+    """The configuration as plain data with secrets replaced by ``***``."""
+    data: dict[str, Any] = msgspec.to_builtins(config)
+    for section in data.values():
+        for name in _SECRET_FIELDS:
+            if section.get(name) is not None:
+                section[name] = "***"
+    return data
+
+
+# -- the reference ------------------------------------------------------------------------------
+
+
+def reference_markdown() -> str:
+    """``docs/configuration.md``: every option with its flag, variable, TOML key and default."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by `python -m actors.runtime config --reference` from runtime/config.py;",
+        "     tests/test_config.py fails when this file is out of date. Do not edit by hand. -->",
+        "",
+        "Every option can be given as a flag, an environment variable or a key of a TOML file",
+        "(`--config PATH` or `SHOAL_CONFIG`). Precedence, highest first: **flags > environment",
+        "variables > TOML file > defaults**. Top-level options are plain TOML keys; the others",
+        "live in the table named by their section (`[kafka]`, `[spanner]`, ...). A bad value, an",
+        "unknown key or variable, or an unreadable file stops the program with one message that",
+        "names the option and where it came from, and exit code 2.",
+        "",
+        "Example `shoal.toml` for one production task:",
+        "",
+        "```toml",
+        'connector = "orders"',
+        'task_id = "orders-a"',
+        'source = "spanner"',
+        'sink = "spark"',
+        "metrics_port = 9464",
+        "",
+        "[kafka]",
+        'bootstrap_servers = "kafka-1:9093,kafka-2:9093"',
+        'security_protocol = "SASL_SSL"',
+        'sasl_mechanism = "SCRAM-SHA-512"',
+        'sasl_username = "shoal"',
+        "# sasl_password: set SHOAL_KAFKA_SASL_PASSWORD instead of writing it here",
+        "session_timeout_ms = 10000",
+        "replication_factor = 3",
+        "",
+        "[spanner]",
+        'project = "my-project"',
+        'instance = "prod"',
+        'database = "orders"',
+        'change_stream = "OrdersStream"',
+        "",
+        "[spark]",
+        'master = "spark://spark-master:7077"',
+        "",
+        "[spark.conf]",
+        '"spark.executor.memory" = "4g"',
+        "```",
+        "",
+    ]
+    for section, title in SECTION_TITLES.items():
+        lines += [f"## {title}", "", "| option | flag / environment | type | default | meaning |"]
+        lines.append("|---|---|---|---|---|")
+        for o in options():
+            if o.section != section:
+                continue
+            flag = "—" if o.kind == "table" else f"`{o.flag}`<br>`{o.env}`"
+            default = "*unset*" if o.default is None else f"`{_show(o.default)}`"
+            kind = o.kind.replace("|", "\\|")
+            lines.append(f"| `{o.toml}` | {flag} | {kind} | {default} | {o.description} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    return str(value)

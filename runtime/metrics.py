@@ -1,0 +1,276 @@
+"""Prometheus metrics and health endpoints of a shoal process.
+
+The runtime describes itself as a :class:`Sample` (plain frozen records, no client library); the
+same sample feeds the live progress display and the metrics. :class:`MetricsServer` serves, on
+one asyncio HTTP listener inside the runtime's own event loop:
+
+* ``/metrics`` – the Prometheus text format of a private ``CollectorRegistry``: a collector
+  turns the newest :class:`Sample` into metric families at scrape time (gauges and counters per
+  task and per partition), plus a histogram of rebalance durations fed by :meth:`observe_rebalance`;
+* ``/healthz`` – 200 while the event loop answers and no component has failed, else 503;
+* ``/readyz`` – 200 once every task of the process has joined, replayed the sync topic and
+  holds an epoch that lists it; 503 with the reason otherwise (and while shutting down).
+
+Every metric is prefixed ``shoal_`` and labelled ``task`` (and ``partition``, ``kind``,
+``actor`` where it says so); see ``docs/operations.md`` for the list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("shoal.metrics")
+
+__all__ = ["MetricsServer", "Sample", "TaskSample", "build_registry"]
+
+
+class TaskSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One task, as the runtime sees it at one moment."""
+
+    task_id: str
+    ready: bool = False
+    member: bool = False
+    leader: str = ""
+    generation: int = -1
+    epoch: int = -1
+    owned: int = 0
+    reading: int = 0
+    records_read: int = 0
+    records_delivered: int = 0
+    lag_us: dict[str, int] = {}  # partition token -> now minus its committed watermark
+    rebalances: int = 0
+    rebalancing: bool = False
+    sync_messages: int = 0
+    sync_bytes: int = 0
+    errors: dict[str, int] = {}  # kind -> count
+    mailboxes: dict[str, int] = {}  # actor name -> depth
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole process at one moment."""
+
+    at: float  # monotonic seconds
+    tasks: tuple[TaskSample, ...] = ()
+    errors: dict[str, int] = {}  # process-level errors by kind (sink, source, ...)
+    failed: str | None = None  # a component failed for good: the process is unhealthy
+    stopping: bool = False
+
+
+SampleProvider = Callable[[], Sample]
+
+
+class _SampleCollector(Collector):
+    def __init__(self, provider: SampleProvider) -> None:
+        self._provider = provider
+
+    def collect(self) -> Iterator[Any]:
+        sample = self._provider()
+        t = ("task",)
+        owned = GaugeMetricFamily("shoal_owned_partitions", "Partitions the task owns", labels=t)
+        reading = GaugeMetricFamily(
+            "shoal_reading_partitions", "Partitions the task reads now", labels=t
+        )
+        read = CounterMetricFamily(
+            "shoal_records_read", "Change records handed to the sink", labels=t
+        )
+        delivered = CounterMetricFamily(
+            "shoal_records_delivered", "Change records whose batch the sink committed", labels=t
+        )
+        lag = GaugeMetricFamily(
+            "shoal_partition_lag_seconds",
+            "Now minus the partition's committed watermark",
+            labels=("task", "partition"),
+        )
+        max_lag = GaugeMetricFamily(
+            "shoal_max_lag_seconds", "Largest partition lag of the task", labels=t
+        )
+        epoch = GaugeMetricFamily("shoal_epoch", "Epoch in the task's CIM", labels=t)
+        generation = GaugeMetricFamily(
+            "shoal_generation", "Heartbeat-group generation the task is in", labels=t
+        )
+        leader = GaugeMetricFamily(
+            "shoal_is_leader", "1 when the task is the group leader", labels=t
+        )
+        member = GaugeMetricFamily("shoal_is_member", "1 while the task is a member", labels=t)
+        rebalances = CounterMetricFamily(
+            "shoal_rebalances", "Rebalances of the heartbeat group seen by the task", labels=t
+        )
+        sync_messages = CounterMetricFamily(
+            "shoal_sync_messages", "Messages the task appended to the sync topic", labels=t
+        )
+        sync_bytes = CounterMetricFamily(
+            "shoal_sync_bytes", "Bytes the task appended to the sync topic", labels=t
+        )
+        errors = CounterMetricFamily("shoal_errors", "Errors by kind", labels=("task", "kind"))
+        mailbox = GaugeMetricFamily(
+            "shoal_mailbox_depth",
+            "Messages waiting in an actor's mailbox",
+            labels=("task", "actor"),
+        )
+        for task in sample.tasks:
+            key = [task.task_id]
+            owned.add_metric(key, task.owned)
+            reading.add_metric(key, task.reading)
+            read.add_metric(key, task.records_read)
+            delivered.add_metric(key, task.records_delivered)
+            for token, us in task.lag_us.items():
+                lag.add_metric([task.task_id, token], us / 1e6)
+            max_lag.add_metric(key, max(task.lag_us.values(), default=0) / 1e6)
+            epoch.add_metric(key, task.epoch)
+            generation.add_metric(key, task.generation)
+            leader.add_metric(key, 1.0 if task.leader == task.task_id else 0.0)
+            member.add_metric(key, 1.0 if task.member else 0.0)
+            rebalances.add_metric(key, task.rebalances)
+            sync_messages.add_metric(key, task.sync_messages)
+            sync_bytes.add_metric(key, task.sync_bytes)
+            for kind, n in sorted(task.errors.items()):
+                errors.add_metric([task.task_id, kind], n)
+            for actor, depth in sorted(task.mailboxes.items()):
+                mailbox.add_metric([task.task_id, actor], depth)
+        for kind, n in sorted(sample.errors.items()):
+            errors.add_metric(["", kind], n)
+        ready = GaugeMetricFamily("shoal_ready", "1 when /readyz answers 200")
+        ready.add_metric([], 1.0 if readiness(sample)[0] else 0.0)
+        yield from (
+            owned,
+            reading,
+            read,
+            delivered,
+            lag,
+            max_lag,
+            epoch,
+            generation,
+            leader,
+            member,
+            rebalances,
+            sync_messages,
+            sync_bytes,
+            errors,
+            mailbox,
+            ready,
+        )
+
+
+def readiness(sample: Sample) -> tuple[bool, str]:
+    """(ready, reason): every task joined and holds an epoch that lists it."""
+    if sample.failed is not None:
+        return False, f"failed: {sample.failed}"
+    if sample.stopping:
+        return False, "shutting down"
+    if not sample.tasks:
+        return False, "no task started yet"
+    for task in sample.tasks:
+        if not task.ready:
+            return False, f"task {task.task_id} is still replaying the sync topic"
+        if not task.member:
+            return False, f"task {task.task_id} is not a group member"
+        if task.epoch < 0:
+            return False, f"task {task.task_id} has no epoch yet"
+    return True, "ready"
+
+
+def build_registry(provider: SampleProvider) -> tuple[CollectorRegistry, Histogram]:
+    """A private registry reading ``provider`` at scrape time, and the rebalance histogram."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SampleCollector(provider))
+    histogram = Histogram(
+        "shoal_rebalance_duration_seconds",
+        "From a task seeing a rebalance start until its CIM holds the new epoch",
+        labelnames=("task",),
+        buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60),
+        registry=registry,
+    )
+    return registry, histogram
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1 (one request per connection).
+
+    ``async with MetricsServer(provider, host, port) as server:``; ``server.port`` is the bound
+    port (useful with ``port=0``)."""
+
+    def __init__(self, provider: SampleProvider, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._provider = provider
+        self._host = host
+        self._port = port
+        self.registry, self._rebalance = build_registry(provider)
+        self._server: asyncio.Server | None = None
+        self.requests = 0
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("the metrics server is not started")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    def observe_rebalance(self, task_id: str, seconds: float) -> None:
+        self._rebalance.labels(task=task_id).observe(seconds)
+
+    async def __aenter__(self) -> MetricsServer:
+        try:
+            self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot serve metrics on {self._host}:{self._port}: {exc.strerror}"
+            ) from exc
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(10):
+                request = await reader.readline()
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass
+            parts = request.decode("latin-1").split()
+            method, path = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
+            status, ctype, body = self.respond(method, path.split("?", 1)[0])
+            self.requests += 1
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode("latin-1") + (body if method != "HEAD" else b""))
+            await writer.drain()
+        except (TimeoutError, ConnectionError) as exc:
+            log.debug("metrics request dropped: %r", exc)
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except ConnectionError as exc:
+                log.debug("metrics connection closed badly: %r", exc)
+
+    def respond(self, method: str, path: str) -> tuple[str, str, bytes]:
+        """(status line, content type, body) for one request."""
+        text = "text/plain; charset=utf-8"
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", text, b"only GET\n"
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        if path == "/healthz":
+            sample = self._provider()
+            if sample.failed is not None:
+                return "503 Service Unavailable", text, f"failed: {sample.failed}\n".encode()
+            return "200 OK", text, b"ok\n"
+        if path == "/readyz":
+            ok, reason = readiness(self._provider())
+            return ("200 OK" if ok else "503 Service Unavailable"), text, f"{reason}\n".encode()
+        return "404 Not Found", text, b"try /metrics, /healthz or /readyz\n"
