@@ -1,0 +1,480 @@
+"""``python -m bench rebalance``: how long a rebalance takes over the embedded broker.
+
+1,000 idle partitions of the simulated stream, 10 tasks (9 in this process, 1 in a subprocess so
+that it can be SIGKILLed), real actors, real Kafka adapters, session/heartbeat 3000/1000 ms. Then
+three rebalances, each timed from its cause until every partition is owned by exactly one task,
+read by it, and owned counts are within one:
+
+* **join**: an 11th task joins (timed from its join call: its sync-topic replay comes before);
+* **leave**: that task leaves gracefully (LeaveGroup);
+* **kill**: the subprocess task is SIGKILLed (the group notices after the session timeout).
+
+Each time is split into **Kafka group time** — until every member of the new group has received
+its assignment of the new generation (measured at each member's ``events()``) — and **shoal
+protocol time** after it: the epoch, the offers, the hand-offs, the readers starting.
+``protocol_overhead_s`` is the largest of the three (goal: <= 0.5 s).
+
+**Sync bytes per rebalance**: bytes appended to the sync topic from the cause until settled, as
+read back by an observer, minus the steady rate of idle watermark reports over that window;
+the mean of the three.
+
+Last line: ``{"scenario": "rebalance", "join_s":.., "leave_s":.., "kill_s":..,
+"protocol_overhead_s":.., "sync_bytes_per_rebalance":..}``. ``--quick``: 200 partitions, 5 tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+
+from actors.node import NodeConfig, TaskNode
+from protocol.task import TaskConfig
+from runtime.broker import EmbeddedBroker
+from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
+from runtime.ports import GroupAssignment, GroupEvent, Membership, SinkBatch
+from runtime.simsource import SimulatedSource
+from runtime.simstream import StreamModel, StreamParams
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONNECTOR = "bench-rebalance"
+
+
+def stream_params(partitions: int) -> StreamParams:
+    return StreamParams(
+        seed=5,
+        roots=partitions,
+        split_p=0.0,
+        merge_p=0.0,
+        move_p=0.0,
+        records_per_s=0.05,
+        round_us=60_000_000,
+    )
+
+
+def make_source(params: StreamParams, origin: float) -> SimulatedSource:
+    """Idle partitions (a heartbeat every 5 s), on a model clock every process shares."""
+
+    def clock() -> int:
+        return params.start_ts + int((time.time() - origin) * 1_000_000)
+
+    return SimulatedSource(StreamModel(params), clock=clock, heartbeat_ms=5000, poll_s=1.0)
+
+
+def node_config(task_id: str, params: StreamParams) -> NodeConfig:
+    return NodeConfig(
+        task=TaskConfig(
+            task_id=task_id,
+            cap=0,
+            answer_timeout=1_000_000,
+            publish_interval=1_000_000,
+            checkpoint_interval=10_000_000,
+        ),
+        stream_start=params.start_ts,
+        tick_interval=0.05,
+    )
+
+
+class NullSink:
+    """Commits every batch at once."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        self.batches += 1
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+class Assigned(msgspec.Struct, frozen=True, array_like=True):
+    at: float  # time.monotonic() (machine-wide: comparable across processes)
+    task: str
+    generation: int
+    members: tuple[str, ...]
+
+
+class TimedMembership:
+    """A :class:`KafkaMembership` that reports when each assignment reached its reader."""
+
+    def __init__(self, inner: KafkaMembership, record: Callable[[Assigned], None]) -> None:
+        self.inner = inner
+        self._record = record
+
+    async def events(self) -> AsyncIterator[GroupEvent]:
+        async for event in self.inner.events():
+            if isinstance(event, GroupAssignment):
+                self._record(
+                    Assigned(time.monotonic(), self.inner.task_id, event.generation, event.members)
+                )
+            yield event
+
+    def lease_valid_until(self) -> float:
+        return self.inner.lease_valid_until()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def joiner(
+    config: KafkaConfig,
+    record: Callable[[Assigned], None],
+    joining: Callable[[str, float], None],
+) -> Callable[[str], Awaitable[Membership]]:
+    async def join(task_id: str) -> Membership:
+        joining(task_id, time.monotonic())
+        inner = KafkaMembership(config, CONNECTOR, task_id)
+        await inner.start()
+        return TimedMembership(inner, record)
+
+    return join
+
+
+class Status(msgspec.Struct, frozen=True):
+    owned: frozenset[str]
+    reading: frozenset[str]
+
+
+# ------------------------------------------------------------------------------------------------
+# The subprocess task
+# ------------------------------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+
+
+def _emit(item: dict[str, object]) -> None:
+    sys.stdout.buffer.write(_encoder.encode(item) + b"\n")
+    sys.stdout.flush()
+
+
+async def worker(bootstrap: str, task_id: str, origin: float, partitions: int) -> None:
+    """One task; prints ``{"assigned": ..}`` per assignment and ``{"status": ..}`` when what it
+    owns or reads changes. Runs until killed or its stdin closes."""
+    params = stream_params(partitions)
+    config = KafkaConfig.embedded(bootstrap)
+
+    def record(assigned: Assigned) -> None:
+        _emit({"assigned": assigned})
+
+    def joining(task: str, at: float) -> None:
+        _emit({"joining": at})
+
+    async with KafkaSyncLog(config, CONNECTOR) as sync_log:
+        node = TaskNode(
+            node_config(task_id, params),
+            sync_log=sync_log,
+            join=joiner(config, record, joining),
+            source=make_source(params, origin),
+            sink=NullSink(),
+        )
+        async with node, asyncio.TaskGroup() as group:
+
+            async def report() -> None:
+                last: Status | None = None
+                while True:
+                    task = node.task
+                    if task is not None:
+                        status = Status(
+                            frozenset(task.core.owned_unfinished()), frozenset(task.readers)
+                        )
+                        if status != last:
+                            _emit({"status": status})
+                            last = status
+                    await asyncio.sleep(0.02)
+
+            reporter = group.create_task(report())
+            loop = asyncio.get_running_loop()
+            stdin = asyncio.StreamReader()
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+            await stdin.read()
+            reporter.cancel()
+
+
+class Worker:
+    def __init__(self, task_id: str, process: asyncio.subprocess.Process) -> None:
+        self.task_id = task_id
+        self.process = process
+        self.status: Status | None = None
+
+    async def follow(self, bench: Bench) -> None:
+        stdout = self.process.stdout
+        assert stdout is not None
+        while line := await stdout.readline():
+            item = msgspec.json.decode(line)
+            if "status" in item:
+                self.status = msgspec.convert(item["status"], Status)
+            elif "assigned" in item:
+                bench.assigned.append(msgspec.convert(item["assigned"], Assigned))
+            elif "joining" in item:
+                bench.joined_at[self.task_id] = float(item["joining"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The harness
+# ------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, config: KafkaConfig, partitions: int) -> None:
+        self.config = config
+        self.params = stream_params(partitions)
+        self.tokens = frozenset(StreamModel(self.params).roots)
+        self.origin = time.time()
+        self.assigned: list[Assigned] = []
+        self.joined_at: dict[str, float] = {}
+        self.sync_log: list[tuple[float, int]] = []  # (read back at, bytes)
+        self.nodes: dict[str, tuple[TaskNode, contextlib.AsyncExitStack]] = {}
+        self.workers: dict[str, Worker] = {}
+        self._followers: list[asyncio.Task[None]] = []
+
+    def _joining(self, task_id: str, at: float) -> None:
+        self.joined_at[task_id] = at
+
+    async def observe(self) -> None:
+        async with (
+            KafkaSyncLog(self.config, CONNECTOR) as log,
+            contextlib.aclosing(log.read(0)) as reader,
+        ):
+            async for _, payload in reader:
+                self.sync_log.append((time.monotonic(), len(payload)))
+
+    async def start_node(self, task_id: str) -> None:
+        stack = contextlib.AsyncExitStack()
+        try:
+            sync_log = await stack.enter_async_context(KafkaSyncLog(self.config, CONNECTOR))
+            node = TaskNode(
+                node_config(task_id, self.params),
+                sync_log=sync_log,
+                join=joiner(self.config, self.assigned.append, self._joining),
+                source=make_source(self.params, self.origin),
+                sink=NullSink(),
+            )
+            await stack.enter_async_context(node)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self.nodes[task_id] = (node, stack)
+
+    async def stop_node(self, task_id: str) -> None:
+        _, stack = self.nodes.pop(task_id)
+        await stack.aclose()
+
+    async def start_worker(self, task_id: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.rebalance",
+            "--worker",
+            self.config.bootstrap_servers,
+            task_id,
+            repr(self.origin),
+            str(len(self.tokens)),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=REPO_ROOT,
+            env=env,
+        )
+        worker = self.workers[task_id] = Worker(task_id, process)
+        self._followers.append(asyncio.create_task(worker.follow(self)))
+
+    async def kill_worker(self, task_id: str) -> None:
+        worker = self.workers.pop(task_id)
+        worker.process.send_signal(signal.SIGKILL)
+        await worker.process.wait()
+
+    async def close(self) -> None:
+        for task_id in list(self.nodes):
+            await self.stop_node(task_id)
+        for worker in self.workers.values():
+            stdin = worker.process.stdin
+            assert stdin is not None
+            stdin.close()
+            try:
+                async with asyncio.timeout(15):
+                    await worker.process.wait()
+            except TimeoutError:
+                worker.process.send_signal(signal.SIGKILL)
+                await worker.process.wait()
+        self.workers.clear()
+        for follower in self._followers:
+            await follower
+
+    # -- what everyone owns -------------------------------------------------------------------
+    def statuses(self) -> dict[str, Status | None]:
+        out: dict[str, Status | None] = {}
+        for task_id, (node, _) in self.nodes.items():
+            task = node.task
+            out[task_id] = (
+                Status(frozenset(task.core.owned_unfinished()), frozenset(task.readers))
+                if task is not None
+                else None
+            )
+        for task_id, worker in self.workers.items():
+            out[task_id] = worker.status
+        return out
+
+    def settled(self) -> bool:
+        statuses = list(self.statuses().values())
+        if any(s is None for s in statuses):
+            return False
+        owned = [s.owned for s in statuses if s is not None]
+        if any(s.reading != s.owned for s in statuses if s is not None):
+            return False
+        counts = [len(o) for o in owned]
+        return (
+            sum(counts) == len(self.tokens)
+            and frozenset().union(*owned) == self.tokens
+            and max(counts) - min(counts) <= 1
+        )
+
+    async def wait_settled(self, timeout: float) -> float:
+        """Monotonic time at which it first looked settled (polled every 10 ms)."""
+        async with asyncio.timeout(timeout):
+            while not self.settled():  # noqa: ASYNC110 - a state spread over processes: polled
+                await asyncio.sleep(0.01)
+        return time.monotonic()
+
+    def group_done(self, since: float) -> float:
+        """When the last current member received the assignment listing exactly the current
+        members (after ``since``)."""
+        members = tuple(sorted(self.statuses()))
+        times = []
+        for task_id in members:
+            got = [
+                a.at
+                for a in self.assigned
+                if a.task == task_id and a.at >= since and a.members == members
+            ]
+            if not got:
+                raise RuntimeError(f"{task_id} never got the assignment of {members}")
+            times.append(min(got))
+        return max(times)
+
+    def bytes_between(self, t0: float, t1: float) -> int:
+        return sum(n for at, n in self.sync_log if t0 <= at <= t1)
+
+
+class Figures(msgspec.Struct):
+    total_s: float
+    group_s: float
+    protocol_s: float
+    sync_bytes: int
+    sync_bytes_raw: int
+
+
+async def measure(partitions: int, tasks: int, bootstrap: str, timeout: float) -> dict[str, object]:
+    config = KafkaConfig.embedded(bootstrap)
+    bench = Bench(config, partitions)
+    out: dict[str, object] = {"partitions": partitions, "tasks": tasks}
+    async with asyncio.TaskGroup() as group:
+        observer = group.create_task(bench.observe())
+        try:
+            t0 = time.monotonic()
+            for i in range(tasks - 1):
+                await bench.start_node(f"t{i:02d}")
+            victim = f"k{tasks - 1:02d}"
+            await bench.start_worker(victim)
+            await bench.wait_settled(timeout)
+            out["start_s"] = round(time.monotonic() - t0, 2)
+            print(f"{tasks} tasks own {partitions} partitions after {out['start_s']} s", flush=True)
+
+            await asyncio.sleep(2.0)
+            s0, b0 = time.monotonic(), len(bench.sync_log)
+            await asyncio.sleep(4.0)
+            steady = sum(n for _, n in bench.sync_log[b0:]) / (time.monotonic() - s0)
+            out["steady_sync_bytes_per_s"] = round(steady)
+
+            async def timed(name: str, start: float) -> Figures:
+                settled = await bench.wait_settled(timeout)
+                group_at = bench.group_done(start)
+                await asyncio.sleep(1.0)  # the last messages of the window are read back
+                raw = bench.bytes_between(start, settled + 0.5)
+                fig = Figures(
+                    total_s=round(settled - start, 3),
+                    group_s=round(group_at - start, 3),
+                    protocol_s=round(max(0.0, settled - group_at), 3),
+                    sync_bytes=max(0, round(raw - steady * (settled + 0.5 - start))),
+                    sync_bytes_raw=raw,
+                )
+                print(f"{name}: {msgspec.json.encode(fig).decode()}", flush=True)
+                await asyncio.sleep(1.0)
+                return fig
+
+            newcomer = f"t{tasks:02d}"
+            await bench.start_node(newcomer)
+            join = await timed("join", bench.joined_at[newcomer])
+
+            start = time.monotonic()
+            await bench.stop_node(newcomer)
+            leave = await timed("leave", start)
+
+            start = time.monotonic()
+            await bench.kill_worker(victim)
+            kill = await timed("kill", start)
+        finally:
+            observer.cancel()
+            await bench.close()
+    results = {"join": join, "leave": leave, "kill": kill}
+    for name, fig in results.items():
+        for key, value in msgspec.structs.asdict(fig).items():
+            out[f"{name}_{key}"] = value
+    out["join_s"] = join.total_s
+    out["leave_s"] = leave.total_s
+    out["kill_s"] = kill.total_s
+    out["protocol_overhead_s"] = max(f.protocol_s for f in results.values())
+    out["sync_bytes_per_rebalance"] = round(statistics.mean(f.sync_bytes for f in results.values()))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    # aiokafka logs every heartbeat refused during a rebalance: expected here, by the dozen.
+    logging.getLogger("aiokafka").setLevel(logging.ERROR)
+    if argv and argv[0] == "--worker":
+        bootstrap, task_id, origin, partitions = argv[1:5]
+        asyncio.run(worker(bootstrap, task_id, float(origin), int(partitions)))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench rebalance", description=__doc__)
+    parser.add_argument("--partitions", type=int, default=1000)
+    parser.add_argument("--tasks", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="200 partitions, 5 tasks")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per rebalance, seconds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.partitions, args.tasks = 200, 5
+    if args.tasks < 3 or args.partitions < args.tasks + 1:
+        parser.error("need at least 3 tasks and more partitions than tasks")
+
+    async def run() -> dict[str, object]:
+        async with EmbeddedBroker() as broker:
+            return await measure(args.partitions, args.tasks, broker.bootstrap, args.timeout)
+
+    try:
+        result = asyncio.run(run())
+    except TimeoutError:
+        print("rebalance: a rebalance did not settle in time", file=sys.stderr)
+        return 1
+    for key, value in result.items():
+        print(f"{key:>28}: {value}")
+    keys = ("join_s", "leave_s", "kill_s", "protocol_overhead_s", "sync_bytes_per_rebalance")
+    figures = {k: result[k] for k in keys}
+    extra = ("partitions", "tasks", "join_group_s", "leave_group_s", "kill_group_s")
+    figures.update({k: result[k] for k in extra})
+    print(json.dumps({"scenario": "rebalance", **figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
