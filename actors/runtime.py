@@ -28,8 +28,11 @@ from typing import NoReturn, TextIO
 
 import msgspec
 
+from actors.cli.embed import CallbackSink, open_task
 from runtime import config as options
 from runtime.config import ConfigError, ShoalConfig
+
+__all__ = ["CallbackSink", "main", "open_task", "run"]
 
 PROG = "python -m actors.runtime"
 COMMANDS = ("run", "status", "dlq", "config")

@@ -135,6 +135,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     rows_written: int | None  # rows the sink wrote (files sink), if it knows
     produced_records: int | None  # records the source produced up to the end (when known)
     produced_rows: int | None
+    stream_start: int | None  # the simulated stream's start (Unix micros)
     stream_end: int | None  # bounded simulated runs: the stream time the run caught up to
     caught_up: bool | None
     drained: bool

@@ -28,20 +28,24 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from actors.cli.embed import GatedSource, drain_node
 from actors.cli.sinks import CountingSink, FileSink
 from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
-from protocol.records import ChangeRecord, DataChange
+from protocol.records import DataChange
 from protocol.task import TaskConfig
-from runtime.config import ConfigError, ShoalConfig, kafka_config
+from runtime.config import ConfigError, ShoalConfig, SimOptions, kafka_config
 from runtime.metrics import MetricsServer, Sample, TaskSample
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
 from runtime.progress import PartitionEnd, Progress, RunSummary
+
+if TYPE_CHECKING:
+    from runtime.simstream import StreamParams
 
 log = logging.getLogger("shoal.runtime")
 
@@ -50,34 +54,6 @@ _ERROR_COUNTERS = ("reader_failed", "publish_failed", "membership_lost", "evicte
 
 class RunFailed(RuntimeError):
     """A component failed for good; the message says which and why."""
-
-
-class GatedSource:
-    """A source that can be closed for new work: once :meth:`close` is called, every query
-    (running or new) waits at its next batch until it is cancelled. A task that drains keeps
-    its readers from re-reading what they already handed over."""
-
-    def __init__(self, inner: ChangeStreamSource) -> None:
-        self.inner = inner
-        self._open = asyncio.Event()
-        self._open.set()
-
-    def close(self) -> None:
-        self._open.clear()
-
-    @property
-    def closed(self) -> bool:
-        return not self._open.is_set()
-
-    async def query(
-        self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
-        if token is not None:
-            await self._open.wait()
-        async for batch in self.inner.query(token, start_ts, end_ts):
-            if token is not None:
-                await self._open.wait()
-            yield batch
 
 
 class Ledger:
@@ -165,6 +141,9 @@ class Pipeline:
         self._loadgen: Any = None
         self._load_stop = asyncio.Event()
         self._draining = asyncio.Event()
+        self._stream_start: int | None = None
+        self._expected_records: int | None = None
+        self._expected_rows: int | None = None
         self._ledger: Ledger | None = None
         self._file_sink: FileSink | None = None
         self._bounded = config.run.duration is not None or config.run.max_records is not None
@@ -257,7 +236,7 @@ class Pipeline:
                 reason = await self._wait_for_end()
                 try:
                     async with asyncio.timeout(cfg.run.drain_timeout):
-                        if self._bounded and reason != "signal":
+                        if self._bounded and reason != "signal" and self._alone():
                             caught_up = await self._catch_up()
                         self.stopping = True
                         self._load_stop.set()
@@ -337,20 +316,11 @@ class Pipeline:
 
     def _sim_source(self) -> ChangeStreamSource:
         from runtime.simsource import SimulatedSource
-        from runtime.simstream import StreamModel, StreamParams
+        from runtime.simstream import StreamModel
 
         sim = self.config.sim
         start = sim.start_ts if sim.start_ts is not None else wall_micros()
-        params = StreamParams(
-            seed=sim.seed,
-            roots=sim.roots,
-            start_ts=start,
-            round_us=int(sim.round_s * 1e6),
-            split_p=sim.split_p,
-            move_p=sim.move_p,
-            merge_p=sim.merge_p,
-            records_per_s=sim.records_per_s,
-        )
+        params = stream_params(sim, start)
         self._model = model = StreamModel(params)
         speed = sim.speedup
 
@@ -441,7 +411,7 @@ class Pipeline:
             await membership.start()
             return membership
 
-        stream_start = getattr(self, "_stream_start", -1)
+        stream_start = self._stream_start if self._stream_start is not None else -1
         t = cfg.task
         for task_id in default_task_ids(cfg):
             sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
@@ -483,21 +453,7 @@ class Pipeline:
 
     async def _drain(self, t: _Task) -> None:
         """Readers stop and commit what is in flight; the task's final state is read back."""
-        task = t.node.task
-        assert task is not None
-        readers = list(task.readers.values())
-        for reader in readers:
-            reader.request_stop("shutdown", drain=True)
-        # A reader has no "stopped" event to wait for; it reports to its task and dies.
-        while any(r.alive for r in readers):  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
-        core = task.core
-        while True:
-            view = core.cim.view(core.me)
-            if view.partitions == core.mine or not core.member:
-                break
-            await asyncio.sleep(0.05)
-        t.drained = True
+        t.drained = await drain_node(t.node, t.gate)
 
     async def _wait_for_end(self) -> str:
         run = self.config.run
@@ -510,6 +466,11 @@ class Pipeline:
             if run.max_records is not None and self._delivered() >= run.max_records:
                 return "max-records"
             await asyncio.sleep(0.05)
+
+    def _alone(self) -> bool:
+        """Only this process reads the stream (embedded broker): it can wait for all of it.
+        With a shared Kafka other processes hold part of the stream; a bounded run drains."""
+        return self.config.kafka.bootstrap_servers is None
 
     def _delivered(self) -> int:
         return sum(t.sink.records_delivered for t in self.tasks)
@@ -620,7 +581,14 @@ class Pipeline:
                 errors[kind] = errors.get(kind, 0) + n
         ledger = self._ledger
         if ledger is not None and ledger.duplicates:
-            errors["duplicate_records"] = ledger.duplicates
+            # handed to the sink twice (a partition resumed at its watermark by a new owner)
+            errors["records_read_twice"] = ledger.duplicates
+        rows = ledger.rows if ledger is not None else None
+        if self._file_sink is not None:
+            stats = self._file_sink.statistics()
+            rows = stats.rows
+            if stats.duplicates_dropped:
+                errors["duplicates_dropped_by_sink"] = stats.duplicates_dropped
         epoch = max((t.epoch for t in final.tasks), default=-1)
         leader = next((t.leader for t in final.tasks if t.epoch == epoch), "")
         return RunSummary(
@@ -632,9 +600,10 @@ class Pipeline:
             tasks=final.tasks,
             records_read=sum(t.records_read for t in final.tasks),
             records_delivered=sum(t.records_delivered for t in final.tasks),
-            rows_written=ledger.rows if ledger is not None else None,
-            produced_records=getattr(self, "_expected_records", None),
-            produced_rows=getattr(self, "_expected_rows", None),
+            rows_written=rows,
+            produced_records=self._expected_records,
+            produced_rows=self._expected_rows,
+            stream_start=self._stream_start,
             stream_end=self._cap,
             caught_up=caught_up,
             drained=drained,
@@ -647,10 +616,28 @@ class Pipeline:
         )
 
 
+def stream_params(sim: SimOptions, start: int) -> StreamParams:
+    """The simulated stream of ``[sim]`` options starting at ``start`` (Unix micros)."""
+    from runtime.simstream import StreamParams
+
+    return StreamParams(
+        seed=sim.seed,
+        roots=sim.roots,
+        start_ts=start,
+        round_us=int(sim.round_s * 1e6),
+        split_p=sim.split_p,
+        move_p=sim.move_p,
+        merge_p=sim.merge_p,
+        records_per_s=sim.records_per_s,
+    )
+
+
 def expected_below_watermarks(model: Any, partitions: Sequence[PartitionEnd]) -> set[str]:
     """Record ids (``commit/txn/seq/mod``) a restart would not read again: every record of a
     finished partition, and those of an unfinished one strictly before its final watermark."""
     out: set[str] = set()
+    if partitions:
+        model.generate_until(max(p.watermark for p in partitions))
     for p in partitions:
         info = model.partitions.get(p.token)
         if info is None:

@@ -8,6 +8,12 @@ a reader never sees half a file. A batch's future resolves when the file holding
 renamed into place: that is its commit. ``max_buffered_rows`` bounds what is accepted and not yet
 written (``put`` waits: backpressure).
 
+The file sink is idempotent against re-reads at a partition's watermark: a task that takes a
+partition over resumes at its committed watermark, inclusive, and so reads again the records at
+exactly that commit timestamp. Per partition the sink remembers the newest commit timestamp it
+wrote and the records at it, and drops (and counts, ``duplicates_dropped``) a record it already
+wrote. Batches of one partition are written in order, so that is enough, in O(partitions).
+
 ``CountingSink`` wraps the shared sink for one task and counts records handed over and
 committed, so the progress display and the metrics can show them per task.
 """
@@ -27,6 +33,7 @@ from typing import Any, Self
 
 import msgspec
 
+from protocol.records import DataChange
 from runtime.kafka_sink import output_records
 from runtime.ports import Sink, SinkBatch
 
@@ -57,6 +64,7 @@ class FileSinkStats(msgspec.Struct, frozen=True):
     batches: int  # batches committed
     buffered_rows: int
     failures: int
+    duplicates_dropped: int  # records already written (a re-read at a watermark)
 
 
 class FileSink:
@@ -89,6 +97,9 @@ class FileSink:
         self._rows = 0
         self._batches = 0
         self._failures = 0
+        self._dropped = 0
+        # partition token -> (newest commit ts written, identities written at it)
+        self._tails: dict[str, tuple[int, set[tuple[int, str, str]]]] = {}
 
     def __repr__(self) -> str:
         return f"FileSink({str(self.directory)!r})"
@@ -118,19 +129,49 @@ class FileSink:
         self._fail_waiting(SinkError(f"{self!r} is closed"))
 
     def statistics(self) -> FileSinkStats:
-        return FileSinkStats(self._files, self._rows, self._batches, self._buffered, self._failures)
+        return FileSinkStats(
+            self._files, self._rows, self._batches, self._buffered, self._failures, self._dropped
+        )
+
+    def _fresh(self, batch: SinkBatch) -> list[DataChange]:
+        tail = self._tails.get(batch.token)
+        if tail is None:
+            return list(batch.records)
+        ts, ids = tail
+        out = [
+            r
+            for r in batch.records
+            if r.commit_ts > ts or (r.commit_ts == ts and r.identity not in ids)
+        ]
+        self._dropped += len(batch.records) - len(out)
+        return out
+
+    def _written(self, columns: dict[str, list[Any]]) -> None:
+        for token, ts, txn, seq in zip(
+            columns["partition_token"],
+            columns["commit_ts"],
+            columns["server_transaction_id"],
+            columns["record_sequence"],
+            strict=True,
+        ):
+            tail = self._tails.get(token)
+            if tail is None or ts > tail[0]:
+                self._tails[token] = (ts, {(ts, txn, seq)})
+            elif ts == tail[0]:
+                tail[1].add((ts, txn, seq))
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         if self._closed or self._error is not None:
             raise SinkError(f"{self!r} is closed" if self._error is None else str(self._error))
-        rows = sum(len(r.mods) for r in batch.records)
+        records = self._fresh(batch)
+        rows = sum(len(r.mods) for r in records)
         async with self._room:
             await self._room.wait_for(
                 lambda: self._buffered == 0 or self._buffered + rows <= self._max_buffered
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         cols = self._columns
-        for change in batch.records:
+        for change in records:
             for out in output_records(change):
                 cols["record_id"].append(out.record_id)
                 cols["partition_token"].append(batch.token)
@@ -186,6 +227,7 @@ class FileSink:
         else:
             if rows:
                 self._files += 1
+                self._written(columns)
             self._rows += rows
             self._batches += len(waiting)
             for future, _ in waiting:

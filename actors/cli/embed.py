@@ -1,0 +1,199 @@
+"""Embedding shoal in an application that already runs an event loop.
+
+``open_task`` runs one shoal task inside the caller's loop for the duration of an ``async with``
+block, over a Kafka (the coordination topics) and a change-stream source, handing batches to a
+sink or to a plain async callback::
+
+    async def on_batch(batch: SinkBatch) -> None:   # returns = committed
+        await my_store.write(batch.records)
+
+    async with open_task(kafka, connector="orders", task_id="app-1",
+                         source=source, on_batch=on_batch) as node:
+        await node.ready.wait()          # replayed the sync topic and joined the group
+        ...                              # node.status() any time
+    # leaving the block: the task stops taking work, lets in-flight batches commit,
+    # publishes its final watermarks, and leaves the group; others take its partitions.
+
+Any number of processes (or ``open_task`` blocks) with the same ``connector`` and Kafka share the
+stream's partitions. ``examples/embed.py`` is a complete, tested program.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from actors.node import NodeConfig, TaskNode
+from protocol.records import ChangeRecord
+from protocol.task import TaskConfig
+from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
+
+if TYPE_CHECKING:
+    from runtime.kafka import KafkaConfig
+
+log = logging.getLogger("shoal.embed")
+
+__all__ = ["CallbackSink", "GatedSource", "drain_node", "open_task"]
+
+
+class GatedSource:
+    """A source that can be closed for new work: once :meth:`close` is called, every query
+    (running or new) waits at its next batch until it is cancelled. A task that drains keeps
+    its readers from re-reading what they already handed over."""
+
+    def __init__(self, inner: ChangeStreamSource) -> None:
+        self.inner = inner
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    @property
+    def closed(self) -> bool:
+        return not self._open.is_set()
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        if token is not None:
+            await self._open.wait()
+        async for batch in self.inner.query(token, start_ts, end_ts):
+            if token is not None:
+                await self._open.wait()
+            yield batch
+
+
+class CallbackSink:
+    """A ``Sink`` that calls ``on_batch(batch)`` for every batch, one at a time, in the order
+    handed over; a batch is committed when the callback returns, and failed (the partition is
+    re-read from its committed watermark) when it raises. At most ``max_pending`` batches wait
+    (``put`` blocks beyond: backpressure)."""
+
+    def __init__(
+        self, on_batch: Callable[[SinkBatch], Awaitable[None]], *, max_pending: int = 64
+    ) -> None:
+        self._on_batch = on_batch
+        self._queue: asyncio.Queue[tuple[SinkBatch, asyncio.Future[None]]] = asyncio.Queue(
+            max_pending
+        )
+        self._worker: asyncio.Task[None] | None = None
+        self.failures = 0
+
+    async def __aenter__(self) -> CallbackSink:
+        self._worker = asyncio.create_task(self._work(), name="callback-sink")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        while not self._queue.empty():
+            _, future = self._queue.get_nowait()
+            if not future.done():
+                future.set_exception(RuntimeError("the callback sink is closed"))
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        if self._worker is None or self._worker.done():
+            raise RuntimeError("the callback sink is not running")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._queue.put((batch, future))
+        return future
+
+    async def _work(self) -> None:
+        while True:
+            batch, future = await self._queue.get()
+            try:
+                await self._on_batch(batch)
+            except Exception as exc:
+                self.failures += 1
+                log.warning("on_batch failed for %s: %r; it will be re-read", batch.token, exc)
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(None)
+
+
+async def drain_node(node: TaskNode, gate: GatedSource) -> bool:
+    """Stop ``node`` taking work, let its readers commit what is in flight, and wait until its
+    final state is read back from the sync topic. Returns whether it got that far (``False``:
+    the task was not a member any more, so its state is the group's to settle). Bound it with
+    ``asyncio.timeout``."""
+    gate.close()
+    task = node.task
+    if task is None:
+        return False
+    readers = list(task.readers.values())
+    for reader in readers:
+        reader.request_stop("shutdown", drain=True)
+    # A reader has no "stopped" event to wait for; it reports to its task and dies.
+    while any(r.alive for r in readers):  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    core = task.core
+    while core.cim.view(core.me).partitions != core.mine:
+        if not core.member:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+@contextlib.asynccontextmanager
+async def open_task(
+    kafka: KafkaConfig,
+    *,
+    connector: str,
+    task_id: str,
+    source: ChangeStreamSource,
+    sink: Sink | None = None,
+    on_batch: Callable[[SinkBatch], Awaitable[None]] | None = None,
+    task: TaskConfig | None = None,
+    stream_start: int = -1,
+    drain_timeout: float = 30.0,
+) -> AsyncIterator[TaskNode]:
+    """Run one task in the caller's event loop; see the module docstring. Give exactly one of
+    ``sink`` and ``on_batch``. ``stream_start`` (Unix micros) is where a never-started stream
+    is read from (-1: now)."""
+    from runtime.kafka import KafkaMembership, KafkaSyncLog
+
+    if (sink is None) == (on_batch is None):
+        raise ValueError("give exactly one of sink and on_batch")
+    task_config = task or TaskConfig(task_id=task_id)
+    if task_config.task_id != task_id:
+        raise ValueError(f"task.task_id {task_config.task_id!r} differs from {task_id!r}")
+
+    async def join(member: str) -> Membership:
+        membership = KafkaMembership(kafka, connector, member)
+        await membership.start()
+        return membership
+
+    async with contextlib.AsyncExitStack() as stack:
+        if sink is None:
+            assert on_batch is not None
+            sink = await stack.enter_async_context(CallbackSink(on_batch))
+        sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
+        gate = GatedSource(source)
+        node = TaskNode(
+            NodeConfig(task=task_config, stream_start=stream_start),
+            sync_log=sync_log,
+            join=join,
+            source=gate,
+            sink=sink,
+        )
+        async with node:
+            try:
+                yield node
+            finally:
+                try:
+                    async with asyncio.timeout(drain_timeout):
+                        await drain_node(node, gate)
+                except TimeoutError:
+                    log.warning(
+                        "task %s: drain took longer than %.0fs; leaving anyway",
+                        task_id,
+                        drain_timeout,
+                    )

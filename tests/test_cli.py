@@ -1,0 +1,345 @@
+"""``python -m actors.runtime`` end to end, in subprocesses: a bounded embedded run writes exactly
+the records the stream produced; SIGTERM mid-run drains and loses nothing (and the metrics
+endpoint, scraped during that run, shows the figures); bad options exit 2 naming the problem;
+production mode (one task per process against a shared Kafka) and the ``status`` subcommand."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors.cli.run import expected_below_watermarks, stream_params
+from actors.cli.sinks import read_rows
+from runtime.broker import EmbeddedBroker, free_port
+from runtime.config import SimOptions
+from runtime.progress import RunSummary
+from runtime.simstream import StreamModel
+from tests.fixtures.kafka import kafka_broker
+
+__all__ = ["kafka_broker"]
+
+REPO = Path(__file__).resolve().parents[1]
+# A small, quick stream: 4 partitions, partition churn every 2 s of stream time.
+SIM = ["--sim-roots", "4", "--sim-records-per-s", "60", "--sim-round-s", "2"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _cli(args: list[str], tmp: Path, name: str = "run") -> subprocess.Popen[bytes]:
+    with (tmp / f"{name}.out").open("wb") as out, (tmp / f"{name}.err").open("wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "actors.runtime", *args],
+            cwd=REPO,
+            env=_env(),
+            stdout=out,
+            stderr=err,
+        )
+
+
+def _finish(proc: subprocess.Popen[bytes], tmp: Path, name: str, timeout: float) -> int:
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(
+            f"{name} did not end: {(tmp / f'{name}.err').read_text()[-3000:]}"
+        ) from exc
+    return code
+
+
+def _logs(tmp: Path, name: str) -> str:
+    return (tmp / f"{name}.out").read_text() + (tmp / f"{name}.err").read_text()
+
+
+def _model(summary: RunSummary) -> StreamModel:
+    assert summary.stream_start is not None
+    sim = SimOptions(roots=4, records_per_s=60.0, round_s=2.0)
+    return StreamModel(stream_params(sim, summary.stream_start))
+
+
+def _summary(path: Path) -> RunSummary:
+    return msgspec.json.decode(path.read_bytes(), type=RunSummary)
+
+
+def _ids(directory: Path) -> list[str]:
+    return [row["record_id"] for row in read_rows(directory)]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _cli(
+        [
+            "--duration",
+            "7",
+            *SIM,
+            "--output-dir",
+            str(out),
+            "--summary-json",
+            str(tmp_path / "summary.json"),
+            "--progress",
+            "on",
+        ],
+        tmp_path,
+    )
+    code = _finish(proc, tmp_path, "run", 90)
+    logs = _logs(tmp_path, "run")
+    assert code == 0, logs
+    assert "rebalance:" in logs
+    assert "progress: delivered" in logs
+    assert "shoal run summary (duration" in logs
+    summary = _summary(tmp_path / "summary.json")
+    assert summary.caught_up
+    assert summary.drained
+    assert summary.stream_end is not None
+    ids = _ids(out / "data")
+    expected = {
+        f"{r.commit_ts}/{r.server_transaction_id}/{r.record_sequence}/{i}"
+        for r in _model(summary).expected(summary.stream_end)
+        for i in range(len(r.mods))
+    }
+    assert len(ids) == len(set(ids)), "rows written twice"
+    assert set(ids) == expected
+    assert summary.produced_rows == len(ids) > 0
+    reread = summary.errors.get("records_read_twice", 0)  # dropped by the sink, counted
+    assert summary.records_delivered - reread == summary.produced_records
+    assert len(summary.tasks) == 3
+    assert all(t.records_delivered > 0 for t in summary.tasks)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return 0, ""
+
+
+def _metric(text: str, name: str) -> list[float]:
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    ]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    port = free_port()
+    proc = _cli(
+        [
+            *SIM,
+            "--output-dir",
+            str(out),
+            "--summary-json",
+            str(tmp_path / "summary.json"),
+            "--metrics-port",
+            str(port),
+            "--progress",
+            "off",
+        ],
+        tmp_path,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 40
+        while _get(f"{base}/readyz")[0] != 200:
+            assert proc.poll() is None, _logs(tmp_path, "run")
+            assert time.monotonic() < deadline, _get(f"{base}/readyz")
+            time.sleep(0.2)
+        assert _get(f"{base}/healthz") == (200, "ok\n")
+        while True:  # scrape until records flow and lag is reported
+            status, text = _get(f"{base}/metrics")
+            assert status == 200
+            if sum(_metric(text, "shoal_records_delivered_total")) > 0 and _metric(
+                text, "shoal_partition_lag_seconds"
+            ):
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.3)
+        assert sum(_metric(text, "shoal_owned_partitions")) >= 4
+        assert len(_metric(text, "shoal_owned_partitions")) == 3  # one per task
+        assert sum(_metric(text, "shoal_records_read_total")) > 0
+        assert sum(_metric(text, "shoal_is_leader")) == 1
+        assert min(_metric(text, "shoal_epoch")) >= 0
+        assert sum(_metric(text, "shoal_sync_messages_total")) > 0
+        assert sum(_metric(text, "shoal_sync_bytes_total")) > 0
+        assert _metric(text, "shoal_mailbox_depth")
+        assert sum(_metric(text, "shoal_rebalances_total")) >= 1
+        assert "shoal_rebalance_duration_seconds_bucket" in text
+        assert "# TYPE shoal_errors_total counter" in text
+        assert max(_metric(text, "shoal_partition_lag_seconds")) < 30
+        time.sleep(1.5)  # mid-run: batches in flight
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    code = _finish(proc, tmp_path, "run", 60)
+    logs = _logs(tmp_path, "run")
+    assert code == 0, logs
+    assert "SIGTERM: draining" in logs
+    summary = _summary(tmp_path / "summary.json")
+    assert summary.reason == "signal"
+    assert summary.drained
+    ids = _ids(out / "data")
+    assert len(ids) == len(set(ids)), "rows written twice"
+    model = _model(summary)
+    must = expected_below_watermarks(model, summary.partitions)
+    assert must, "the run committed nothing"
+    missing = must - set(ids)
+    assert not missing, f"{len(missing)} records below the final watermarks are not in the output"
+    produced = {
+        f"{r.commit_ts}/{r.server_transaction_id}/{r.record_sequence}/{i}"
+        for r in model.expected(max(p.watermark for p in summary.partitions) + 10_000_000)
+        for i in range(len(r.mods))
+    }
+    assert set(ids) <= produced
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["--tasks", "0"], {}, "invalid value for tasks (from flag --tasks)"),
+        (["--config", "/nonexistent/shoal.toml"], {}, "config file '/nonexistent/shoal.toml'"),
+        ([], {"SHOAL_DRAIN_TIMEOUT": "soon"}, "SHOAL_DRAIN_TIMEOUT"),
+        (["--frobnicate"], {}, "unrecognized arguments: --frobnicate"),
+        (["status"], {}, "status needs a Kafka to read"),
+    ],
+)
+def test_bad_options_exit_2(
+    tmp_path: Path, args: list[str], env: dict[str, str], needle: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "actors.runtime", *args],
+        cwd=REPO,
+        env={**_env(), **env},
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    err = result.stderr.decode()
+    assert result.returncode == 2, err
+    assert needle in err
+    assert err.strip().count("\n") == 0, err  # one line
+    assert "Traceback" not in err
+
+
+def test_bad_config_file_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "shoal.toml"
+    path.write_text("[kafka]\nbootstrap_server = 'a:1'\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "actors.runtime", "--config", str(path)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    err = result.stderr.decode()
+    assert result.returncode == 2
+    assert "unknown key 'bootstrap_server' in [kafka] (did you mean 'bootstrap_servers'?)" in err
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_processes_share_a_kafka_then_status(
+    tmp_path: Path, kafka_broker: EmbeddedBroker
+) -> None:
+    """Production mode: one task per process; a second process with the same connector adds a
+    task; stopping both leaves every partition's final state on the sync topic for `status`."""
+    start = str(time.time_ns() // 1000)
+    common = [
+        "--kafka-bootstrap-servers",
+        kafka_broker.bootstrap,
+        "--kafka-session-timeout-ms",
+        "3000",
+        "--kafka-heartbeat-interval-ms",
+        "1000",
+        "--connector",
+        f"cli-{os.getpid()}-{time.monotonic_ns() % 10**6}",
+        "--sim-start-ts",
+        start,
+        *SIM,
+        "--progress",
+        "off",
+    ]
+    procs = {}
+    for name in ("alpha", "beta"):
+        procs[name] = _cli(
+            [
+                *common,
+                "--task-id",
+                name,
+                "--output-dir",
+                str(tmp_path / name),
+                "--summary-json",
+                str(tmp_path / f"{name}.json"),
+                "--duration",
+                "14" if name == "alpha" else "10",
+            ],
+            tmp_path,
+            name,
+        )
+        time.sleep(1.0)
+    for name, proc in procs.items():
+        assert _finish(proc, tmp_path, name, 90) == 0, _logs(tmp_path, name)
+    summaries = {name: _summary(tmp_path / f"{name}.json") for name in procs}
+    assert all(s.drained for s in summaries.values())
+    assert all(s.records_delivered > 0 for s in summaries.values()), "both tasks read"
+    final = summaries["alpha"]  # the last to leave: its CIM holds both tasks' final state
+    ids = _ids(tmp_path / "alpha" / "data") + _ids(tmp_path / "beta" / "data")
+    assert len(ids) == len(set(ids)), "a record was written by both processes"
+    must = expected_below_watermarks(_model(final), final.partitions)
+    assert must
+    assert not must - set(ids)
+
+    result = subprocess.run(
+        [sys.executable, "-m", "actors.runtime", "status", *common[:8], "--json"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    status: dict[str, Any] = json.loads(result.stdout)
+    assert status["epoch"] >= 1
+    tokens = {t for task in status["tasks"].values() for t in task["partitions"]}
+    assert {p.token for p in final.partitions if p.status != "finished"} <= tokens | {
+        s for task in status["tasks"].values() for s in task["share"]
+    }
+    table = subprocess.run(
+        [sys.executable, "-m", "actors.runtime", "status", *common[:8]],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    text = table.stdout.decode()
+    assert table.returncode == 0
+    assert "partition" in text
+    assert "watermark" in text
+    assert f"epoch {status['epoch']}" in text

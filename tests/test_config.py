@@ -1,0 +1,157 @@
+"""Options: precedence flags > environment > TOML file > defaults; bad input names the problem
+and exits 2; the configuration reference in docs/ is the one the code generates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.runtime import build_parser, main
+from runtime import config as options
+from runtime.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(argv: list[str], env: dict[str, str] | None = None) -> options.ShoalConfig:
+    return options.load(build_parser().parse_args(argv), env or {})
+
+
+def test_defaults_are_the_embedded_demo() -> None:
+    config = _load([])
+    assert config.run.tasks == 3
+    assert config.run.source == "sim"
+    assert config.kafka.bootstrap_servers is None  # the embedded broker
+    assert config.run.duration is None
+
+
+def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
+    path = tmp_path / "shoal.toml"
+    path.write_text(
+        'tasks = 5\nconnector = "from-file"\nduration = 9\n'
+        '[kafka]\nbootstrap_servers = "file:9092"\nsession_timeout_ms = 7000\n'
+        '[spark.conf]\n"spark.sql.shuffle.partitions" = "4"\n'
+    )
+    env = {
+        "SHOAL_TASKS": "4",
+        "SHOAL_KAFKA_BOOTSTRAP_SERVERS": "env:9092",
+        "SHOAL_LOG_JSON": "true",
+    }
+    config = _load(["--config", str(path), "--tasks", "2"], env)
+    assert config.run.tasks == 2  # flag
+    assert config.kafka.bootstrap_servers == "env:9092"  # env over file
+    assert config.kafka.session_timeout_ms == 7000  # file over default
+    assert config.run.connector == "from-file"
+    assert config.run.duration == 9.0
+    assert config.run.log_json is True
+    assert config.spark.conf == {"spark.sql.shuffle.partitions": "4"}
+
+
+def test_config_file_from_environment(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("tasks = 7\n")
+    assert _load([], {"SHOAL_CONFIG": str(path)}).run.tasks == 7
+
+
+def test_bool_flags_both_ways() -> None:
+    assert _load(["--log-json"]).run.log_json is True
+    assert _load(["--no-log-json"], {"SHOAL_LOG_JSON": "1"}).run.log_json is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--tasks", "0"], {}, "tasks (from flag --tasks)"),
+        (["--tasks", "many"], {}, "tasks (from flag --tasks)"),
+        ([], {"SHOAL_DURATION": "-1"}, "duration (from environment variable SHOAL_DURATION)"),
+        ([], {"SHOAL_TASKZ": "1"}, "SHOAL_TASKZ (did you mean 'SHOAL_TASKS'?)"),
+        (["--source", "oracle"], {}, "source (from flag --source)"),
+        (["--kafka-bootstrap-servers", "nohost"], {}, "'nohost' is not 'host:port'"),
+        (["--source", "spanner"], {}, "--source spanner needs spanner.project"),
+        (
+            ["--kafka-bootstrap-servers", "h:1", "--kafka-sasl-username", "u"],
+            {},
+            "security_protocol is PLAINTEXT",
+        ),
+    ],
+)
+def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _load(argv, env)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("tasks = 3\ntaskz = 4\n", "unknown key 'taskz' (did you mean"),
+        ("[kafka]\nbootstrap = 'x:1'\n", "unknown key 'bootstrap' in [kafka] (did you mean"),
+        ("tasks = \n", "is not valid TOML"),
+        ("tasks = 'x'\n", "tasks (from config file"),
+        ("kafka = 3\n", "[kafka] must be a table"),
+    ],
+)
+def test_bad_files_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        _load(["--config", str(path)])
+    assert needle in str(info.value)
+    assert str(path) in str(info.value) or "tasks" in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read it"):
+        _load(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_main_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SHOAL_CONFIG", raising=False)
+    assert main(["--tasks", "-3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "tasks (from flag --tasks)" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--no-such-flag"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_secrets_are_hidden() -> None:
+    config = _load(
+        [
+            "--kafka-bootstrap-servers",
+            "h:1",
+            "--kafka-security-protocol",
+            "SASL_SSL",
+            "--kafka-sasl-mechanism",
+            "PLAIN",
+            "--kafka-sasl-username",
+            "u",
+        ],
+        {"SHOAL_KAFKA_SASL_PASSWORD": "hunter2"},
+    )
+    assert config.kafka.sasl_password == "hunter2"
+    assert "hunter2" not in str(options.redacted(config))
+    assert "hunter2" not in build_parser().format_help()
+
+
+def test_help_documents_every_option_with_its_default() -> None:
+    text = build_parser().format_help()
+    for option in options.options():
+        if option.kind == "table":
+            continue
+        assert option.flag in text
+        assert option.env in text
+
+
+def test_configuration_reference_is_current() -> None:
+    """docs/configuration.md is generated: `python -m actors.runtime config --reference`."""
+    current = (REPO / "docs" / "configuration.md").read_text()
+    assert current == options.reference_markdown(), (
+        "docs/configuration.md is stale: run "
+        "`.venv/bin/python -m actors.runtime config --reference > docs/configuration.md`"
+    )

@@ -1,0 +1,90 @@
+"""The metrics server: /metrics shows the per-task figures of a sample, /healthz and /readyz
+answer from it. (The CLI test scrapes a real run.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.metrics import MetricsServer, Sample, TaskSample, readiness
+
+
+def _sample(*, ready: bool = True, failed: str | None = None) -> Sample:
+    return Sample(
+        at=1.0,
+        tasks=(
+            TaskSample(
+                task_id="t0",
+                ready=ready,
+                member=True,
+                leader="t0",
+                generation=2,
+                epoch=2,
+                owned=3,
+                reading=3,
+                records_read=120,
+                records_delivered=100,
+                lag_us={"p1": 1_500_000, "p2": 500_000},
+                rebalances=2,
+                sync_messages=17,
+                sync_bytes=4096,
+                errors={"reader_failed": 1},
+                mailboxes={"task:t0": 4},
+            ),
+        ),
+        errors={"sink_batch_failed": 2},
+        failed=failed,
+    )
+
+
+async def _get(port: int, path: str) -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+@pytest.mark.asyncio
+async def test_metrics_health_and_readiness() -> None:
+    current = _sample(ready=False)
+    async with MetricsServer(lambda: current, port=0) as server:
+        server.observe_rebalance("t0", 2.5)
+        status, body = await _get(server.port, "/metrics")
+        assert status == 200
+        for line in (
+            'shoal_owned_partitions{task="t0"} 3.0',
+            'shoal_records_read_total{task="t0"} 120.0',
+            'shoal_records_delivered_total{task="t0"} 100.0',
+            'shoal_partition_lag_seconds{partition="p1",task="t0"} 1.5',
+            'shoal_epoch{task="t0"} 2.0',
+            'shoal_is_leader{task="t0"} 1.0',
+            'shoal_rebalances_total{task="t0"} 2.0',
+            'shoal_sync_messages_total{task="t0"} 17.0',
+            'shoal_sync_bytes_total{task="t0"} 4096.0',
+            'shoal_errors_total{kind="reader_failed",task="t0"} 1.0',
+            'shoal_errors_total{kind="sink_batch_failed",task=""} 2.0',
+            'shoal_mailbox_depth{actor="task:t0",task="t0"} 4.0',
+            'shoal_rebalance_duration_seconds_count{task="t0"} 1.0',
+        ):
+            assert line in body, line
+        assert await _get(server.port, "/healthz") == (200, "ok\n")
+        status, body = await _get(server.port, "/readyz")
+        assert status == 503
+        assert "replaying" in body
+        current = _sample()
+        assert await _get(server.port, "/readyz") == (200, "ready\n")
+        current = _sample(failed="sink died")
+        assert (await _get(server.port, "/healthz"))[0] == 503
+        assert (await _get(server.port, "/nope"))[0] == 404
+
+
+def test_readiness_reasons() -> None:
+    assert readiness(Sample(at=0.0)) == (False, "no task started yet")
+    assert readiness(_sample()) == (True, "ready")
+    stopping = Sample(at=0.0, tasks=_sample().tasks, stopping=True)
+    assert readiness(stopping) == (False, "shutting down")
