@@ -157,6 +157,7 @@ async def run(config: ShoalConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals_seen = 0
+    pipeline = Pipeline(config, stop=stop, out=sys.stdout, live=sys.stdout.isatty())
 
     def on_signal(signum: int) -> None:
         nonlocal signals_seen
@@ -170,14 +171,14 @@ async def run(config: ShoalConfig) -> int:
             sys.stderr.flush()
             stop.set()
         else:
-            sys.stderr.write(f"\nshoal: second {name}: exiting now\n")
+            sys.stderr.write(f"\nshoal: second {name}: exiting now, without draining\n")
             sys.stderr.flush()
+            pipeline.abort()
             os._exit(128 + signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        pipeline = Pipeline(config, stop=stop, out=sys.stdout, live=sys.stdout.isatty())
         summary = await pipeline.run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -107,6 +107,14 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Annotated[int, Meta(ge=1)] | None,
         Meta(description="Stop once this many records were delivered (then catch up)."),
     ] = None
+    connect_timeout: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Seconds start-up keeps retrying an unreachable Kafka (exponential "
+            "backoff) before it gives up with an error (exit 1).",
+        ),
+    ] = 30.0
     drain_timeout: Annotated[
         float,
         Meta(

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -343,3 +345,56 @@ def test_two_processes_share_a_kafka_then_status(
     assert "partition" in text
     assert "watermark" in text
     assert f"epoch {status['epoch']}" in text
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_kafka_retries_then_fails_clearly(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "actors.runtime",
+            "--kafka-bootstrap-servers",
+            f"127.0.0.1:{port}",
+            "--connect-timeout",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        timeout=50,
+        check=False,
+    )
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert f"Kafka at 127.0.0.1:{port} unreachable after" in err
+    assert "retrying in" in err
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_second_signal_exits_at_once_and_stops_the_broker(tmp_path: Path) -> None:
+    proc = _cli([*SIM, "--output-dir", str(tmp_path / "out"), "--progress", "off"], tmp_path)
+    deadline = time.monotonic() + 40
+    while "shoal: connector" not in (tmp_path / "run.out").read_text():
+        assert proc.poll() is None, _logs(tmp_path, "run")
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    log_text = (tmp_path / "out" / "broker.log").read_text()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    code = _finish(proc, tmp_path, "run", 20)
+    logs = _logs(tmp_path, "run")
+    assert code == 128 + signal.SIGINT, logs
+    assert "second SIGINT: exiting now" in logs
+    match = re.search(r"tcp://127\.0\.0\.1:(\d+)", log_text)
+    assert match, log_text
+    with pytest.raises(ConnectionRefusedError):  # the embedded broker did not outlive us
+        socket.create_connection(("127.0.0.1", int(match.group(1))), timeout=2).close()

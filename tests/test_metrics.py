@@ -88,3 +88,33 @@ def test_readiness_reasons() -> None:
     assert readiness(_sample()) == (True, "ready")
     stopping = Sample(at=0.0, tasks=_sample().tasks, stopping=True)
     assert readiness(stopping) == (False, "shutting down")
+
+
+def test_json_logs_carry_fields_and_tracebacks() -> None:
+    import io
+    import json
+    import logging
+
+    from runtime import logs
+
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, logging.getLogger("aiokafka").level)
+    logs.configure("info", json_lines=True, stream=stream)
+    try:
+        log = logging.getLogger("shoal.test")
+        log.info("joined %s", "g1", extra={"task": "t0"})
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("failed")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        logging.getLogger("aiokafka").setLevel(saved[2])
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["message"] == "joined g1"
+    assert first["task"] == "t0"
+    assert first["level"] == "INFO"
+    assert first["logger"] == "shoal.test"
+    assert "ValueError: boom" in second["exc"]

@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
@@ -142,6 +143,7 @@ class Pipeline:
         self._load_stop = asyncio.Event()
         self._draining = asyncio.Event()
         self._stream_start: int | None = None
+        self._kill_on_abort: list[Callable[[], None]] = []
         self._expected_records: int | None = None
         self._expected_rows: int | None = None
         self._ledger: Ledger | None = None
@@ -197,6 +199,15 @@ class Pipeline:
             failed=self.failed,
             stopping=self.stopping,
         )
+
+    def abort(self) -> None:
+        """Kill the child processes this run started (the broker, the emulator) at once; for
+        a second signal, just before the process exits without draining."""
+        for kill in reversed(self._kill_on_abort):
+            try:
+                kill()
+            except Exception as exc:
+                sys.stderr.write(f"shoal: could not stop a child process: {exc}\n")
 
     def count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -286,6 +297,7 @@ class Pipeline:
 
         broker = EmbeddedBroker(log_path=self.output_dir / "broker.log")
         await stack.enter_async_context(broker)
+        self._kill_on_abort.append(broker.kill)
         log.info("embedded broker at %s", broker.bootstrap)
         return broker.bootstrap
 
@@ -345,6 +357,7 @@ class Pipeline:
             raise RunFailed(f"--source emulator: {exc}") from exc
         spanner = await asyncio.to_thread(emulator.start)
         stack.callback(emulator.stop)
+        self._kill_on_abort.append(lambda: emulator.stop(timeout_s=1.0))
         self._loadgen = await LoadGenerator.connect(
             spanner, DEFAULT_TABLES, seed=self.config.sim.seed
         )
@@ -413,8 +426,15 @@ class Pipeline:
 
         stream_start = self._stream_start if self._stream_start is not None else -1
         t = cfg.task
-        for task_id in default_task_ids(cfg):
-            sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
+        for n, task_id in enumerate(default_task_ids(cfg)):
+            if n == 0:  # the first one waits for Kafka
+                sync_log = await self._reach(
+                    stack,
+                    lambda: KafkaSyncLog(kafka, connector),
+                    f"Kafka at {kafka.bootstrap_servers}",
+                )
+            else:
+                sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
             gate = GatedSource(source)
             counting = CountingSink(sink)
             node = TaskNode(
@@ -435,6 +455,28 @@ class Pipeline:
                 sink=counting,
             )
             self.tasks.append(_Task(node, counting, gate, sync_log))
+
+    async def _reach(self, stack: AsyncExitStack, make: Callable[[], Any], what: str) -> Any:
+        """Enter ``make()`` as a context, retrying a transient failure with exponential backoff
+        for at most ``connect_timeout`` seconds; then fail with the last error."""
+        deadline = time.monotonic() + self.config.run.connect_timeout
+        delay = 0.5
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await stack.enter_async_context(make())
+            except Exception as exc:
+                left = deadline - time.monotonic()
+                if not _transient(exc) or left <= 0 or self.stop.is_set():
+                    raise RunFailed(
+                        f"{what} unreachable after {attempt} attempt(s): {exc}"
+                    ) from exc
+                self.count_error("connect_retry")
+                wait = min(delay, left)
+                log.warning("%s: %s; retrying in %.1fs (attempt %d)", what, exc, wait, attempt)
+                await asyncio.sleep(wait)
+                delay = min(delay * 2, 8.0)
 
     # -- phases ----------------------------------------------------------------------------------
     async def _run_task(self, t: _Task) -> None:
@@ -614,6 +656,31 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
         )
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a connection problem worth retrying."""
+    from aiokafka.errors import (
+        KafkaConnectionError,
+        KafkaTimeoutError,
+        NodeNotReadyError,
+        RequestTimedOutError,
+    )
+
+    transient = (
+        KafkaConnectionError,
+        KafkaTimeoutError,
+        NodeNotReadyError,
+        RequestTimedOutError,
+        ConnectionError,
+        TimeoutError,
+    )
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, transient):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def stream_params(sim: SimOptions, start: int) -> StreamParams:
