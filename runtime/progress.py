@@ -54,10 +54,9 @@ class Progress:
         self._live = live
         self._last: Sample | None = None
         self._drawn = 0
-        self._generations: dict[str, int] = {}
 
     def update(self, sample: Sample) -> None:
-        events = self._events(sample)
+        events: list[str] = []
         rates = self._rates(sample)
         self._last = sample
         if self._live:
@@ -99,19 +98,6 @@ class Progress:
         return {
             t.task_id: (t.records_delivered - before.get(t.task_id, 0)) / dt for t in sample.tasks
         }
-
-    def _events(self, sample: Sample) -> list[str]:
-        out = []
-        for t in sample.tasks:
-            seen = self._generations.get(t.task_id)
-            if t.generation >= 0 and seen != t.generation:
-                self._generations[t.task_id] = t.generation
-                if t.leader == t.task_id:
-                    out.append(
-                        f"rebalance: generation {t.generation}, leader {t.task_id}, "
-                        f"{len(sample.tasks)} task(s) in this process"
-                    )
-        return out
 
 
 class PartitionEnd(msgspec.Struct, frozen=True):
