@@ -114,6 +114,12 @@ class TaskNode:
         await task.marker(cfg.replay_timeout)
         log.info("task %s replayed the sync topic to offset %d", self.task_id, task.last_offset)
         self.membership = await self._join(self.task_id)
+        # A membership that can (KafkaMembership) learns the newest epoch in the sync topic, so
+        # that its group's epochs stay newer than it when Kafka's generations start over. Set
+        # before anything awaits: the first JoinGroup has not been sent yet.
+        set_epoch_floor = getattr(self.membership, "set_epoch_floor", None)
+        if set_epoch_floor is not None:
+            set_epoch_floor(lambda: task.core.cim.epoch)
         leader = LeaderActor(task, self._source, cfg.task.cap, Random(self._rng.getrandbits(64)))
         await sup.spawn(leader)
         task.leader = leader

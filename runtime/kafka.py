@@ -650,6 +650,7 @@ class _MemberInfo(msgspec.Struct, frozen=True):
 
     task_id: str
     v: int = 1
+    floor: int = -1  # the newest epoch this member knows of (received, or read in the sync log)
 
 
 class _GroupInfo(msgspec.Struct, frozen=True):
@@ -658,6 +659,7 @@ class _GroupInfo(msgspec.Struct, frozen=True):
     leader: str
     members: tuple[str, ...]
     v: int = 1
+    epoch: int = -1  # the generation's epoch (-1 from a leader that predates it: the generation)
 
 
 _member_info_decoder: Final = msgspec.json.Decoder(_MemberInfo)
@@ -665,7 +667,13 @@ _group_info_decoder: Final = msgspec.json.Decoder(_GroupInfo)
 
 
 class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
-    """Assigns no partition; carries task ids up (subscriptions) and the member list down.
+    """Assigns no partition; carries task ids (and the newest epoch each member knows) up in the
+    subscriptions, and the leader, the member list and the generation's epoch down.
+
+    The epoch is the generation unless some member knows an epoch at least as new: Kafka's
+    generations start over when the group is gone (the embedded broker restarted, or a real
+    Kafka deleted the empty group's metadata) while the sync topic keeps the old epochs, and an
+    epoch that is not newer than the sync topic's is ignored there as stale.
 
     aiokafka calls ``metadata``/``on_assignment`` on every member and ``assign`` on the group
     leader only, on this very instance (the ABC declares them classmethods; instances work).
@@ -674,22 +682,29 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     name = _ASSIGNOR_NAME
     version = 0
 
-    def __init__(self, task_id: str) -> None:
+    def __init__(
+        self, task_id: str, floor: Callable[[], int], generation: Callable[[], int]
+    ) -> None:
         self._task_id = task_id
+        self._floor = floor
+        self._generation = generation
         self.received: _GroupInfo | None = None  # the last assignment's info, if it decoded
         self.bad_subscriptions = 0
 
     def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:
-        user_data = msgspec.json.encode(_MemberInfo(task_id=self._task_id))
+        user_data = msgspec.json.encode(_MemberInfo(task_id=self._task_id, floor=self._floor()))
         return ConsumerProtocolMemberMetadata(self.version, sorted(topics), user_data)
 
     def assign(
         self, cluster: Any, members: Mapping[str, ConsumerProtocolMemberMetadata]
     ) -> dict[str, ConsumerProtocolMemberAssignment]:
         task_ids: dict[str, str] = {}
+        floor = self._floor()
         for member_id, metadata in members.items():
             try:
-                task_ids[member_id] = _member_info_decoder.decode(metadata.user_data).task_id
+                member_info = _member_info_decoder.decode(metadata.user_data)
+                task_ids[member_id] = member_info.task_id
+                floor = max(floor, member_info.floor)
             except msgspec.DecodeError as exc:
                 self.bad_subscriptions += 1
                 log.warning(
@@ -704,8 +719,22 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
                 "two group members claim the same task id (%s): task ids must be unique",
                 sorted(task_ids.values()),
             )
-        info = msgspec.json.encode(_GroupInfo(leader=self._task_id, members=tuple(unique)))
-        log.info("group leader %s assigns generation members %s", self._task_id, unique)
+        # aiokafka sets the coordinator's generation from the JoinGroup response before it asks
+        # the leader to assign.
+        generation = self._generation()
+        epoch = max(generation, floor + 1)
+        if epoch != generation:
+            log.warning(
+                "group generation %d is not newer than epoch %d a member knows (the group "
+                "started over): this generation is epoch %d",
+                generation,
+                floor,
+                epoch,
+            )
+        info = msgspec.json.encode(
+            _GroupInfo(leader=self._task_id, members=tuple(unique), epoch=epoch)
+        )
+        log.info("group leader %s assigns epoch %d members %s", self._task_id, epoch, unique)
         return {
             member_id: ConsumerProtocolMemberAssignment(self.version, [], info)
             for member_id in members
@@ -729,6 +758,7 @@ class MembershipStats(msgspec.Struct, frozen=True):
     heartbeats_failed: int
     poll_errors: int
     events_dropped: int  # oldest events dropped because nobody read them
+    stale_epochs: int  # assignments refused because their epoch was not newer than one known
 
 
 _END: Final = object()
@@ -761,9 +791,17 @@ class KafkaMembership:
     :meth:`close` leaves the group at once (others rebalance in ~2 s on the embedded broker
     instead of waiting a session timeout); if this member's rebalance is in flight it first lets
     it finish (at most the rebalance timeout + 1 s). ``rebalance_timeout_ms`` defaults to the
-    session timeout. Generations are the broker's: they start at 0 on the embedded broker, and
-    on a real Kafka they restart when an empty group's metadata is deleted, so do not use them
-    alone as an ever-increasing epoch across restarts of the whole connector.
+    session timeout.
+
+    A :class:`GroupAssignment`'s ``generation`` is the *epoch* of the generation, which never goes
+    back, unlike Kafka's generations (they start at 0 on the embedded broker, restart when it
+    restarts, and on a real Kafka when an empty group's metadata is deleted). Each member tells
+    the leader the newest epoch it knows — the newest it was assigned, and ``epoch_floor()`` (a
+    task gives its CIM's epoch, read from the sync topic) — and the leader assigns
+    ``max(generation, newest known + 1)``. A member that is assigned an epoch not newer than
+    what it knows (the leader had not read as far: a race at the first join) refuses it and
+    rejoins, telling the next leader. While the group keeps its generations the epoch *is* the
+    generation.
     """
 
     def __init__(
@@ -776,6 +814,7 @@ class KafkaMembership:
         rebalance_timeout_ms: int | None = None,
         event_buffer: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        epoch_floor: Callable[[], int] | None = None,
     ) -> None:
         _check_connector(connector)
         if not task_id:
@@ -795,7 +834,9 @@ class KafkaMembership:
         self._rebalance_timeout_ms = rebalance_timeout_ms or session
         self._margin_s = margin / 1000
         self._clock = clock
-        self._assignor = _TaskAssignor(task_id)
+        self._epoch_floor = epoch_floor
+        self._epoch_seen = -1  # the newest epoch this member was assigned
+        self._assignor = _TaskAssignor(task_id, self._known_epoch, self._coordinator_generation)
         self._events: asyncio.Queue[GroupEvent | object] = asyncio.Queue(event_buffer)
         self._consumer: AIOKafkaConsumer | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -813,6 +854,7 @@ class KafkaMembership:
         self._heartbeats_failed = 0
         self._poll_errors = 0
         self._events_dropped = 0
+        self._stale_epochs = 0
 
     def __repr__(self) -> str:
         return (
@@ -836,6 +878,22 @@ class KafkaMembership:
         """The latest assignment while a member, else ``None``."""
         return self._current
 
+    def set_epoch_floor(self, epoch_floor: Callable[[], int]) -> None:
+        """Where the newest epoch this task has read in the sync topic comes from (see the class
+        docstring); may be set after :meth:`start`."""
+        self._epoch_floor = epoch_floor
+
+    def _known_epoch(self) -> int:
+        floor = self._epoch_floor() if self._epoch_floor is not None else -1
+        return max(self._epoch_seen, floor)
+
+    def _coordinator_generation(self) -> int:
+        consumer = self._consumer
+        if consumer is None or consumer._coordinator is None:
+            return -1
+        generation: int = consumer._coordinator.generation
+        return generation
+
     def lease_valid_until(self) -> float:
         if self._current is None:
             return -math.inf
@@ -853,6 +911,7 @@ class KafkaMembership:
             heartbeats_failed=self._heartbeats_failed,
             poll_errors=self._poll_errors,
             events_dropped=self._events_dropped,
+            stale_epochs=self._stale_epochs,
         )
 
     def events(self) -> AsyncIterator[GroupEvent]:
@@ -1069,9 +1128,25 @@ class KafkaMembership:
             log.error(
                 "%r: the leader's member list %s does not include this task", self, info.members
             )
-        event = GroupAssignment(
-            generation=coordinator.generation, leader=info.leader, members=info.members
-        )
+        epoch = info.epoch if info.epoch >= 0 else coordinator.generation
+        known = self._known_epoch()
+        if epoch <= known:
+            # The leader did not know how far the epochs went (this member had not told it yet,
+            # or the group started over): rejoin, and the next leader learns it from us.
+            self._stale_epochs += 1
+            log.warning(
+                "%r: assigned epoch %d (generation %d), not newer than epoch %d known here; "
+                "rejoining",
+                self,
+                epoch,
+                coordinator.generation,
+                known,
+            )
+            self._lose(f"assigned a stale epoch {epoch} (epoch {known} is known here)")
+            coordinator.request_rejoin()
+            return
+        self._epoch_seen = epoch
+        event = GroupAssignment(generation=epoch, leader=info.leader, members=info.members)
         self._last_ok = self._clock()
         self._current = event
         self._assignments += 1
