@@ -11,7 +11,8 @@ read by it, and owned counts are within one:
 
 Each time is split into **Kafka group time** — until every member of the new group has received
 its assignment of the new generation (measured at each member's ``events()``) — and **shoal
-protocol time** after it: the epoch, the offers, the hand-offs, the readers starting.
+protocol time** after it: the answers, the leader's plan and epoch message (``epoch_s``: until
+it is read back), then the offers, the hand-offs, the readers starting.
 ``protocol_overhead_s`` is the largest of the three (goal: <= 0.5 s).
 
 **Sync bytes per rebalance**: bytes appended to the sync topic from the cause until settled, as
@@ -40,6 +41,8 @@ from pathlib import Path
 import msgspec
 
 from actors.node import NodeConfig, TaskNode
+from protocol import messages
+from protocol.messages import EpochMessage
 from protocol.task import TaskConfig
 from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
@@ -123,6 +126,9 @@ class TimedMembership:
 
     def lease_valid_until(self) -> float:
         return self.inner.lease_valid_until()
+
+    def set_epoch_floor(self, epoch_floor: Callable[[], int]) -> None:
+        self.inner.set_epoch_floor(epoch_floor)
 
     async def close(self) -> None:
         await self.inner.close()
@@ -235,6 +241,7 @@ class Bench:
         self.assigned: list[Assigned] = []
         self.joined_at: dict[str, float] = {}
         self.sync_log: list[tuple[float, int]] = []  # (read back at, bytes)
+        self.epochs: list[tuple[float, int, tuple[str, ...]]] = []  # (read at, epoch, members)
         self.nodes: dict[str, tuple[TaskNode, contextlib.AsyncExitStack]] = {}
         self.workers: dict[str, Worker] = {}
         self._followers: list[asyncio.Task[None]] = []
@@ -248,7 +255,12 @@ class Bench:
             contextlib.aclosing(log.read(0)) as reader,
         ):
             async for _, payload in reader:
-                self.sync_log.append((time.monotonic(), len(payload)))
+                at = time.monotonic()
+                self.sync_log.append((at, len(payload)))
+                if b'"kind":"epoch"' in payload:
+                    message = messages.decode(payload)
+                    if isinstance(message, EpochMessage):
+                        self.epochs.append((at, message.epoch, tuple(sorted(message.members))))
 
     async def start_node(self, task_id: str) -> None:
         stack = contextlib.AsyncExitStack()
@@ -363,6 +375,14 @@ class Bench:
             times.append(min(got))
         return max(times)
 
+    def epoch_read(self, since: float) -> float:
+        """When the observer read the epoch message listing exactly the current members."""
+        members = tuple(sorted(self.statuses()))
+        got = [at for at, _, m in self.epochs if at >= since and m == members]
+        if not got:
+            raise RuntimeError(f"no epoch of {members} was read")
+        return min(got)
+
     def bytes_between(self, t0: float, t1: float) -> int:
         return sum(n for at, n in self.sync_log if t0 <= at <= t1)
 
@@ -371,6 +391,7 @@ class Figures(msgspec.Struct):
     total_s: float
     group_s: float
     protocol_s: float
+    epoch_s: float  # of protocol_s: until the leader's epoch message is read back
     sync_bytes: int
     sync_bytes_raw: int
 
@@ -400,12 +421,14 @@ async def measure(partitions: int, tasks: int, bootstrap: str, timeout: float) -
             async def timed(name: str, start: float) -> Figures:
                 settled = await bench.wait_settled(timeout)
                 group_at = bench.group_done(start)
+                epoch_at = bench.epoch_read(start)
                 await asyncio.sleep(1.0)  # the last messages of the window are read back
                 raw = bench.bytes_between(start, settled + 0.5)
                 fig = Figures(
                     total_s=round(settled - start, 3),
                     group_s=round(group_at - start, 3),
                     protocol_s=round(max(0.0, settled - group_at), 3),
+                    epoch_s=round(epoch_at - group_at, 3),
                     sync_bytes=max(0, round(raw - steady * (settled + 0.5 - start))),
                     sync_bytes_raw=raw,
                 )
