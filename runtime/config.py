@@ -73,13 +73,17 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ),
     ] = "shoal"
     tasks: Annotated[
-        int, Meta(ge=1, le=64, description="Tasks run in this process (embedded default).")
-    ] = 3
+        Annotated[int, Meta(ge=1, le=64)] | None,
+        _d(
+            "Tasks run in this process (ignored with task_id); unset: 3 on the embedded "
+            "broker, 1 on a real Kafka (one task per process; start more processes)."
+        ),
+    ] = None
     task_id: Annotated[
         str | None,
         _d(
             "Run exactly one task with this id (production: one task per process). "
-            "Default: task-0..task-N-1, or host-pid for --task-id-auto."
+            "Default: task-0..task-N-1 on the embedded broker, <host>-<pid>[-i] on a real Kafka."
         ),
     ] = None
     source: Annotated[
@@ -550,6 +554,15 @@ def _explain(
         where = origin.get((parts[0], parts[1]), "the defaults")
         return f"invalid value for {option.key} (from {where}): {text or message}"
     return f"invalid configuration: {message}"
+
+
+def task_count(config: ShoalConfig) -> int:
+    """How many tasks this process runs."""
+    if config.run.task_id is not None:
+        return 1
+    if config.run.tasks is not None:
+        return config.run.tasks
+    return 3 if config.kafka.bootstrap_servers is None else 1
 
 
 def check(config: ShoalConfig) -> None:

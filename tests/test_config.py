@@ -20,7 +20,9 @@ def _load(argv: list[str], env: dict[str, str] | None = None) -> options.ShoalCo
 
 def test_defaults_are_the_embedded_demo() -> None:
     config = _load([])
-    assert config.run.tasks == 3
+    assert options.task_count(config) == 3
+    production = _load(["--kafka-bootstrap-servers", "k:9092"])
+    assert options.task_count(production) == 1  # one task per process on a real Kafka
     assert config.run.source == "sim"
     assert config.kafka.bootstrap_servers is None  # the embedded broker
     assert config.run.duration is None

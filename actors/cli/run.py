@@ -40,7 +40,7 @@ from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
 from protocol.records import DataChange
 from protocol.task import TaskConfig
-from runtime.config import ConfigError, ShoalConfig, SimOptions, kafka_config
+from runtime.config import ConfigError, ShoalConfig, SimOptions, kafka_config, task_count
 from runtime.metrics import MetricsServer, Sample, TaskSample
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
 from runtime.progress import PartitionEnd, Progress, RunSummary
@@ -107,12 +107,16 @@ class _Task:
 
 
 def default_task_ids(config: ShoalConfig) -> list[str]:
+    """``--task-id``; else ``task-<i>`` on the embedded broker; else, on a shared Kafka, ids
+    unique to this process (``<host>-<pid>``, ``-<i>`` when it runs several)."""
     run = config.run
     if run.task_id is not None:
         return [run.task_id]
-    if run.tasks == 1 and config.kafka.bootstrap_servers is not None:
-        return [f"{socket.gethostname()}-{os.getpid()}"]
-    return [f"task-{i}" for i in range(run.tasks)]
+    count = task_count(config)
+    if config.kafka.bootstrap_servers is None:
+        return [f"task-{i}" for i in range(count)]
+    base = f"{socket.gethostname()}-{os.getpid()}"
+    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
 
 
 class Pipeline:
