@@ -398,3 +398,35 @@ def test_second_signal_exits_at_once_and_stops_the_broker(tmp_path: Path) -> Non
     assert match, log_text
     with pytest.raises(ConnectionRefusedError):  # the embedded broker did not outlive us
         socket.create_connection(("127.0.0.1", int(match.group(1))), timeout=2).close()
+
+
+def test_config_command_prints_effective_options_without_secrets() -> None:
+    env = {
+        **_env(),
+        "SHOAL_KAFKA_BOOTSTRAP_SERVERS": "k:9093",
+        "SHOAL_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "SHOAL_KAFKA_SASL_MECHANISM": "PLAIN",
+        "SHOAL_KAFKA_SASL_USERNAME": "u",
+        "SHOAL_KAFKA_SASL_PASSWORD": "hunter2",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "actors.runtime", "config", "--tasks", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    shown = json.loads(result.stdout)
+    assert shown["run"]["tasks"] == 2
+    assert shown["kafka"]["sasl_password"] == "***"
+    assert b"hunter2" not in result.stdout + result.stderr
+    reference = subprocess.run(
+        [sys.executable, "-m", "actors.runtime", "config", "--reference"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    assert reference.stdout.decode() == (REPO / "docs" / "configuration.md").read_text()
