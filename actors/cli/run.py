@@ -302,7 +302,11 @@ class Pipeline:
         broker = EmbeddedBroker(log_path=self.output_dir / "broker.log")
         await stack.enter_async_context(broker)
         self._kill_on_abort.append(broker.kill)
-        log.info("embedded broker at %s", broker.bootstrap)
+        self._say(
+            f"embedded broker at {broker.bootstrap} (while this runs: python -m actors.runtime "
+            f"status --kafka-bootstrap-servers {broker.bootstrap} "
+            f"--connector {self.config.run.connector})"
+        )
         return broker.bootstrap
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
