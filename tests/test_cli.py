@@ -430,3 +430,42 @@ def test_config_command_prints_effective_options_without_secrets() -> None:
         check=True,
     )
     assert reference.stdout.decode() == (REPO / "docs" / "configuration.md").read_text()
+
+
+@pytest.mark.spanner
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_emulator_source_bounded_run(tmp_path: Path) -> None:
+    """--source emulator: the Cloud Spanner emulator with a write load; the output holds every
+    row the load wrote."""
+    from runtime.spanner.emulator import EmulatorUnavailable, find_emulator
+
+    try:
+        find_emulator()
+    except EmulatorUnavailable as exc:
+        pytest.skip(str(exc))
+    proc = _cli(
+        [
+            "--source",
+            "emulator",
+            "--spanner-load-rate",
+            "20",
+            "--duration",
+            "12",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--summary-json",
+            str(tmp_path / "summary.json"),
+            "--progress",
+            "off",
+        ],
+        tmp_path,
+    )
+    assert _finish(proc, tmp_path, "run", 120) == 0, _logs(tmp_path, "run")
+    summary = _summary(tmp_path / "summary.json")
+    assert summary.caught_up
+    assert summary.drained
+    ids = _ids(tmp_path / "out" / "data")
+    assert len(ids) == len(set(ids))
+    assert summary.produced_rows == len(ids) > 0

@@ -66,6 +66,7 @@ class Ledger:
         self.ids: set[tuple[int, str, str]] = set()
         self.records = 0
         self.rows = 0
+        self.distinct_rows = 0  # rows of records committed for the first time (with keep_ids)
         self.duplicates = 0
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
@@ -83,6 +84,7 @@ class Ledger:
                         self.duplicates += 1
                     else:
                         self.ids.add(r.identity)
+                        self.distinct_rows += len(r.mods)
 
         future.add_done_callback(done)
         return future
@@ -547,7 +549,7 @@ class Pipeline:
             self._expected_rows = rows
             self._expected_records = len(self._loadgen.committed)
             self._say(f"shoal: write load stopped; catching up on {rows} rows")
-            while ledger.rows < rows:
+            while ledger.distinct_rows < rows:
                 if self.stop.is_set():
                     return False
                 await asyncio.sleep(0.1)
