@@ -196,6 +196,7 @@ def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path) -> Non
         assert max(_metric(text, "shoal_partition_lag_seconds")) < 30
         time.sleep(1.5)  # mid-run: batches in flight
     finally:
+        stopped_at = time.time_ns() // 1000
         proc.send_signal(signal.SIGTERM)
     code = _finish(proc, tmp_path, "run", 60)
     logs = _logs(tmp_path, "run")
@@ -211,6 +212,10 @@ def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path) -> Non
     assert must, "the run committed nothing"
     missing = must - set(ids)
     assert not missing, f"{len(missing)} records below the final watermarks are not in the output"
+    for p in summary.partitions:  # the final state reached the sync topic: recent watermarks
+        if p.status == "owned":
+            start = model.partitions[p.token].start_ts
+            assert max(p.watermark, start) >= stopped_at - 3_000_000, p
     produced = {
         f"{r.commit_ts}/{r.server_transaction_id}/{r.record_sequence}/{i}"
         for r in model.expected(max(p.watermark for p in summary.partitions) + 10_000_000)
