@@ -403,6 +403,12 @@ class Pipeline:
                 f"--sink spark: the Spark bridge is not available ({exc}); use --sink files"
             ) from exc
         sc = self.config.spark
+        # Spark's Python workers must run this interpreter (the system python3 lacks shoal's
+        # packages and fails with a misleading "worker failed to connect back"); a local
+        # master binds to loopback.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        if sc.remote is None and sc.master.startswith("local"):
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         kwargs: dict[str, Any] = {
             "master": sc.master,
             "remote": sc.remote,
