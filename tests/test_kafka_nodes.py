@@ -138,6 +138,40 @@ async def test_killed_leader_is_replaced(nodes: Cluster, observer: SyncObserver)
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_paused_task_stops_reading_before_its_partitions_move(
+    nodes: Cluster, observer: SyncObserver
+) -> None:
+    """Zombie safety: a task frozen with SIGSTOP past its session timeout loses its partitions;
+    when it wakes up it must not hand its sink anything more (its lease ran out) before it has
+    rejoined and been given partitions again."""
+    await nodes.start_node("n0")
+    await nodes.start_node("n1")
+    await nodes.start_proc("p2")
+    await nodes.wait_settled({"n0", "n1", "p2"}, TOKENS, timeout=40)
+    frozen = nodes.views()["p2"].owned
+    assert frozen
+
+    paused_at = time.monotonic()
+    nodes.pause_proc("p2")
+    await nodes.wait_settled({"n0", "n1"}, TOKENS, timeout=40)
+    async with asyncio.timeout(10):  # the new owners read what the frozen task owned
+        while not frozen <= nodes.ledger.tokens_delivered_since(paused_at, besides="p2"):
+            await asyncio.sleep(0.05)
+
+    resumed_at = time.monotonic()
+    nodes.resume_proc("p2")
+    await nodes.wait_settled({"n0", "n1", "p2"}, TOKENS, timeout=40)
+    await observer_caught_up(nodes, observer)
+    assert_clean(nodes, observer)
+    # Whatever it delivered after waking up, it delivered only once it owned it again.
+    rejoined = {d.token for d in nodes.ledger.deliveries if d.task == "p2" and d.at >= resumed_at}
+    assert rejoined <= nodes.views()["p2"].owned
+    assert nodes.views()["p2"].counters.get("membership_lost", 0) >= 1
+
+
+@pytest.mark.asyncio
 @pytest.mark.timeout(90)
 async def test_garbage_on_the_sync_topic_is_skipped_and_counted(
     nodes: Cluster, observer: SyncObserver, kafka_config: KafkaConfig, connector: str
