@@ -1,7 +1,8 @@
 """``python -m bench rebalance``: how long a rebalance takes over the embedded broker.
 
 1,000 idle partitions of the simulated stream, 10 tasks (9 in this process, 1 in a subprocess so
-that it can be SIGKILLed), real actors, real Kafka adapters, session/heartbeat 3000/1000 ms. Then
+that it can be SIGKILLed; ``--processes``: each in its own, as deployed), real actors, real Kafka
+adapters, session/heartbeat 3000/1000 ms. Then
 three rebalances, each timed from its cause until every partition is owned by exactly one task,
 read by it, and owned counts are within one:
 
@@ -302,6 +303,26 @@ class Bench:
         worker = self.workers[task_id] = Worker(task_id, process)
         self._followers.append(asyncio.create_task(worker.follow(self)))
 
+    async def start_task(self, task_id: str, *, process: bool) -> None:
+        if process:
+            await self.start_worker(task_id)
+            async with asyncio.timeout(60):  # ready: it has joined
+                while task_id not in self.joined_at:  # noqa: ASYNC110 - told over a pipe
+                    await asyncio.sleep(0.01)
+        else:
+            await self.start_node(task_id)
+
+    async def stop_task(self, task_id: str) -> None:
+        """Leave gracefully."""
+        if task_id in self.nodes:
+            await self.stop_node(task_id)
+            return
+        worker = self.workers.pop(task_id)
+        stdin = worker.process.stdin
+        assert stdin is not None
+        stdin.close()
+        await worker.process.wait()
+
     async def kill_worker(self, task_id: str) -> None:
         worker = self.workers.pop(task_id)
         worker.process.send_signal(signal.SIGKILL)
@@ -396,16 +417,22 @@ class Figures(msgspec.Struct):
     sync_bytes_raw: int
 
 
-async def measure(partitions: int, tasks: int, bootstrap: str, timeout: float) -> dict[str, object]:
+async def measure(
+    partitions: int, tasks: int, bootstrap: str, timeout: float, *, processes: bool = False
+) -> dict[str, object]:
     config = KafkaConfig.embedded(bootstrap)
     bench = Bench(config, partitions)
-    out: dict[str, object] = {"partitions": partitions, "tasks": tasks}
+    out: dict[str, object] = {
+        "partitions": partitions,
+        "tasks": tasks,
+        "layout": "process per task" if processes else "one process but the victim",
+    }
     async with asyncio.TaskGroup() as group:
         observer = group.create_task(bench.observe())
         try:
             t0 = time.monotonic()
             for i in range(tasks - 1):
-                await bench.start_node(f"t{i:02d}")
+                await bench.start_task(f"t{i:02d}", process=processes)
             victim = f"k{tasks - 1:02d}"
             await bench.start_worker(victim)
             await bench.wait_settled(timeout)
@@ -437,11 +464,11 @@ async def measure(partitions: int, tasks: int, bootstrap: str, timeout: float) -
                 return fig
 
             newcomer = f"t{tasks:02d}"
-            await bench.start_node(newcomer)
+            await bench.start_task(newcomer, process=processes)
             join = await timed("join", bench.joined_at[newcomer])
 
             start = time.monotonic()
-            await bench.stop_node(newcomer)
+            await bench.stop_task(newcomer)
             leave = await timed("leave", start)
 
             start = time.monotonic()
@@ -474,6 +501,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tasks", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="200 partitions, 5 tasks")
     parser.add_argument("--timeout", type=float, default=120.0, help="per rebalance, seconds")
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="every task in its own process, as deployed (default: all in this one but the "
+        "killed task; their CPU then adds to the protocol time)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.partitions, args.tasks = 200, 5
@@ -482,7 +515,13 @@ def main(argv: list[str]) -> int:
 
     async def run() -> dict[str, object]:
         async with EmbeddedBroker() as broker:
-            return await measure(args.partitions, args.tasks, broker.bootstrap, args.timeout)
+            return await measure(
+                args.partitions,
+                args.tasks,
+                broker.bootstrap,
+                args.timeout,
+                processes=args.processes,
+            )
 
     try:
         result = asyncio.run(run())
@@ -493,7 +532,7 @@ def main(argv: list[str]) -> int:
         print(f"{key:>28}: {value}")
     keys = ("join_s", "leave_s", "kill_s", "protocol_overhead_s", "sync_bytes_per_rebalance")
     figures = {k: result[k] for k in keys}
-    extra = ("partitions", "tasks", "join_group_s", "leave_group_s", "kill_group_s")
+    extra = ("partitions", "tasks", "layout", "join_group_s", "leave_group_s", "kill_group_s")
     figures.update({k: result[k] for k in extra})
     print(json.dumps({"scenario": "rebalance", **figures}))
     return 0
