@@ -218,7 +218,10 @@ class PartitionReader(Actor[Stop]):
                     case ChildPartitions():
                         children.extend(record.children)
                         child_start = max(child_start, record.start_ts)
-                        position = max(position, record.start_ts)
+                        # The partition ends here. Commit just short of it: a restarted
+                        # query must see this record again, and a start past the end is
+                        # refused (the emulator accepts [start, end] and says OUT_OF_RANGE).
+                        position = max(position, record.start_ts - 1)
             await self._put(buffer, position)
             buffer = []
         if self._sink_error is not None:

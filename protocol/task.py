@@ -180,6 +180,9 @@ class Rules(msgspec.Struct, frozen=True):
     # in depth: it makes a planner that deals out survivors' partitions harmless, so the teeth
     # test of such a planner turns it off to show the simulator still catches the planner.
     refuse_owned_offers: bool = True
+    # A task restarted under its old id takes over what the CIM credits to it (``_adopt``);
+    # the teeth test turns it off to show that orphans the partitions.
+    adopt_own_state: bool = True
 
 
 class TaskConfig(msgspec.Struct, frozen=True):
@@ -227,6 +230,7 @@ class TaskCore:
         self._last_checkpoint = -(10**18)
         self._last_state_ts = -1
         self._inflight = 0  # own messages published and not yet read back
+        self._adopted = False  # the previous life's state taken over (at the first join)
         self.counters: Counter[str] = Counter()
         self.log: deque[tuple[int, str]] = deque(maxlen=256)
 
@@ -356,8 +360,32 @@ class TaskCore:
                 self.moves.pop(token, None)
                 self.counters["claims_replanned"] += 1
 
+    def _adopt(self) -> None:
+        """A task restarted under the same id finds its previous life's state in the CIM: what
+        it owned (and finished) and the offers it made are its own again, so nothing the CIM
+        credits to it is orphaned. A take-over it had under way is dropped (its offerer sees
+        that), and so is a move it was offering that was not released yet."""
+        self._adopted = True
+        view = self.cim.view(self.me)
+        for token, part in view.partitions.items():
+            if part.status != "incoming":
+                self.mine[token] = part
+        for token, offer in view.share.items():
+            if offer.kind == "move" and not offer.released:
+                continue
+            self.shares[token] = offer
+        self._sent_parts = dict(view.partitions)
+        self._sent_share = dict(view.share)
+        if self.mine or self.shares:
+            self.counters["adopted"] += len(self.mine) + len(self.shares)
+            self._urgent = True
+
     def _on_joined(self, event: Joined, now: int) -> None:
         self.counters["rebalances"] += 1
+        if not self._adopted:
+            if self.config.rules.adopt_own_state:
+                self._adopt()
+            self._adopted = True
         if not self.member:
             self.continuous_since = event.generation
         self.member = True

@@ -86,6 +86,7 @@ class SimParams(msgspec.Struct, frozen=True):
     heartbeat_us: int = 1_000_000
     rebalance_delay_us: int = 1_000_000
     crash_p: float = 0.004
+    restart_p: float = 0.5  # a crashed task comes back under the same id
     join_p: float = 0.004
     leave_p: float = 0.002
     pause_p: float = 0.002
@@ -100,6 +101,7 @@ class SimParams(msgspec.Struct, frozen=True):
     broken_readable: bool = False
     broken_planner: bool = False
     refuse_owned_offers: bool = True
+    adopt_own_state: bool = True
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -182,10 +184,12 @@ class Simulation:
         self.group: dict[str, int] = {}  # member -> last heartbeat step
         self.rebalance_at = -1
         self.stats: Counter[str] = Counter()
+        self.restarts: list[tuple[int, str]] = []  # (step, task id) of crashed tasks to restart
         self.rules = Rules(
             fence_epochs=params.fence_epochs,
             readable=(_first_parent if params.broken_readable else Rules().readable),
             refuse_owned_offers=params.refuse_owned_offers,
+            adopt_own_state=params.adopt_own_state,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
 
@@ -197,8 +201,11 @@ class Simulation:
         return max(1, us // self.p.step_us)
 
     # -- nodes ---------------------------------------------------------------------------------
-    def start_node(self) -> _Node:
-        task_id = f"t{next(self.ids):02d}"
+    def start_node(self, task_id: str | None = None) -> _Node:
+        """A new task; with ``task_id``, a crashed task restarted under its old id (a fresh core
+        that finds its previous life's state in the sync log)."""
+        if task_id is None:
+            task_id = f"t{next(self.ids):02d}"
         config = TaskConfig(
             task_id=task_id,
             cap=self.p.cap,
@@ -401,6 +408,11 @@ class Simulation:
             victim.alive = False
             victim.readers.clear()
             self.stats["crashes"] += 1
+            if r() < self.p.restart_p:
+                # restarted under the same id, before or after its session has timed out
+                span = self.steps(self.p.session_timeout_us)
+                at = self.step + self.rng.randint(span // 4, 2 * span)
+                self.restarts.append((at, victim.id))
         if len(alive) < self.p.max_tasks and r() < self.p.join_p:
             self.start_node()
             self.stats["joins"] += 1
@@ -423,6 +435,11 @@ class Simulation:
         self.step += 1
         if churn:
             self.faults()
+        for due in [r for r in self.restarts if r[0] <= self.step]:
+            self.restarts.remove(due)
+            if not self.nodes[due[1]].alive:
+                self.start_node(due[1])
+                self.stats["restarts"] += 1
         self.land_messages()
         self.run_group()
         order = [n for n in self.nodes.values() if n.alive]

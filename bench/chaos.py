@@ -1,0 +1,428 @@
+"""``python -m bench chaos``: tasks as separate processes, killed, restarted and frozen, against
+the embedded Kafka-compatible broker and the Cloud Spanner emulator with partition churn.
+
+* The harness starts the broker and the emulator (partitions end every ``--churn-s`` seconds:
+  real splits and merges), then ``--tasks`` processes of ``python -m actors.runtime`` (one task
+  each, ``--source spanner`` at the emulator, ``--sink files`` into one shared directory).
+* Once an epoch is settled, a seeded load generator commits transactions for ``--duration``
+  seconds, while every few seconds a random fault hits: ``kill -9`` of a task (restarted a few
+  seconds later under the same id), ``kill -9`` of the current leader, or ``SIGSTOP`` of a task
+  for longer than its session timeout and ``SIGCONT`` after (a zombie).
+* An observer replays the sync topic into its own CIM all along: it counts epochs (rebalances)
+  and the longest time any live partition's committed watermark stood still ("unread").
+* At the end the load stops, the tasks catch up and are stopped with SIGTERM (graceful drain);
+  the parquet output is compared with what the load generator committed: ``lost`` (committed,
+  never delivered) must be 0; ``duplicates`` (delivered twice after dropping duplicates by
+  (commit timestamp, transaction id, record sequence, mod index)) must be 0.
+
+Last line: ``{"scenario": "chaos", "committed": .., "delivered": .., "lost": .., "duplicates":
+.., "max_unread_s": .., "rebalances": ..}``. ``--quick`` runs two minutes of faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from protocol import messages
+from protocol.cim import Cim
+
+CONNECTOR = "chaos"
+
+
+class TaskProcess:
+    """One ``python -m actors.runtime`` task process."""
+
+    def __init__(self, task_id: str, args: list[str], logs: Path) -> None:
+        self.task_id = task_id
+        self.args = args
+        self.logs = logs
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.stopped = False  # SIGSTOPped
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.logs / f"{self.task_id}.{self.starts}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "actors.runtime", "--task-id", self.task_id, *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.stopped:
+            self.signal(signal.SIGCONT)
+            self.stopped = False
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def terminate(self, timeout: float) -> int | None:
+        if self.stopped:
+            self.signal(signal.SIGCONT)
+            self.stopped = False
+        self.signal(signal.SIGTERM)
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+
+class Observer:
+    """Replays the sync topic into a CIM: epochs, leader, and how long watermarks stood still."""
+
+    def __init__(self) -> None:
+        self.cim = Cim()
+        self.epochs = 0
+        self.bad = 0
+        self.advanced: dict[str, float] = {}  # token -> when its watermark last moved
+        self.watermark: dict[str, int] = {}
+        self.max_unread_s = 0.0
+        self.worst = ""
+
+    def apply(self, offset: int, payload: bytes) -> None:
+        try:
+            message = messages.decode(payload)
+        except messages.SyncDecodeError:
+            self.bad += 1
+            return
+        before = self.cim.epoch
+        self.cim.apply(offset, message)
+        if self.cim.epoch != before:
+            self.epochs += 1
+        now = time.monotonic()
+        live: set[str] = set()
+        for task in self.cim.members:
+            for token, part in self.cim.view(task).partitions.items():
+                if part.status == "finished":
+                    continue
+                live.add(token)
+                if part.watermark > self.watermark.get(token, -1):
+                    self.watermark[token] = part.watermark
+                    self.advanced[token] = now
+                self.advanced.setdefault(token, now)
+        for token in list(self.advanced):
+            if token not in live and self._finished(token):
+                del self.advanced[token]
+
+    def _finished(self, token: str) -> bool:
+        found = self.cim.find(token)
+        return found is None or found.status == "finished"
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        for token, at in self.advanced.items():
+            if now - at > self.max_unread_s:
+                self.max_unread_s = now - at
+                self.worst = token
+
+
+async def observe(bootstrap: str, observer: Observer, stop: asyncio.Event) -> None:
+    from runtime.kafka import KafkaConfig, KafkaSyncLog
+
+    config = KafkaConfig.embedded(bootstrap)
+    async with KafkaSyncLog(config, CONNECTOR) as log, aclosing(log.read(0)) as reader:
+        reading = asyncio.ensure_future(anext(reader))
+        while not stop.is_set():
+            done, _ = await asyncio.wait({reading}, timeout=0.5)
+            if done:
+                offset, payload = reading.result()
+                observer.apply(offset, payload)
+                reading = asyncio.ensure_future(anext(reader))
+            observer.sample()
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await reading
+
+
+def read_output(directory: Path) -> tuple[Counter[tuple[int, str, str, int]], int, int]:
+    """(delivered (commit_ts, table, mod_type, key) after de-duplication, rows, duplicate rows
+    dropped by identity)."""
+    import pyarrow.parquet as pq
+
+    seen: set[tuple[int, str, int, int]] = set()
+    out: Counter[tuple[int, str, str, int]] = Counter()
+    rows = dropped = 0
+    for path in sorted(directory.rglob("*.parquet")):
+        table = pq.read_table(path).to_pylist()
+        for row in table:
+            rows += 1
+            identity = (
+                int(row["commit_ts"]),
+                str(row["server_transaction_id"]),
+                int(row["record_sequence"]),
+                int(row["mod_index"]),
+            )
+            if identity in seen:
+                dropped += 1
+                continue
+            seen.add(identity)
+            key = int(json.loads(row["keys"])["Id"])
+            out[(int(row["commit_ts"]), str(row["table"]), str(row["mod_type"]), key)] += 1
+    return out, rows, dropped
+
+
+async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from runtime.broker import EmbeddedBroker
+    from runtime.spanner.emulator import SpannerEmulator
+    from runtime.spanner.loadgen import LoadGenerator
+
+    rng = random.Random(args.seed)
+    output = work / "output"
+    logs = work / "logs"
+    logs.mkdir(parents=True)
+    emulator = SpannerEmulator(partition_alive_s=args.churn_s)
+    await asyncio.to_thread(emulator.start)
+    out: dict[str, Any] = {}
+    try:
+        async with EmbeddedBroker() as broker:
+            cfg = emulator.config
+            task_args = [
+                "--connector", CONNECTOR,
+                "--source", "spanner",
+                "--spanner-emulator-host", emulator.host,
+                "--spanner-project", cfg.project,
+                "--spanner-instance", cfg.instance,
+                "--spanner-database", cfg.database,
+                "--spanner-change-stream", cfg.change_stream,
+                "--sink", "files",
+                "--output-dir", str(output),
+                "--kafka-bootstrap-servers", broker.bootstrap,
+                "--kafka-session-timeout-ms", "3000",
+                "--kafka-heartbeat-interval-ms", "1000",
+                "--progress", "off",
+                "--log-level", args.task_log_level,
+                "--drain-timeout", "20",
+            ]  # fmt: skip
+            tasks = [TaskProcess(f"c{i}", task_args, logs) for i in range(args.tasks)]
+            observer = Observer()
+            stop_observing = asyncio.Event()
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(observe(broker.bootstrap, observer, stop_observing))
+                for t in tasks:
+                    t.start()
+                deadline = time.monotonic() + 90
+                while observer.cim.epoch < 0 or len(observer.cim.members) < args.tasks:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"no settled epoch with {args.tasks} members after 90 s "
+                            f"(members {observer.cim.members}); logs in {logs}"
+                        )
+                    await asyncio.sleep(0.5)
+                out["settled_s"] = round(time.monotonic() - (deadline - 90), 1)
+                await asyncio.sleep(2.0)
+                loader = await LoadGenerator.connect(cfg, emulator.tables, seed=args.seed)
+                try:
+                    load = tg.create_task(loader.run(args.rate, duration_s=args.duration))
+                    if args.no_faults:
+                        await asyncio.sleep(args.duration)
+                        faults: Counter[str] = Counter()
+                    else:
+                        faults = await inject_faults(tasks, observer, rng, args.duration)
+                    committed = await load
+                    out["faults"] = faults
+                    out["commits"] = committed
+                    # Heal: every task running, then let them catch up past the last commit.
+                    for t in tasks:
+                        if t.stopped:
+                            t.signal(signal.SIGCONT)
+                            t.stopped = False
+                        if not t.alive():
+                            t.start()
+                    expected = loader.expected_mods()
+                    last_commit = max((c.commit_ts for c in loader.committed), default=0)
+                    caught = await catch_up(observer, last_commit, args.catch_up_s)
+                    out["caught_up"] = caught
+                    if not caught:
+                        out["cim_when_not_caught_up"] = describe(observer.cim, last_commit)
+                finally:
+                    await loader.close()
+                exits = [t.terminate(30) for t in tasks]
+                out["exit_codes"] = exits
+                stop_observing.set()
+            delivered, rows, dropped = read_output(output)
+            lost = expected - delivered
+            extra = delivered - expected
+            out.update(
+                committed=sum(expected.values()),
+                delivered=sum(delivered.values()),
+                rows_written=rows,
+                duplicates_dropped_by_identity=dropped,
+                lost=sum(lost.values()),
+                duplicates=sum(extra.values()),
+                lost_examples=[list(k) for k in list(lost)[:5]],
+                max_unread_s=round(observer.max_unread_s, 1),
+                worst_partition=observer.worst,
+                rebalances=observer.epochs,
+                bad_sync_messages=observer.bad,
+                task_starts={t.task_id: t.starts for t in tasks},
+            )
+    finally:
+        await asyncio.to_thread(emulator.stop)
+    return out
+
+
+async def inject_faults(
+    tasks: list[TaskProcess], observer: Observer, rng: random.Random, duration: float
+) -> Counter[str]:
+    """Random faults for ``duration`` seconds; returns what was done."""
+    done: Counter[str] = Counter()
+    end = time.monotonic() + duration
+    pending: list[tuple[float, str, TaskProcess]] = []  # (when, action, task)
+    next_fault = time.monotonic() + rng.uniform(4, 8)
+    while time.monotonic() < end:
+        now = time.monotonic()
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            _, action, task = item
+            if action == "restart" and not task.alive():
+                task.start()
+            elif action == "cont" and task.stopped:
+                task.signal(signal.SIGCONT)
+                task.stopped = False
+        if now >= next_fault:
+            busy = {p[2].task_id for p in pending}
+            idle = [t for t in tasks if t.alive() and t.task_id not in busy and not t.stopped]
+            if len(idle) >= 2:
+                kind = rng.choice(["kill", "kill", "kill-leader", "pause"])
+                if kind == "kill-leader" and observer.cim.leader in {t.task_id for t in idle}:
+                    victim = next(t for t in idle if t.task_id == observer.cim.leader)
+                else:
+                    kind = "kill" if kind == "kill-leader" else kind
+                    victim = rng.choice(idle)
+                if kind == "pause":
+                    victim.signal(signal.SIGSTOP)
+                    victim.stopped = True
+                    pending.append((now + rng.uniform(5, 9), "cont", victim))
+                else:
+                    victim.kill()
+                    pending.append((now + rng.uniform(2, 6), "restart", victim))
+                done[kind] += 1
+            next_fault = now + rng.uniform(6, 12)
+        await asyncio.sleep(0.2)
+    return done
+
+
+async def catch_up(observer: Observer, last_commit: int, timeout: float) -> bool:
+    """Until every unfinished partition the CIM knows is owned by a member (no offer waiting)
+    and its committed watermark is past the last commit."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cim = observer.cim
+        unfinished: dict[str, int] = {}
+        owned: set[str] = set()
+        for task, view in cim.tasks.items():
+            for token, part in view.partitions.items():
+                if part.status != "finished":
+                    unfinished[token] = max(unfinished.get(token, -1), part.watermark)
+                    if part.status == "owned" and task in cim.members:
+                        owned.add(token)
+            for token, offer in view.share.items():
+                if cim.find(token) is None or cim.find(token).status != "finished":  # type: ignore[union-attr]
+                    unfinished.setdefault(token, offer.partition.watermark)
+        if unfinished and set(unfinished) <= owned and min(unfinished.values()) > last_commit:
+            return True
+        await asyncio.sleep(1.0)
+    return False
+
+
+def describe(cim: Cim, last_commit: int) -> dict[str, Any]:
+    """The observer's CIM, briefly: who holds what, how far behind the last commit."""
+    return {
+        "epoch": cim.epoch,
+        "leader": cim.leader,
+        "members": list(cim.members),
+        "tasks": {
+            task: {
+                "partitions": {
+                    t[:12]: [p.status, round((last_commit - p.watermark) / 1e6, 1)]
+                    for t, p in view.partitions.items()
+                },
+                "offers": {t[:12]: [o.target, o.kind, o.released] for t, o in view.share.items()},
+            }
+            for task, view in cim.tasks.items()
+        },
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench chaos", description=__doc__)
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of faults")
+    parser.add_argument("--tasks", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=20.0, help="commits per second")
+    parser.add_argument("--churn-s", type=int, default=6, help="emulator partition lifetime")
+    parser.add_argument("--catch-up-s", type=float, default=90.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--no-faults", action="store_true", help="baseline: the load, no faults")
+    parser.add_argument("--task-log-level", default="warning", help="log level of the tasks")
+    parser.add_argument("--quick", action="store_true", help="two minutes of faults")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.duration = 120.0
+    if args.tasks < 2:
+        parser.error("--tasks must be at least 2")
+    work = Path(tempfile.mkdtemp(prefix="shoal-chaos-"))
+    try:
+        import uvloop
+
+        result = uvloop.run(chaos(args, work))
+    except Exception as exc:
+        print(f"chaos: {type(exc).__name__}: {exc} (work directory kept: {work})", file=sys.stderr)
+        return 1
+    for key, value in result.items():
+        print(f"{key:>32}: {value}")
+    print(
+        json.dumps(
+            {
+                "scenario": "chaos",
+                **{
+                    k: result[k]
+                    for k in (
+                        "committed",
+                        "delivered",
+                        "lost",
+                        "duplicates",
+                        "max_unread_s",
+                        "rebalances",
+                    )
+                },
+                "faults": dict(result["faults"]),
+                "caught_up": result["caught_up"],
+            }
+        )
+    )
+    if not args.keep and result["lost"] == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"work directory kept: {work}", file=sys.stderr)
+    return 0 if result["lost"] == 0 and result["duplicates"] == 0 else 1
