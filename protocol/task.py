@@ -732,12 +732,11 @@ class TaskCore:
         cap = self.config.cap
         room = (len(wanted) if cap <= 0 else cap) - len(keep)
         start: list[Partition] = []
-        for part in sorted(wanted, key=lambda p: (p.start_ts, p.token)):
-            if room <= 0:
-                break
-            if part.token not in self.reading:
-                start.append(part)
-                room -= 1
+        if room > 0:
+            # the oldest first (a cap leaves the youngest waiting); usually there are none
+            candidates = [p for p in wanted if p.token not in self.reading]
+            if candidates:
+                start = sorted(candidates, key=lambda p: (p.start_ts, p.token))[:room]
         for token in list(self.reading):
             if token not in keep and token not in self.stopping:
                 self.stopping.add(token)
