@@ -1,0 +1,20 @@
+"""The Spark micro-batch bridge: change records into Spark, watermarks advance only after Spark
+commits. ``SparkBridge`` is the ``Sink``; ``SparkConfig`` its settings; ``read_output`` reads the
+default parquet output back. See ``bridge`` (embedded path) and ``streaming`` (Structured
+Streaming source)."""
+
+from runtime.spark.bridge import BridgeError, BridgeStats, SparkBridge, SparkConfig
+from runtime.spark.output import read_output
+from runtime.spark.rows import KEY_COLUMNS, row_key
+from runtime.spark.session import SparkStartError
+
+__all__ = [
+    "KEY_COLUMNS",
+    "BridgeError",
+    "BridgeStats",
+    "SparkBridge",
+    "SparkConfig",
+    "SparkStartError",
+    "read_output",
+    "row_key",
+]

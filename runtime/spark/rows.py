@@ -1,0 +1,254 @@
+"""The pure parts of the Spark bridge: no Spark, no event loop, no clock of its own.
+
+* ``to_columns`` turns change records into one row per mod (the output schema ``COLUMNS``);
+  ``to_arrow`` makes the Arrow table Spark takes in.
+* ``row_key`` is the identity of one output row: (commit timestamp, server transaction id,
+  record sequence, mod index). The default output never holds two rows with the same key.
+* ``Tails`` drops replayed records before they reach Spark. Per partition token, the records the
+  bridge has accepted are always a prefix of that partition's stream (one reader at a time reads
+  a partition in commit order, and a new owner resumes from the committed watermark); so a record
+  at or before the newest accepted commit timestamp of its token was already accepted, unless it
+  shares that newest timestamp and its identity is new. ``Tails`` keeps, per token, that newest
+  timestamp and the identities at it: memory is bounded by the number of partitions.
+* ``Batcher`` collects ``SinkBatch``es and says when a micro-batch is due: at ``max_rows`` rows
+  or when its oldest entry is ``max_age_s`` old. Every call takes ``now``; ``deadline()`` is when
+  the shell must look again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from protocol.records import DataChange, Micros
+from runtime.ports import SinkBatch
+
+__all__ = [
+    "COLUMNS",
+    "Batcher",
+    "Cut",
+    "Tails",
+    "arrow_schema",
+    "row_key",
+    "to_arrow",
+    "to_columns",
+]
+
+# (name, arrow type name); the order is the output's column order.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("table", "string"),
+    ("mod_type", "string"),
+    ("keys", "string"),
+    ("new_values", "string"),
+    ("old_values", "string"),
+    ("commit_ts", "int64"),  # microseconds since the epoch, exact
+    ("server_transaction_id", "string"),
+    ("record_sequence", "string"),
+    ("mod_index", "int32"),
+    ("partition_token", "string"),
+    ("transaction_tag", "string"),
+    ("number_of_records_in_transaction", "int32"),
+    ("number_of_partitions_in_transaction", "int32"),
+)
+KEY_COLUMNS = ("commit_ts", "server_transaction_id", "record_sequence", "mod_index")
+
+RowKey = tuple[Micros, str, str, int]
+
+
+def row_key(change: DataChange, mod_index: int) -> RowKey:
+    """The de-duplication key of one output row (one mod of one data change)."""
+    return (change.commit_ts, change.server_transaction_id, change.record_sequence, mod_index)
+
+
+def to_columns(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> dict[str, list[Any]]:
+    """One row per mod of every record; ``entries`` are (partition token, records)."""
+    cols: dict[str, list[Any]] = {name: [] for name, _ in COLUMNS}
+    table, mod_type, keys, new, old = (
+        cols["table"],
+        cols["mod_type"],
+        cols["keys"],
+        cols["new_values"],
+        cols["old_values"],
+    )
+    ts, txn, seq, idx = (
+        cols["commit_ts"],
+        cols["server_transaction_id"],
+        cols["record_sequence"],
+        cols["mod_index"],
+    )
+    token_col, tag, nrec, npart = (
+        cols["partition_token"],
+        cols["transaction_tag"],
+        cols["number_of_records_in_transaction"],
+        cols["number_of_partitions_in_transaction"],
+    )
+    for token, records in entries:
+        for change in records:
+            for i, mod in enumerate(change.mods):
+                table.append(change.table)
+                mod_type.append(change.mod_type)
+                keys.append(mod.keys)
+                new.append(mod.new_values)
+                old.append(mod.old_values)
+                ts.append(change.commit_ts)
+                txn.append(change.server_transaction_id)
+                seq.append(change.record_sequence)
+                idx.append(i)
+                token_col.append(token)
+                tag.append(change.transaction_tag)
+                nrec.append(change.number_of_records_in_transaction)
+                npart.append(change.number_of_partitions_in_transaction)
+    return cols
+
+
+def arrow_schema() -> Any:
+    """The output schema as a ``pyarrow.Schema`` (plain ``string``: Spark wants it exactly)."""
+    import pyarrow as pa
+
+    return pa.schema([(name, getattr(pa, type_name)()) for name, type_name in COLUMNS])
+
+
+def to_arrow(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> Any:
+    """The rows of ``entries`` as a ``pyarrow.Table`` of ``arrow_schema()``."""
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    cols = to_columns(entries)
+    return pa.table([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
+
+
+class Tails:
+    """Per partition token: the newest accepted commit timestamp and the identities at it."""
+
+    def __init__(self) -> None:
+        self._tails: dict[str, tuple[Micros, set[tuple[Micros, str, str]]]] = {}
+        self._gaps: dict[str, Micros] = {}
+
+    def __len__(self) -> int:
+        return len(self._tails)
+
+    def is_duplicate(self, token: str, change: DataChange) -> bool:
+        tail = self._tails.get(token)
+        if tail is None:
+            return False
+        return change.commit_ts < tail[0] or (
+            change.commit_ts == tail[0] and change.identity in tail[1]
+        )
+
+    def accept(self, token: str, change: DataChange) -> None:
+        tail = self._tails.get(token)
+        if tail is None or change.commit_ts > tail[0]:
+            self._tails[token] = (change.commit_ts, {change.identity})
+        elif change.commit_ts == tail[0]:
+            tail[1].add(change.identity)
+
+    def fresh(self, token: str, records: Iterable[DataChange]) -> list[DataChange]:
+        """The records not seen before, which are then accepted."""
+        out = []
+        for change in records:
+            if not self.is_duplicate(token, change):
+                self.accept(token, change)
+                out.append(change)
+        return out
+
+    def open_gap(self, token: str, records: Iterable[DataChange]) -> None:
+        """A batch of ``token`` failed: until its reader re-reads from before ``records``, later
+        batches of ``token`` are refused (``refuses``). Accepting them would move the tail past
+        records that never committed, and the re-read would then drop those as duplicates."""
+        first = min((r.commit_ts for r in records), default=None)
+        if first is not None:
+            self._gaps[token] = min(self._gaps.get(token, first), first)
+
+    def refuses(self, token: str, records: Sequence[DataChange]) -> bool:
+        """Whether a batch of ``token`` must be failed: it continues past a gap. A batch that
+        starts at or before the gap is the re-read, and closes the gap."""
+        gap = self._gaps.get(token)
+        if gap is None or not records:
+            return False
+        if records[0].commit_ts <= gap:
+            del self._gaps[token]
+            return False
+        return True
+
+    def rewind(self, committed: Tails) -> None:
+        """Forget what was accepted but never committed; keep the gaps."""
+        self._tails = {t: (ts, set(ids)) for t, (ts, ids) in committed._tails.items()}
+
+    def copy(self) -> Tails:
+        other = Tails()
+        other.rewind(self)
+        other._gaps = dict(self._gaps)
+        return other
+
+
+class Cut(msgspec.Struct, frozen=True):
+    """One micro-batch cut by the ``Batcher``: the ``SinkBatch``es it holds, their row count
+    and, per token, the highest watermark among them (batch id → watermarks)."""
+
+    batch_id: int
+    entries: tuple[SinkBatch, ...]
+    rows: int
+    watermarks: dict[str, int]
+    first_put: float  # ``now`` of its oldest entry
+
+
+class Batcher:
+    """Collects ``SinkBatch``es into micro-batches; see the module docstring."""
+
+    def __init__(self, max_rows: int, max_age_s: float, first_batch_id: int = 0) -> None:
+        if max_rows < 1 or max_age_s <= 0:
+            raise ValueError("max_rows must be >= 1 and max_age_s > 0")
+        self.max_rows = max_rows
+        self.max_age_s = max_age_s
+        self.next_batch_id = first_batch_id
+        self._entries: list[SinkBatch] = []
+        self._rows = 0
+        self._first: float | None = None
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    def add(self, batch: SinkBatch, now: float) -> None:
+        self._entries.append(batch)
+        self._rows += sum(len(r.mods) for r in batch.records)
+        if self._first is None:
+            self._first = now
+
+    def full(self) -> bool:
+        return self._rows >= self.max_rows
+
+    def deadline(self) -> float | None:
+        """When the current micro-batch is due by age (None: nothing buffered)."""
+        return None if self._first is None else self._first + self.max_age_s
+
+    def due(self, now: float) -> bool:
+        if not self._entries:
+            return False
+        deadline = self.deadline()
+        return self.full() or (deadline is not None and now >= deadline)
+
+    def cut(self) -> Cut | None:
+        """Take everything buffered as the next micro-batch (None if nothing is buffered)."""
+        if not self._entries:
+            return None
+        watermarks: dict[str, int] = {}
+        for entry in self._entries:
+            prior = watermarks.get(entry.token, entry.watermark)
+            watermarks[entry.token] = max(prior, entry.watermark)
+        assert self._first is not None
+        cut = Cut(self.next_batch_id, tuple(self._entries), self._rows, watermarks, self._first)
+        self.next_batch_id += 1
+        self._entries, self._rows, self._first = [], 0, None
+        return cut
+
+    def take_all(self) -> list[SinkBatch]:
+        """Empty the buffer without cutting (its entries are being failed)."""
+        entries, self._entries, self._rows, self._first = self._entries, [], 0, None
+        return entries

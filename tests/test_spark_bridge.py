@@ -1,0 +1,177 @@
+"""The Spark bridge against local Spark: three task nodes read a simulated stream into the
+default parquet sink; the output equals the stream exactly, also when a task is killed and when
+Spark fails micro-batches (retried, or failed back to the readers, which re-read)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.ports import SinkBatch
+from runtime.spark import SparkBridge, SparkConfig, read_output
+from runtime.spark.bridge import write_default
+from tests.fixtures.spark import Cluster, output_rows, spark, wait_for
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+__all__ = ["spark"]  # the module-scoped session fixture
+
+
+def _config(out: Path, **kwargs: Any) -> SparkConfig:
+    return SparkConfig(output_dir=str(out), max_rows=20_000, max_age_s=0.5, **kwargs)
+
+
+async def _run_to_end(cluster: Cluster, bridge: SparkBridge, timeout: float = 60.0) -> None:
+    total = len(cluster.expected())
+    await wait_for(
+        lambda: bridge.stats().rows_committed >= total, timeout, f"{total} rows committed"
+    )
+
+
+def _assert_exact(out: Path, cluster: Cluster) -> None:
+    rows = output_rows(read_output(str(out), dedupe=False))
+    duplicated = [k for k, n in Counter(rows).items() if n > 1]
+    assert not duplicated, f"{len(duplicated)} rows written twice, e.g. {duplicated[:2]}"
+    expected = cluster.expected()
+    assert len(set(expected)) == len(expected)
+    missing = set(expected) - set(rows)
+    extra = set(rows) - set(expected)
+    assert not missing, f"{len(missing)} rows missing, e.g. {sorted(missing)[:2]}"
+    assert not extra, f"{len(extra)} unexpected rows, e.g. {sorted(extra)[:2]}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_three_tasks_output_equals_the_stream(spark: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    async with SparkBridge(_config(out), spark=spark) as bridge:
+        cluster = Cluster(bridge, seed=11)
+        async with AsyncExitStack() as stack:
+            await cluster.start(stack)
+            await _run_to_end(cluster, bridge)
+        stats = bridge.stats()
+    assert stats.batches_failed == 0
+    assert stats.inflight == 0
+    assert stats.rows_committed == len(cluster.expected())
+    _assert_exact(out, cluster)
+    # Spark reads the same output, partitioned by table.
+    df = read_output(spark, str(out))
+    assert df.count() == len(cluster.expected())
+    assert {r["table"] for r in df.select("table").distinct().collect()} == set(
+        cluster.params.tables
+    )
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_killed_task_loses_nothing_and_writes_nothing_twice(
+    spark: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    async with SparkBridge(_config(out), spark=spark) as bridge:
+        cluster = Cluster(bridge, seed=12)
+        async with AsyncExitStack() as stack:
+            await cluster.start(stack)
+            await wait_for(
+                lambda: (
+                    bridge.stats().batches_committed >= 2
+                    and bool(cluster.nodes[0].task and cluster.nodes[0].task.readers)
+                ),
+                40,
+                "n0 reading and two micro-batches committed",
+            )
+            await cluster.kill(0)
+            await _run_to_end(cluster, bridge)
+        stats = bridge.stats()
+    survivors = cluster.nodes[1:]
+    assert any(n.status().counters.get("picked_up", 0) for n in survivors)
+    assert stats.batches_failed == 0
+    _assert_exact(out, cluster)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_failed_micro_batch_is_retried_and_watermarks_wait(
+    spark: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    failing = threading.Event()
+    release = threading.Event()
+    attempts: Counter[int] = Counter()
+    fail_id = 3
+
+    def flaky(df: Any, batch_id: int) -> None:
+        attempts[batch_id] += 1
+        if batch_id == fail_id and attempts[batch_id] == 1:
+            failing.set()
+            release.wait(10)
+            raise RuntimeError("injected Spark failure")
+        write_default(df, str(out), f"run-{batch_id:010d}")
+
+    config = _config(out, retry_backoff_s=0.2)
+    async with SparkBridge(config, foreach_batch=flaky, spark=spark) as bridge:
+        cluster = Cluster(bridge, seed=13)
+        async with AsyncExitStack() as stack:
+            await cluster.start(stack)
+            await wait_for(failing.is_set, 40, "the failing attempt")
+            # While Spark fails the batch, no reader passes its first record in that batch.
+            floor = _first_record_ts(bridge, fail_id)
+            for _ in range(20):
+                await asyncio.sleep(0.05)
+                committed = cluster.committed()
+                for token, first_ts in floor.items():
+                    assert committed.get(token, -1) < first_ts, token
+            release.set()
+            await _run_to_end(cluster, bridge)
+        stats = bridge.stats()
+    assert attempts[fail_id] == 2
+    assert stats.attempts_failed == 1
+    assert stats.batches_failed == 0
+    _assert_exact(out, cluster)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_micro_batch_failing_every_attempt_is_re_read(spark: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    attempts: Counter[int] = Counter()
+    armed = threading.Event()
+    failed: list[int] = []
+
+    def broken(df: Any, batch_id: int) -> None:
+        attempts[batch_id] += 1
+        if armed.is_set() and (not failed or failed[0] == batch_id) and df.count() > 0:
+            failed[:1] = [batch_id]
+            raise RuntimeError("injected permanent Spark failure")
+        write_default(df, str(out), f"run-{batch_id:010d}")
+
+    config = _config(out, max_attempts=2, retry_backoff_s=0.1)
+    async with SparkBridge(config, foreach_batch=broken, spark=spark) as bridge:
+        cluster = Cluster(bridge, seed=14, seconds=30.0)
+        async with AsyncExitStack() as stack:
+            await cluster.start(stack)
+            # Fail once the partitions have settled (not during the first hand-offs).
+            await wait_for(cluster.balanced, 20, "the partitions spread over three tasks")
+            armed.set()
+            await _run_to_end(cluster, bridge)
+        stats = bridge.stats()
+    assert len(failed) == 1
+    assert attempts[failed[0]] == 2
+    assert stats.batches_failed == 1
+    assert stats.puts_failed > 0
+    _assert_exact(out, cluster)
+
+
+def _first_record_ts(bridge: SparkBridge, batch_id: int) -> dict[str, int]:
+    """Per token, the oldest record of micro-batch ``batch_id`` (read from its entries)."""
+    entries: tuple[SinkBatch, ...] = bridge.entries_of(batch_id)
+    out: dict[str, int] = {}
+    for entry in entries:
+        for r in entry.records:
+            out[entry.token] = min(out.get(entry.token, r.commit_ts), r.commit_ts)
+    return out

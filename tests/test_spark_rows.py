@@ -1,0 +1,147 @@
+"""The pure parts of the Spark bridge, without Spark: rows, keys, de-duplication, cutting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from protocol.records import ColumnType, DataChange, Mod
+from runtime.ports import SinkBatch
+from runtime.spark import KEY_COLUMNS, SparkBridge, SparkConfig, SparkStartError, read_output
+from runtime.spark.rows import COLUMNS, Batcher, Tails, row_key, to_arrow, to_columns
+from runtime.spark.session import start_session
+
+COLS = (ColumnType("Id", '{"code":"INT64"}', True, 1),)
+
+
+def change(ts: int, seq: str = "0", txn: str = "t", mods: int = 1, table: str = "T") -> DataChange:
+    return DataChange(
+        commit_ts=ts,
+        record_sequence=seq,
+        server_transaction_id=txn,
+        is_last_record_in_transaction_in_partition=True,
+        table=table,
+        column_types=COLS,
+        mods=tuple(Mod(f'{{"Id":{i}}}', f'{{"V":{i}}}', "{}") for i in range(mods)),
+        mod_type="INSERT",
+        transaction_tag="tag",
+        number_of_records_in_transaction=2,
+    )
+
+
+def test_one_row_per_mod_with_every_column() -> None:
+    cols = to_columns([("p1", [change(10, mods=2)]), ("p2", [change(11, table="U")])])
+    assert list(cols) == [name for name, _ in COLUMNS]
+    assert cols["mod_index"] == [0, 1, 0]
+    assert cols["partition_token"] == ["p1", "p1", "p2"]
+    assert cols["table"] == ["T", "T", "U"]
+    assert cols["keys"] == ['{"Id":0}', '{"Id":1}', '{"Id":0}']
+    assert cols["new_values"][1] == '{"V":1}'
+    assert cols["old_values"] == ["{}"] * 3
+    assert cols["transaction_tag"] == ["tag"] * 3
+    assert cols["number_of_records_in_transaction"] == [2, 2, 2]
+
+
+def test_arrow_table_has_spark_exact_types() -> None:
+    table = to_arrow([("p", [change(10, mods=3)])])
+    assert table.num_rows == 3
+    assert str(table.schema.field("keys").type) == "string"  # not large_string
+    assert str(table.schema.field("commit_ts").type) == "int64"
+    assert to_arrow([]).num_rows == 0
+
+
+def test_row_key_is_record_identity_plus_mod_index() -> None:
+    c = change(10, seq="7", txn="x")
+    assert row_key(c, 2) == (10, "x", "7", 2)
+    assert row_key(c, 0)[:3] == c.identity
+    assert KEY_COLUMNS == ("commit_ts", "server_transaction_id", "record_sequence", "mod_index")
+
+
+def test_tails_drop_replays_per_token() -> None:
+    tails = Tails()
+    a, b, c = change(10, "1"), change(10, "2"), change(20, "3")
+    assert tails.fresh("p", [a, b]) == [a, b]
+    assert tails.fresh("p", [a, b, c]) == [c]  # a replay from the watermark
+    assert tails.fresh("p", [b]) == []
+    assert tails.fresh("q", [a]) == [a]  # another partition
+    same_ts = change(20, "4")
+    assert tails.fresh("p", [same_ts]) == [same_ts]  # new identity at the tail's timestamp
+
+
+def test_tails_rewind_forgets_uncommitted() -> None:
+    committed, working = Tails(), Tails()
+    a, b = change(10), change(20)
+    committed.fresh("p", [a])
+    working.fresh("p", [a, b])
+    working.rewind(committed)
+    assert working.fresh("p", [a, b]) == [b]
+
+
+def test_gap_refuses_continuations_until_the_re_read() -> None:
+    gate = Tails()
+    gate.open_gap("p", [change(10), change(20)])
+    assert gate.refuses("p", [change(30)])  # later batch of the same reader
+    assert not gate.refuses("q", [change(30)])
+    assert not gate.refuses("p", [])  # heartbeat-only batches carry no records
+    assert not gate.refuses("p", [change(10), change(20)])  # the re-read closes the gap
+    assert not gate.refuses("p", [change(30)])
+
+
+def test_batcher_cuts_by_rows() -> None:
+    b = Batcher(max_rows=4, max_age_s=1.0)
+    b.add(SinkBatch("p", (change(1, mods=2),), 1), now=0.0)
+    assert not b.due(0.0)
+    b.add(SinkBatch("p", (change(2, mods=2),), 5), now=0.1)
+    assert b.full()
+    assert b.due(0.1)
+    cut = b.cut()
+    assert cut is not None
+    assert (cut.batch_id, cut.rows, cut.watermarks, cut.first_put) == (0, 4, {"p": 5}, 0.0)
+    assert b.cut() is None
+    assert b.rows == 0
+
+
+def test_batcher_cuts_by_age_including_empty_batches() -> None:
+    b = Batcher(max_rows=100, max_age_s=1.0)
+    assert b.deadline() is None
+    b.add(SinkBatch("p", (), 7), now=5.0)  # a heartbeat moves the watermark only
+    b.add(SinkBatch("q", (change(3),), 3), now=5.5)
+    assert b.deadline() == 6.0
+    assert not b.due(5.9)
+    assert b.due(6.0)
+    cut = b.cut()
+    assert cut is not None
+    assert cut.watermarks == {"p": 7, "q": 3}
+    assert cut.rows == 1
+    assert b.next_batch_id == 1
+
+
+def test_batcher_rejects_bad_limits() -> None:
+    with pytest.raises(ValueError, match="max_rows"):
+        Batcher(max_rows=0, max_age_s=1.0)
+
+
+def test_clear_error_when_java_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SparkStartError, match="Java was not found"):
+        start_session(
+            master="local[2]", remote=None, app_name="x", conf={}, local_dir=str(tmp_path)
+        )
+
+
+@pytest.mark.asyncio
+async def test_bridge_refuses_puts_before_start_and_bad_config() -> None:
+    bridge = SparkBridge(SparkConfig())
+    with pytest.raises(RuntimeError, match="not running"):
+        await bridge.put(SinkBatch("p", (), 1))
+    assert bridge.stats().puts_refused == 1
+    with pytest.raises(ValueError, match="max_inflight_batches"):
+        SparkBridge(SparkConfig(max_inflight_batches=0))
+
+
+def test_read_output_of_nothing_is_empty(tmp_path: Path) -> None:
+    table = read_output(str(tmp_path / "none"))
+    assert table.num_rows == 0
+    assert "batch" in table.column_names
