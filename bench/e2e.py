@@ -1,0 +1,255 @@
+"""``python -m bench e2e``: change records from the simulator through three task nodes and the
+Spark bridge into the default parquet sink, against the same records handed straight to Spark.
+
+Three phases on one local Spark session (started and warmed first, not timed):
+
+1. **raw**: the stream's records, already in memory, cut into micro-batches of ``max_rows`` rows,
+   each built into Arrow and written by ``createDataFrame`` into parquet partitioned by table —
+   the bridge's ceiling (no reading, no tasks, no acks).
+2. **e2e**: the same records as a backlog (the simulator's clock stands at the stream's end):
+   three task nodes over in-memory coordination read them and put them into the bridge; timed
+   from the first put until Spark committed every row.
+3. **latency**: a live stream (clock at real time) for a few seconds; commit-to-visible is, per
+   record, the time from its commit timestamp to the moment Spark committed the micro-batch
+   holding it (its reader's future resolved).
+
+Last line: ``{"scenario": "e2e", "records_per_s", "raw_spark_records_per_s", "ratio",
+"latency_p50_s", "latency_p99_s", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+from actors.node import NodeConfig, TaskNode
+from protocol.records import DataChange
+from protocol.task import TaskConfig
+from runtime.memory import MemoryGroup, MemorySyncLog
+from runtime.ports import Membership, Sink, SinkBatch
+from runtime.simsource import SimulatedSource
+from runtime.simstream import StreamModel, StreamParams
+from runtime.spark import SparkBridge, SparkConfig, read_output
+from runtime.spark.bridge import write_default
+from runtime.spark.rows import to_arrow
+from runtime.spark.session import start_session, warm
+
+
+class _Timed:
+    """The bridge as the tasks see it: remembers when the first batch came and, per record, the
+    model time at which its batch committed."""
+
+    def __init__(self, inner: Sink, source: SimulatedSource, speedup: float) -> None:
+        self.inner = inner
+        self.source = source
+        self.speedup = speedup
+        self.first_put: float | None = None
+        self.latencies: list[float] = []
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        if self.first_put is None and batch.records:
+            self.first_put = time.monotonic()
+        future = await self.inner.put(batch)
+        stamps = [r.commit_ts for r in batch.records]
+
+        def done(f: asyncio.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                now = self.source.now()
+                self.latencies.extend((now - ts) / 1e6 / self.speedup for ts in stamps)
+
+        future.add_done_callback(done)
+        return future
+
+
+def _params(roots: int, seed: int) -> StreamParams:
+    return StreamParams(
+        seed=seed, roots=roots, records_per_s=2000.0, round_us=2_000_000, split_p=0.05, merge_p=0.05
+    )
+
+
+def _stream_end(params: StreamParams, records: int) -> int:
+    seconds = records / (params.roots * params.records_per_s)
+    return params.start_ts + int(seconds * 1e6)
+
+
+def _nodes(source: SimulatedSource, sink: Sink, start_ts: int) -> list[TaskNode]:
+    log = MemorySyncLog()
+    group = MemoryGroup(rebalance_delay=0.1, session_timeout=2.0)
+
+    async def join(task_id: str) -> Membership:
+        return group.join(task_id)
+
+    return [
+        TaskNode(
+            NodeConfig(
+                task=TaskConfig(task_id=f"t{i}", answer_timeout=500_000, publish_interval=200_000),
+                stream_start=start_ts,
+                tick_interval=0.05,
+            ),
+            sync_log=log,
+            join=join,
+            source=source,
+            sink=sink,
+        )
+        for i in range(3)
+    ]
+
+
+def raw_phase(spark: Any, records: list[tuple[str, DataChange]], max_rows: int, out: Path) -> float:
+    """Seconds to hand ``records`` straight to Spark in micro-batches of ``max_rows`` rows."""
+    t0 = time.monotonic()
+    chunk: list[DataChange] = []
+    rows = 0
+    n = 0
+
+    def flush() -> None:
+        nonlocal chunk, rows, n
+        df = spark.createDataFrame(to_arrow([("raw", chunk)]))
+        write_default(df, str(out), f"raw-{n:06d}")
+        chunk, rows, n = [], 0, n + 1
+
+    for _, change in records:
+        chunk.append(change)
+        rows += len(change.mods)
+        if rows >= max_rows:
+            flush()
+    if chunk:
+        flush()
+    return time.monotonic() - t0
+
+
+async def e2e_phase(
+    spark: Any, config: SparkConfig, params: StreamParams, end_ts: int, total_rows: int
+) -> tuple[float, int]:
+    """Seconds from the first put until every row committed, and the rows in the output."""
+    source = SimulatedSource(StreamModel(params), clock=lambda: end_ts, heartbeat_ms=1000)
+    async with SparkBridge(config, spark=spark) as bridge:
+        timed = _Timed(bridge, source, 1.0)
+        async with AsyncExitStack() as stack:
+            for node in _nodes(source, timed, params.start_ts):
+                await stack.enter_async_context(node)
+            async with asyncio.timeout(600):
+                # polling the bridge's counters is the measurement itself
+                while bridge.stats().rows_committed < total_rows:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            done = time.monotonic()
+        stats = bridge.stats()
+    assert timed.first_put is not None
+    print(f"  bridge: {stats}")
+    return done - timed.first_put, read_output(config.output_dir).num_rows
+
+
+async def latency_phase(
+    spark: Any, config: SparkConfig, params: StreamParams, seconds: float
+) -> list[float]:
+    source = SimulatedSource(StreamModel(params), heartbeat_ms=250, speedup=1.0)
+    async with SparkBridge(config, spark=spark) as bridge:
+        timed = _Timed(bridge, source, 1.0)
+        async with AsyncExitStack() as stack:
+            for node in _nodes(source, timed, params.start_ts):
+                await stack.enter_async_context(node)
+            await asyncio.sleep(seconds)
+        print(f"  bridge: {bridge.stats()}")
+    # the first seconds include the nodes' start and first rebalance
+    return timed.latencies
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench e2e", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small run (under 90 s)")
+    parser.add_argument("--records", type=int, default=None, help="records in the backlog")
+    parser.add_argument("--max-rows", type=int, default=100_000, help="rows per micro-batch")
+    parser.add_argument("--max-age", type=float, default=0.5, help="seconds a batch may wait")
+    parser.add_argument("--live-seconds", type=float, default=None, help="latency phase length")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    records = args.records or (150_000 if args.quick else 1_000_000)
+    live_s = args.live_seconds or (12.0 if args.quick else 60.0)
+    params = _params(roots=8, seed=args.seed)
+    end_ts = _stream_end(params, records)
+    model = StreamModel(params)
+    stream = [("raw", change) for change in model.expected(end_ts)]
+    total_records = len(stream)
+    total_rows = sum(len(c.mods) for _, c in stream)
+    print(f"e2e: {total_records} records, {total_rows} rows, micro-batches of {args.max_rows}")
+
+    work = Path(tempfile.mkdtemp(prefix="shoal-bench-e2e-"))
+    try:
+        t0 = time.monotonic()
+        spark = start_session(
+            master="local[2]",
+            remote=None,
+            app_name="shoal-bench-e2e",
+            conf={},
+            local_dir=str(work / "spark-local"),
+        )
+        spark.sparkContext.setLogLevel("ERROR")
+        warm(spark)
+        # warm the parquet write too
+        write_default(
+            spark.createDataFrame(to_arrow([("raw", [c for _, c in stream[:1000]])])),
+            str(work / "warm"),
+            "w",
+        )
+        print(f"  spark started and warmed in {time.monotonic() - t0:.1f}s")
+
+        raw_s = raw_phase(spark, stream, args.max_rows, work / "raw")
+        raw_rate = total_records / raw_s
+        print(f"  raw Spark: {raw_s:.2f}s, {raw_rate:,.0f} records/s")
+
+        config = SparkConfig(
+            output_dir=str(work / "e2e"), max_rows=args.max_rows, max_age_s=args.max_age
+        )
+        e2e_s, out_rows = asyncio.run(e2e_phase(spark, config, params, end_ts, total_rows))
+        rate = total_records / e2e_s
+        print(f"  e2e: {e2e_s:.2f}s, {rate:,.0f} records/s, {out_rows} rows in the output")
+        if out_rows != total_rows:
+            print(f"  e2e: output has {out_rows} rows, expected {total_rows}", file=sys.stderr)
+            return 1
+
+        live = SparkConfig(
+            output_dir=str(work / "live"), max_rows=args.max_rows, max_age_s=args.max_age
+        )
+        live_params = StreamParams(seed=args.seed + 1, roots=8, records_per_s=200.0)
+        latencies = asyncio.run(latency_phase(spark, live, live_params, live_s))
+        p50, p99 = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
+        mean = statistics.fmean(latencies) if latencies else float("nan")
+        print(f"  commit-to-visible over {len(latencies)} records: p50 {p50:.3f}s p99 {p99:.3f}s")
+        spark.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(
+        json.dumps(
+            {
+                "scenario": "e2e",
+                "records_per_s": round(rate),
+                "raw_spark_records_per_s": round(raw_rate),
+                "ratio": round(rate / raw_rate, 3),
+                "latency_p50_s": round(p50, 3),
+                "latency_p99_s": round(p99, 3),
+                "latency_mean_s": round(mean, 3),
+                "records": total_records,
+                "rows": total_rows,
+                "max_rows": args.max_rows,
+                "max_age_s": args.max_age,
+                "quick": args.quick,
+            }
+        )
+    )
+    return 0
