@@ -544,6 +544,12 @@ class TaskCore:
             found = self.cim.find(token)
             if found is not None and found.status == "finished":
                 continue
+            leader = self.cim.leader
+            if offer.kind == "new" and holder != leader and token in self.cim.view(leader).share:
+                # the leader re-planned it (the offerer's target had died; the offerer, frozen,
+                # never withdrew its offer, and the target came back under the same id)
+                self.counters["offer_superseded"] += 1
+                continue
             if (
                 offer.kind == "new"
                 and self.config.rules.refuse_owned_offers
@@ -562,6 +568,9 @@ class TaskCore:
                     offer.partition, status="owned", source=""
                 )
                 self.counters["picked_up"] += 1
+                if token in self.shares:
+                    # an offer of ours for it, superseded by the one picked up: withdrawn
+                    del self.shares[token]
             else:
                 self.mine[token] = msgspec.structs.replace(
                     offer.partition, status="incoming", source=holder
