@@ -99,7 +99,7 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "Where records go: spark (local or remote Spark writing parquet), files (parquet "
             "files written by pyarrow, no Java needed), kafka (the design-003 output topic)."
         ),
-    ] = "files"
+    ] = "spark"
     output_dir: Annotated[str, _d("Directory of the output (parquet files) and run files.")] = (
         "shoal-output"
     )

@@ -27,6 +27,7 @@ from runtime.broker import EmbeddedBroker, free_port
 from runtime.config import SimOptions
 from runtime.progress import RunSummary
 from runtime.simstream import StreamModel
+from runtime.spark import KEY_COLUMNS, read_output
 from tests.fixtures.kafka import kafka_broker
 
 __all__ = ["kafka_broker"]
@@ -34,6 +35,7 @@ __all__ = ["kafka_broker"]
 REPO = Path(__file__).resolve().parents[1]
 # A small, quick stream: 4 partitions, partition churn every 2 s of stream time.
 SIM = ["--sim-roots", "4", "--sim-records-per-s", "60", "--sim-round-s", "2"]
+FILES = ["--sink", "files"]  # the pyarrow parquet sink: no JVM, for the tests about tasks
 
 
 def _env() -> dict[str, str]:
@@ -80,18 +82,26 @@ def _summary(path: Path) -> RunSummary:
 
 
 def _ids(directory: Path) -> list[str]:
+    """Row ids (``commit/txn/seq/mod``) of a file-sink or Spark output, duplicates kept."""
+    if any(directory.glob("table=*")):  # Spark's output, partitioned by table and batch
+        table = read_output(directory, dedupe=False)
+        columns = [table.column(c).to_pylist() for c in KEY_COLUMNS]
+        return ["/".join(str(v) for v in key) for key in zip(*columns, strict=True)]
     return [row["record_id"] for row in read_rows(directory)]
 
 
 @pytest.mark.kafka
+@pytest.mark.spark
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
+    """The embedded default (broker, simulated stream, 3 tasks, local Spark writing parquet),
+    bounded: it exits 0 and the output rows are exactly the rows the stream produced."""
     out = tmp_path / "out"
     proc = _cli(
         [
             "--duration",
-            "7",
+            "8",
             *SIM,
             "--output-dir",
             str(out),
@@ -102,9 +112,10 @@ def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
         ],
         tmp_path,
     )
-    code = _finish(proc, tmp_path, "run", 90)
+    code = _finish(proc, tmp_path, "run", 200)
     logs = _logs(tmp_path, "run")
     assert code == 0, logs
+    assert "starting Spark (local[2]" in logs
     assert "rebalance:" in logs
     assert "progress: delivered" in logs
     assert "shoal run summary (duration" in logs
@@ -120,7 +131,8 @@ def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
     }
     assert len(ids) == len(set(ids)), "rows written twice"
     assert set(ids) == expected
-    assert summary.produced_rows == len(ids) > 0
+    assert summary.sink == "spark"
+    assert summary.produced_rows == summary.rows_written == len(ids) > 0
     reread = summary.errors.get("records_read_twice", 0)  # dropped by the sink, counted
     assert summary.records_delivered - reread == summary.produced_records
     assert len(summary.tasks) == 3
@@ -154,6 +166,7 @@ def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path) -> Non
     proc = _cli(
         [
             *SIM,
+            *FILES,
             "--output-dir",
             str(out),
             "--summary-json",
@@ -289,6 +302,7 @@ def test_two_processes_share_a_kafka_then_status(
         "--sim-start-ts",
         start,
         *SIM,
+        *FILES,
         "--progress",
         "off",
     ]
@@ -385,7 +399,9 @@ def test_unreachable_kafka_retries_then_fails_clearly(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_second_signal_exits_at_once_and_stops_the_broker(tmp_path: Path) -> None:
-    proc = _cli([*SIM, "--output-dir", str(tmp_path / "out"), "--progress", "off"], tmp_path)
+    proc = _cli(
+        [*SIM, *FILES, "--output-dir", str(tmp_path / "out"), "--progress", "off"], tmp_path
+    )
     deadline = time.monotonic() + 40
     while "shoal: connector" not in (tmp_path / "run.out").read_text():
         assert proc.poll() is None, _logs(tmp_path, "run")
@@ -452,6 +468,7 @@ def test_emulator_source_bounded_run(tmp_path: Path) -> None:
         pytest.skip(str(exc))
     proc = _cli(
         [
+            *FILES,
             "--source",
             "emulator",
             "--spanner-load-rate",

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from actors.cli.embed import GatedSource, drain_node
 from actors.cli.sinks import CountingSink, FileSink
@@ -154,6 +154,7 @@ class Pipeline:
         self._expected_rows: int | None = None
         self._ledger: Ledger | None = None
         self._file_sink: FileSink | None = None
+        self._bridge: Any = None  # runtime.spark.SparkBridge with --sink spark
         self._bounded = config.run.duration is not None or config.run.max_records is not None
         self.output_dir = Path(config.run.output_dir)
 
@@ -230,14 +231,21 @@ class Pipeline:
         async with AsyncExitStack() as stack:
             bootstrap = await self._start_kafka(stack)
             kafka = kafka_config(cfg, bootstrap)
+            from runtime.kafka import KafkaSyncLog
+
+            first_log = await self._reach(  # Kafka first: fail fast, before starting Spark
+                stack,
+                lambda: KafkaSyncLog(kafka, cfg.run.connector),
+                f"Kafka at {kafka.bootstrap_servers}",
+            )
+            sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
             source = await self._start_source(stack)
-            sink = await self._start_sink(stack, kafka)
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(self.sample, cfg.run.metrics_host, cfg.run.metrics_port)
                 )
                 self._say(f"metrics: {self.metrics.url}/metrics (and /healthz, /readyz)")
-            await self._make_tasks(stack, kafka, source, sink)
+            await self._make_tasks(stack, kafka, source, sink, first_log)
             self._say(
                 f"shoal: connector {cfg.run.connector!r}, {len(self.tasks)} task(s), "
                 f"source {cfg.run.source}, sink {cfg.run.sink} -> {self._sink_dir()}"
@@ -422,13 +430,20 @@ class Pipeline:
             value = getattr(sc, name)
             if value is not None:
                 kwargs[name] = value
-        bridge: Sink = await stack.enter_async_context(
+        self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path)")
+        bridge: Any = await stack.enter_async_context(
             spark_module.SparkBridge(spark_module.SparkConfig(**kwargs))
         )
-        return bridge
+        self._bridge = bridge
+        return cast(Sink, bridge)
 
     async def _make_tasks(
-        self, stack: AsyncExitStack, kafka: Any, source: ChangeStreamSource, sink: Sink
+        self,
+        stack: AsyncExitStack,
+        kafka: Any,
+        source: ChangeStreamSource,
+        sink: Sink,
+        first_log: Any,
     ) -> None:
         from runtime.kafka import KafkaMembership, KafkaSyncLog
 
@@ -443,12 +458,8 @@ class Pipeline:
         stream_start = self._stream_start if self._stream_start is not None else -1
         t = cfg.task
         for n, task_id in enumerate(default_task_ids(cfg)):
-            if n == 0:  # the first one waits for Kafka
-                sync_log = await self._reach(
-                    stack,
-                    lambda: KafkaSyncLog(kafka, connector),
-                    f"Kafka at {kafka.bootstrap_servers}",
-                )
+            if n == 0:
+                sync_log = first_log  # reached (with retries) before anything else started
             else:
                 sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
             gate = GatedSource(source)
@@ -647,6 +658,15 @@ class Pipeline:
             rows = stats.rows
             if stats.duplicates_dropped:
                 errors["duplicates_dropped_by_sink"] = stats.duplicates_dropped
+        if self._bridge is not None:
+            spark = self._bridge.stats()
+            rows = spark.rows_committed
+            counts = {
+                "duplicate_rows_dropped_by_spark": spark.rows_deduplicated,
+                "spark_batches_failed": spark.batches_failed,
+                "spark_attempts_failed": spark.attempts_failed,
+            }
+            errors.update({kind: n for kind, n in counts.items() if n})
         epoch = max((t.epoch for t in final.tasks), default=-1)
         leader = next((t.leader for t in final.tasks if t.epoch == epoch), "")
         return RunSummary(
