@@ -65,6 +65,7 @@ class SparkConfig(msgspec.Struct, frozen=True):
     stop_timeout_s: float = 120.0
     spool_dir: str | None = None  # streaming: default <output_dir>/_spool
     trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger
+    ack_poll_s: float = 0.1  # streaming: how often Spark's checkpoint is read for commits
 
 
 class BridgeStats(msgspec.Struct, frozen=True):
@@ -122,6 +123,12 @@ class SparkBridge:
         self.latencies: deque[float] = deque(maxlen=100_000)  # put → commit, per SinkBatch
         self._put_at: dict[int, float] = {}
         self._inflight_cuts: dict[int, Cut] = {}
+        self._committer_done = False
+        self._unacked: deque[tuple[int | None, Cut, list[tuple[str, list[DataChange]]], int]] = (
+            deque()
+        )
+        self._next_seq = 0
+        self._ack_kick: asyncio.Event | None = None
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._changed: asyncio.Condition | None = None
         self._kick: asyncio.Event | None = None
@@ -172,6 +179,7 @@ class SparkBridge:
                 from runtime.spark.streaming import StreamingBackend
 
                 self._streaming = StreamingBackend(self.spark, cfg, self.foreach_batch)
+                self._next_seq = await asyncio.to_thread(self._streaming.next_seq)
                 await asyncio.to_thread(self._streaming.start)
         except TimeoutError:
             await self._stop_spark()
@@ -185,6 +193,9 @@ class SparkBridge:
         await self._group.__aenter__()
         self._group.create_task(self._cut_loop(), name="spark-bridge-cut")
         self._group.create_task(self._commit_loop(), name="spark-bridge-commit")
+        if self._streaming is not None:
+            self._ack_kick = asyncio.Event()
+            self._group.create_task(self._ack_loop(), name="spark-bridge-ack")
         log.info("%r: started", self)
         return self
 
@@ -331,29 +342,39 @@ class SparkBridge:
     # --- the committer --------------------------------------------------------------------
 
     async def _commit_loop(self) -> None:
-        while True:
-            item = await self._queue.get()
-            if item is _STOP:
-                return
-            cut, generation, table, fresh, rows = item
-            try:
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is _STOP:
+                    return
+                cut, generation, table, fresh, rows = item
+                self._rows_dedup += cut.rows - rows
+                self._remember_watermarks(cut)
                 if generation != self._generation:
                     self._fail_cut(cut, BridgeError("an earlier micro-batch failed; re-read"))
+                    await self._done(cut)
+                elif self._streaming is not None:
+                    await self._spool(cut, table, fresh, rows)  # acked by _ack_loop
                 else:
-                    await self._commit(cut, table, fresh, rows)
-            finally:
-                assert self._changed is not None
-                self._inflight_cuts.pop(cut.batch_id, None)
-                async with self._changed:
-                    self._inflight -= 1
-                    self._changed.notify_all()
+                    try:
+                        await self._commit(cut, table, fresh, rows)
+                    finally:
+                        await self._done(cut)
+        finally:
+            self._committer_done = True
+
+    async def _done(self, cut: Cut) -> None:
+        """``cut`` is no longer in flight (committed or failed)."""
+        assert self._changed is not None
+        self._inflight_cuts.pop(cut.batch_id, None)
+        async with self._changed:
+            self._inflight -= 1
+            self._changed.notify_all()
 
     async def _commit(
         self, cut: Cut, table: Any, fresh: list[tuple[str, list[DataChange]]], rows: int
     ) -> None:
         cfg = self.config
-        self._rows_dedup += cut.rows - rows
-        self._remember_watermarks(cut)
         error: BaseException | None = None
         for attempt in range(1, cfg.max_attempts + 1):
             try:
@@ -377,19 +398,29 @@ class SparkBridge:
             error = None
             break
         if error is not None:
-            self._batches_failed += 1
-            log.error("%r: micro-batch %d failed every attempt: %r", self, cut.batch_id, error)
-            failure = BridgeError(
-                f"Spark micro-batch {cut.batch_id} failed after {cfg.max_attempts} attempts: "
-                f"{error!r}"
+            self._fail_permanently(
+                [cut],
+                BridgeError(
+                    f"Spark micro-batch {cut.batch_id} failed after {cfg.max_attempts} "
+                    f"attempts: {error!r}"
+                ),
             )
-            self._fail_cut(cut, failure)
-            # Everything after it was de-duplicated assuming it commits: fail it too.
-            self._generation += 1
-            for entry in self._batcher.take_all():
-                self._gate.open_gap(entry.token, entry.records)
-                self._resolve(entry, failure)
             return
+        self._succeed(cut, fresh, rows)
+
+    def _fail_permanently(self, cuts: list[Cut], failure: BridgeError) -> None:
+        """``cuts`` will never commit: fail them, and everything after them (it was
+        de-duplicated assuming they commit), and refuse their partitions' continuations."""
+        self._batches_failed += len(cuts)
+        log.error("%r: %s", self, failure)
+        for cut in cuts:
+            self._fail_cut(cut, failure)
+        self._generation += 1
+        for entry in self._batcher.take_all():
+            self._gate.open_gap(entry.token, entry.records)
+            self._resolve(entry, failure)
+
+    def _succeed(self, cut: Cut, fresh: list[tuple[str, list[DataChange]]], rows: int) -> None:
         for token, records in fresh:
             for change in records:
                 self._committed.accept(token, change)
@@ -400,6 +431,65 @@ class SparkBridge:
         self._last_latency = now - cut.first_put
         for entry in cut.entries:
             self._resolve(entry, None, now)
+
+    # --- the streaming path ---------------------------------------------------------------
+
+    async def _spool(
+        self, cut: Cut, table: Any, fresh: list[tuple[str, list[DataChange]]], rows: int
+    ) -> None:
+        """Write ``cut`` as the next spool file (none if it has no rows: it is acked with the
+        files before it); Spark's checkpoint acks it (``_ack_loop``)."""
+        from runtime.spark.streaming import spool_write
+
+        seq: int | None = None
+        if rows:
+            seq = self._next_seq
+            try:
+                await asyncio.to_thread(spool_write, self._streaming.spool, seq, table)
+            except Exception as exc:
+                self._attempts_failed += 1
+                self._fail_permanently([cut], BridgeError(f"writing spool file {seq}: {exc!r}"))
+                await self._done(cut)
+                return
+            self._next_seq += 1
+        self._unacked.append((seq, cut, fresh, rows))
+        assert self._ack_kick is not None
+        self._ack_kick.set()
+
+    async def _ack_loop(self) -> None:
+        """Resolve spooled cuts, in order, once Spark's checkpoint has committed them; restart
+        a query that died (``max_attempts`` times), then fail what it never committed."""
+        assert self._ack_kick is not None
+        backend = self._streaming
+        while not (self._committer_done and not self._unacked):
+            if not self._unacked:
+                self._ack_kick.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await self._ack_kick.wait()
+                continue
+            try:
+                committed = await asyncio.to_thread(backend.committed)
+            except Exception as exc:
+                self._attempts_failed += 1
+                log.warning("%r: %r", self, exc)
+                if backend.restarts + 1 < self.config.max_attempts:
+                    await asyncio.sleep(self.config.retry_backoff_s)
+                    await asyncio.to_thread(backend.restart)
+                    continue
+                cuts = [cut for _, cut, _, _ in self._unacked]
+                self._unacked.clear()
+                self._fail_permanently(
+                    cuts, BridgeError(f"Spark's streaming query failed for good: {exc}")
+                )
+                for cut in cuts:
+                    await self._done(cut)
+                return
+            while self._unacked and _acked(self._unacked[0][0], committed):
+                _, cut, fresh, rows = self._unacked.popleft()
+                self._succeed(cut, fresh, rows)
+                await self._done(cut)
+            await asyncio.sleep(self.config.ack_poll_s)
 
     def _run_batch(self, batch_id: int, table: Any) -> None:
         """In a worker thread: one attempt of one micro-batch."""
@@ -442,6 +532,10 @@ class SparkBridge:
                 _fail(future, error)
         self._futures.clear()
         self._put_at.clear()
+
+
+def _acked(seq: int | None, committed: int) -> bool:
+    return seq is None or seq <= committed
 
 
 def _fail(future: asyncio.Future[None], error: BaseException) -> None:

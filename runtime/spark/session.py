@@ -42,9 +42,16 @@ def java_executable() -> str | None:
 
 def prepare_environment(master: str, remote: str | None) -> None:
     """Spark's Python workers must run this interpreter (the system ``python3`` lacks shoal's
-    packages and fails with a misleading "worker failed to connect back"); a local master binds
-    to loopback. Values the user set are kept."""
+    packages and fails with a misleading "worker failed to connect back") and find shoal; a
+    local master binds to loopback. Values the user set are kept. Only the first session of a
+    process starts the JVM, which keeps the environment of that moment."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # Python processes the JVM starts (workers, the streaming source's driver-side reader)
+    # import shoal's modules: put the directory holding the ``runtime`` package on their path.
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if remote is None and master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
