@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from protocol.records import ColumnType, DataChange, Mod
 from runtime.ports import SinkBatch
-from runtime.spark import KEY_COLUMNS, SparkBridge, SparkConfig, SparkStartError, read_output
+from runtime.spark import (
+    KEY_COLUMNS,
+    BridgeError,
+    SparkBridge,
+    SparkConfig,
+    SparkStartError,
+    read_output,
+)
 from runtime.spark.rows import COLUMNS, Batcher, Tails, row_key, to_arrow, to_columns
 from runtime.spark.session import start_session
 
@@ -145,3 +155,72 @@ def test_read_output_of_nothing_is_empty(tmp_path: Path) -> None:
     table = read_output(str(tmp_path / "none"))
     assert table.num_rows == 0
     assert "batch" in table.column_names
+
+
+class _FakeFrame:
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def count(self) -> int:
+        return int(self.table.num_rows)
+
+
+class _FakeSpark:
+    """Stands in for a session: the bridge's shell logic without a JVM."""
+
+    def createDataFrame(self, table: object) -> _FakeFrame:
+        return _FakeFrame(table)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(20)
+async def test_backpressure_bounds_what_is_in_flight(tmp_path: Path) -> None:
+    release = threading.Event()
+    seen: list[int] = []
+
+    def slow(df: object, batch_id: int) -> None:
+        seen.append(batch_id)
+        release.wait(10)
+
+    config = SparkConfig(
+        output_dir=str(tmp_path), max_rows=2, max_age_s=0.05, max_inflight_batches=1
+    )
+    async with SparkBridge(config, foreach_batch=slow, spark=_FakeSpark()) as bridge:
+        first = await bridge.put(SinkBatch("p", (change(1, mods=2),), 1))  # cut, in flight
+        await asyncio.sleep(0.2)
+        second = await bridge.put(SinkBatch("p", (change(2, mods=2),), 2))  # fills the buffer
+        third = asyncio.ensure_future(bridge.put(SinkBatch("p", (change(3, mods=2),), 3)))
+        await asyncio.sleep(0.3)
+        assert not third.done(), "put must wait while the buffer is full and a batch in flight"
+        assert bridge.stats().inflight == 1
+        assert bridge.stats().buffered_rows == 2
+        release.set()
+        await asyncio.wait_for(asyncio.gather(first, second, await third), 5)
+    assert seen == [0, 1, 2]
+    stats = bridge.stats()
+    assert (stats.rows_committed, stats.batches_committed, stats.inflight) == (6, 3, 0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(20)
+async def test_retry_then_permanent_failure_fails_the_put(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def broken(df: object, batch_id: int) -> None:
+        calls.append(batch_id)
+        raise RuntimeError("injected")
+
+    config = SparkConfig(
+        output_dir=str(tmp_path), max_rows=1, max_age_s=0.05, max_attempts=3, retry_backoff_s=0.01
+    )
+    async with SparkBridge(config, foreach_batch=broken, spark=_FakeSpark()) as bridge:
+        future = await bridge.put(SinkBatch("p", (change(5),), 5))
+        with pytest.raises(BridgeError, match="failed after 3 attempts"):
+            await asyncio.wait_for(future, 5)
+        # a later batch of the same partition, past the failed one, is refused until re-read
+        later = await bridge.put(SinkBatch("p", (change(6),), 6))
+        with pytest.raises(BridgeError, match="re-read"):
+            await later
+    assert calls == [0, 0, 0]
+    stats = bridge.stats()
+    assert (stats.attempts_failed, stats.batches_failed, stats.rows_committed) == (3, 1, 0)
