@@ -159,14 +159,16 @@ def _metric(text: str, name: str) -> list[float]:
 
 @pytest.mark.kafka
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path) -> None:
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sink", ["files", pytest.param("spark", marks=pytest.mark.spark)])
+def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path, sink: str) -> None:
     out = tmp_path / "out"
     port = free_port()
     proc = _cli(
         [
             *SIM,
-            *FILES,
+            "--sink",
+            sink,
             "--output-dir",
             str(out),
             "--summary-json",
@@ -180,7 +182,7 @@ def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path) -> Non
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 120  # Spark takes its time to start
         while _get(f"{base}/readyz")[0] != 200:
             assert proc.poll() is None, _logs(tmp_path, "run")
             assert time.monotonic() < deadline, _get(f"{base}/readyz")
