@@ -16,26 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 
-from actors.node import NodeConfig, TaskNode
-from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
-from runtime.ports import Membership
+from actors.node import TaskNode
+from bench.common import MemoryCluster, rss_mb, static_stream, wait_for
+from runtime.memory import MemorySink
 from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamParams
-
-
-def rss_mb() -> float:
-    """Current resident set size (Linux /proc), in MB."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 1e6
 
 
 class LagProbe:
@@ -61,40 +50,14 @@ class LagProbe:
         }
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.1)
-    return predicate()
-
-
 async def measure(partitions: int, cap: int, hold_s: float) -> dict[str, object]:
-    params = StreamParams(
-        seed=11,
-        roots=partitions,
-        split_p=0.0,
-        merge_p=0.0,
-        move_p=0.0,
-        records_per_s=0.5,
-        round_us=60_000_000,
-    )
+    params = static_stream(11, partitions, records_per_s=0.5)
     source = SimulatedSource.from_params(params, heartbeat_ms=2000, poll_s=0.5)
-    log = MemorySyncLog()
-    group = MemoryGroup(rebalance_delay=0.1, session_timeout=5.0)
     sink = MemorySink(commit_delay=0.0, max_in_flight=4096)
-
-    async def join(task_id: str) -> Membership:
-        return group.join(task_id)
+    cluster = MemoryCluster(source, params.start_ts, sink=sink)
 
     def node(name: str) -> TaskNode:
-        config = NodeConfig(
-            task=TaskConfig(task_id=name, cap=cap, answer_timeout=300_000),
-            stream_start=params.start_ts,
-            tick_interval=0.1,
-        )
-        return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)
+        return cluster.node(name, cap=cap, answer_timeout=300_000)
 
     probe = LagProbe()
     stop = asyncio.Event()

@@ -32,17 +32,14 @@ import time
 from contextlib import AsyncExitStack, aclosing
 from random import Random
 
-from actors.node import NodeConfig, TaskNode
-from bench.capacity import rss_mb, wait_for
+from actors.node import TaskNode
+from bench.common import MemoryCluster, rss_mb, static_stream, wait_for
 from protocol import messages
 from protocol.cim import Cim
 from protocol.messages import CheckpointMessage
 from protocol.planner import plan
-from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
-from runtime.ports import Membership
+from runtime.memory import MemorySyncLog
 from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamParams
 
 
 class CountingLog(MemorySyncLog):
@@ -98,36 +95,26 @@ async def replay_from_kafka(log: CountingLog) -> tuple[float, int, int]:
 
 
 async def measure(partitions: int, tasks: int) -> dict[str, object]:
-    params = StreamParams(
-        seed=5,
-        roots=partitions,
-        split_p=0.0,
-        merge_p=0.0,
-        move_p=0.0,
-        records_per_s=0.01,
-        round_us=60_000_000,
-    )
+    params = static_stream(5, partitions, records_per_s=0.01)
     source = SimulatedSource.from_params(params, heartbeat_ms=5000, poll_s=1.0)
     log = CountingLog()
-    group = MemoryGroup(rebalance_delay=0.2, session_timeout=10.0)
-    sink = MemorySink(max_in_flight=100_000)
-
-    async def join(task_id: str) -> Membership:
-        return group.join(task_id)
+    cluster = MemoryCluster(
+        source,
+        params.start_ts,
+        log=log,
+        rebalance_delay=0.2,
+        session_timeout=10.0,
+        tick_interval=0.2,
+    )
 
     def node(name: str) -> TaskNode:
-        config = NodeConfig(
-            task=TaskConfig(
-                task_id=name,
-                cap=0,
-                answer_timeout=1_000_000,
-                publish_interval=1_000_000,
-                checkpoint_interval=5_000_000,
-            ),
-            stream_start=params.start_ts,
-            tick_interval=0.2,
+        return cluster.node(
+            name,
+            cap=0,
+            answer_timeout=1_000_000,
+            publish_interval=1_000_000,
+            checkpoint_interval=5_000_000,
         )
-        return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)
 
     out: dict[str, object] = {"partitions": partitions, "tasks": tasks}
     gc.collect()
@@ -208,30 +195,12 @@ async def measure(partitions: int, tasks: int) -> dict[str, object]:
 
 async def measure_one_task(partitions: int) -> float:
     """RSS (KB) per idle partition owned and read by one task."""
-    params = StreamParams(
-        seed=6,
-        roots=partitions,
-        split_p=0.0,
-        merge_p=0.0,
-        move_p=0.0,
-        records_per_s=0.01,
-        round_us=60_000_000,
-    )
+    params = static_stream(6, partitions, records_per_s=0.01)
     source = SimulatedSource.from_params(params, heartbeat_ms=5000, poll_s=1.0)
-    group = MemoryGroup(rebalance_delay=0.1, session_timeout=30.0)
-
-    async def join(task_id: str) -> Membership:
-        return group.join(task_id)
-
-    config = NodeConfig(
-        task=TaskConfig(task_id="solo", cap=0, publish_interval=1_000_000),
-        stream_start=params.start_ts,
-        tick_interval=0.2,
-    )
+    cluster = MemoryCluster(source, params.start_ts, session_timeout=30.0, tick_interval=0.2)
     gc.collect()
     before = rss_mb()
-    sink = MemorySink(max_in_flight=100_000)
-    async with TaskNode(config, sync_log=CountingLog(), join=join, source=source, sink=sink) as n:
+    async with cluster.node("solo", cap=0, publish_interval=1_000_000) as n:
         if not await wait_for(lambda: n.status().reading == partitions, 300):
             raise RuntimeError(f"one task read only {n.status().reading} of {partitions}")
         await asyncio.sleep(3.0)
