@@ -62,6 +62,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     errors: dict[str, int] = {}  # process-level errors by kind (sink, source, ...)
     failed: str | None = None  # a component failed for good: the process is unhealthy
     stopping: bool = False
+    sink_rows: int = 0  # rows the sink committed (written)
+    sink_inflight: int = 0  # batches (Spark: micro-batches) handed over and not committed yet
+    sink_commit_latency_s: float = 0.0  # Spark: oldest put of the last micro-batch to commit
 
 
 SampleProvider = Callable[[], Sample]
@@ -137,6 +140,17 @@ class _SampleCollector(Collector):
                 mailbox.add_metric([task.task_id, actor], depth)
         for kind, n in sorted(sample.errors.items()):
             errors.add_metric(["", kind], n)
+        sink_rows = CounterMetricFamily("shoal_sink_rows", "Rows the sink committed")
+        sink_rows.add_metric([], sample.sink_rows)
+        inflight = GaugeMetricFamily(
+            "shoal_sink_inflight_batches", "Batches handed to the sink and not committed yet"
+        )
+        inflight.add_metric([], sample.sink_inflight)
+        latency = GaugeMetricFamily(
+            "shoal_sink_commit_latency_seconds",
+            "Spark: from the oldest record of the last micro-batch being handed over to its commit",
+        )
+        latency.add_metric([], sample.sink_commit_latency_s)
         ready = GaugeMetricFamily("shoal_ready", "1 when /readyz answers 200")
         ready.add_metric([], 1.0 if readiness(sample)[0] else 0.0)
         yield from (
@@ -155,6 +169,9 @@ class _SampleCollector(Collector):
             sync_bytes,
             errors,
             mailbox,
+            sink_rows,
+            inflight,
+            latency,
             ready,
         )
 

@@ -45,6 +45,10 @@ def format_table(sample: Sample, rates: dict[str, float]) -> list[str]:
     delivered = sum(t.records_delivered for t in sample.tasks)
     owned = sum(t.owned for t in sample.tasks)
     rows.append(f"{'all':<14} {owned:>5} {'':>5} {total:>8.0f} {delivered:>10}")
+    sink = f"sink: {sample.sink_rows} rows committed, {sample.sink_inflight} batch(es) in flight"
+    if sample.sink_commit_latency_s:
+        sink += f", last commit {sample.sink_commit_latency_s:.1f}s after its oldest record"
+    rows.append(sink)
     return rows
 
 

@@ -207,6 +207,7 @@ def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path, sink: 
         assert _metric(text, "shoal_mailbox_depth")
         assert sum(_metric(text, "shoal_rebalances_total")) >= 1
         assert "shoal_rebalance_duration_seconds_bucket" in text
+        assert _metric(text, "shoal_sink_inflight_batches")
         assert "# TYPE shoal_errors_total counter" in text
         assert max(_metric(text, "shoal_partition_lag_seconds")) < 30
         time.sleep(1.5)  # mid-run: batches in flight

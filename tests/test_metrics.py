@@ -35,6 +35,9 @@ def _sample(*, ready: bool = True, failed: str | None = None) -> Sample:
         ),
         errors={"sink_batch_failed": 2},
         failed=failed,
+        sink_rows=250,
+        sink_inflight=2,
+        sink_commit_latency_s=0.75,
     )
 
 
@@ -70,6 +73,9 @@ async def test_metrics_health_and_readiness() -> None:
             'shoal_errors_total{kind="sink_batch_failed",task=""} 2.0',
             'shoal_mailbox_depth{actor="task:t0",task="t0"} 4.0',
             'shoal_rebalance_duration_seconds_count{task="t0"} 1.0',
+            "shoal_sink_rows_total 250.0",
+            "shoal_sink_inflight_batches 2.0",
+            "shoal_sink_commit_latency_seconds 0.75",
         ):
             assert line in body, line
         assert await _get(server.port, "/healthz") == (200, "ok\n")

@@ -199,13 +199,28 @@ class Pipeline:
                     mailboxes={m.name: m.depth for m in st.mailboxes},
                 )
             )
+        rows, inflight, latency = self._sink_figures()
         return Sample(
             at=time.monotonic(),
             tasks=tuple(tasks),
             errors=dict(self.errors),
             failed=self.failed,
             stopping=self.stopping,
+            sink_rows=rows,
+            sink_inflight=inflight,
+            sink_commit_latency_s=latency,
         )
+
+    def _sink_figures(self) -> tuple[int, int, float]:
+        """(rows committed, batches in flight, last commit latency) of the shared sink."""
+        if self._bridge is not None:
+            spark = self._bridge.stats()
+            return spark.rows_committed, spark.inflight, spark.last_commit_latency_s
+        if self._file_sink is not None:
+            files = self._file_sink.statistics()
+            return files.rows, len(self._file_sink.waiting()), 0.0
+        ledger = self._ledger
+        return (ledger.rows if ledger is not None else 0), 0, 0.0
 
     def abort(self) -> None:
         """Kill the child processes this run started (the broker, the emulator) at once; for

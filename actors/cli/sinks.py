@@ -133,6 +133,10 @@ class FileSink:
             self._files, self._rows, self._batches, self._buffered, self._failures, self._dropped
         )
 
+    def waiting(self) -> list[asyncio.Future[None]]:
+        """Futures of the batches buffered and not written yet."""
+        return [future for future, _ in self._waiting]
+
     def _fresh(self, batch: SinkBatch) -> list[DataChange]:
         tail = self._tails.get(batch.token)
         if tail is None:
