@@ -38,7 +38,7 @@ import msgspec
 
 from protocol.records import DataChange
 from runtime.ports import SinkBatch
-from runtime.spark.rows import Batcher, Cut, Tails, to_arrow
+from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
 from runtime.spark.session import SparkStartError, start_session, warm
 
 __all__ = ["BridgeError", "BridgeStats", "SparkBridge", "SparkConfig"]
@@ -66,6 +66,7 @@ class SparkConfig(msgspec.Struct, frozen=True):
     spool_dir: str | None = None  # streaming: default <output_dir>/_spool
     trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger
     ack_poll_s: float = 0.1  # streaming: how often Spark's checkpoint is read for commits
+    resume_dedupe: bool = True  # on start, learn each partition's tail from the output
 
 
 class BridgeStats(msgspec.Struct, frozen=True):
@@ -175,6 +176,10 @@ class SparkBridge:
         try:
             async with asyncio.timeout(cfg.start_timeout_s):
                 await asyncio.to_thread(warm, self.spark)
+            if self.foreach_batch is None and cfg.path == "embedded" and cfg.remote is None:
+                await asyncio.to_thread(self._warm_write)
+            if self.foreach_batch is None and cfg.resume_dedupe:
+                await asyncio.to_thread(self._seed_tails)
             if cfg.path == "streaming":
                 from runtime.spark.streaming import StreamingBackend
 
@@ -332,6 +337,40 @@ class SparkBridge:
                 await self._queue.put((cut, generation, *prepared))
         finally:
             self._queue.put_nowait(_STOP)
+
+    def _warm_write(self) -> None:
+        """Blocking: one tiny write through the default sink (the first costs seconds)."""
+        target = tempfile.mkdtemp(prefix="shoal-spark-warm-")
+        try:
+            write_default(self.spark.createDataFrame(warm_table()), target, "warm")
+        except Exception as exc:
+            raise SparkStartError(f"Spark cannot write parquet: {exc}") from exc
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
+
+    def _seed_tails(self) -> None:
+        """Blocking: learn, per partition token, the newest commit timestamp in the default
+        output and the identities at it, so records a previous run wrote but never acked
+        (its readers re-read them after a restart) are not written twice."""
+        out = Path(self.config.output_dir)
+        if self.config.remote is None and not any(out.rglob("*.parquet")):
+            return
+        from pyspark.sql import functions as f
+
+        try:
+            df = self.spark.read.parquet(str(out)).select(
+                "partition_token", "commit_ts", "server_transaction_id", "record_sequence"
+            )
+        except Exception as exc:  # nothing there yet (remote Spark: we cannot look first)
+            log.info("%r: no earlier output to resume de-duplication from: %s", self, exc)
+            return
+        newest = df.groupBy("partition_token").agg(f.max("commit_ts").alias("commit_ts"))
+        rows = df.join(newest, ["partition_token", "commit_ts"]).distinct().collect()
+        for row in rows:
+            ts, txn, seq = row["commit_ts"], row["server_transaction_id"], row["record_sequence"]
+            for tails in (self._tails, self._committed):
+                tails.accept_identity(row["partition_token"], (ts, txn, seq))
+        log.info("%r: resumed de-duplication for %d partitions", self, len(self._committed))
 
     def _prepare(self, cut: Cut) -> tuple[Any, list[tuple[str, list[DataChange]]], int]:
         """Off the loop: drop replays, build the Arrow table."""

@@ -34,6 +34,7 @@ __all__ = [
     "row_key",
     "to_arrow",
     "to_columns",
+    "warm_table",
 ]
 
 # (name, arrow type name); the order is the output's column order.
@@ -138,11 +139,14 @@ class Tails:
         )
 
     def accept(self, token: str, change: DataChange) -> None:
+        self.accept_identity(token, change.identity)
+
+    def accept_identity(self, token: str, identity: tuple[Micros, str, str]) -> None:
         tail = self._tails.get(token)
-        if tail is None or change.commit_ts > tail[0]:
-            self._tails[token] = (change.commit_ts, {change.identity})
-        elif change.commit_ts == tail[0]:
-            tail[1].add(change.identity)
+        if tail is None or identity[0] > tail[0]:
+            self._tails[token] = (identity[0], {identity})
+        elif identity[0] == tail[0]:
+            tail[1].add(identity)
 
     def fresh(self, token: str, records: Iterable[DataChange]) -> list[DataChange]:
         """The records not seen before, which are then accepted."""
@@ -252,3 +256,20 @@ class Batcher:
         """Empty the buffer without cutting (its entries are being failed)."""
         entries, self._entries, self._rows, self._first = self._entries, [], 0, None
         return entries
+
+
+def warm_table() -> Any:
+    """One made-up row, to warm Spark's path before traffic."""
+    from protocol.records import ColumnType, Mod
+
+    change = DataChange(
+        commit_ts=0,
+        record_sequence="0",
+        server_transaction_id="warm",
+        is_last_record_in_transaction_in_partition=True,
+        table="_warm",
+        column_types=(ColumnType("Id", '{"code":"INT64"}', True, 1),),
+        mods=(Mod('{"Id":0}', "{}", "{}"),),
+        mod_type="INSERT",
+    )
+    return to_arrow([("warm", [change])])
