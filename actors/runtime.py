@@ -48,15 +48,22 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(command: str = "run") -> argparse.ArgumentParser:
     descriptions = {
         "run": "Run shoal tasks. With no option: embedded broker, simulated stream, "
-        "3 tasks, parquet output, live progress.",
+        "3 tasks, local Spark writing parquet, live progress.",
         "status": "Replay the connector's sync topic and print its tasks, partitions, "
         "watermarks, lag, epoch and leader.",
         "dlq": "List or replay the dead-letter queue of the Kafka output sink (--sink kafka).",
         "config": "Print the effective configuration (secrets hidden), or the reference.",
     }
     prog = PROG if command == "run" else f"{PROG} {command}"
+    usage = {
+        "run": f"{PROG} [run] [options]",
+        "status": f"{prog} [--json] [options]",
+        "dlq": f"{prog} {{list,replay}} [--id ID ...] [options]",
+        "config": f"{prog} [--reference] [options]",
+    }[command]
     parser = _Parser(
         prog=prog,
+        usage=usage,
         description=descriptions[command],
         epilog="Precedence: flags > SHOAL_* environment variables > --config TOML file > "
         "defaults. Commands: run (default), status, dlq, config. "

@@ -425,7 +425,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for option in options():
             if option.section != section or option.kind == "table":
                 continue
-            shown = "***" if option.secret and option.default is not None else option.default
+            shown = (
+                "unset"
+                if option.default is None
+                else ("***" if option.secret else _show(option.default))
+            )
             text = f"{option.description} [default: {shown}; env {option.env}]"
             if option.kind == "bool":
                 group.add_argument(
