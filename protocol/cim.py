@@ -84,12 +84,12 @@ class Cim:
         """Fold one log message in. Returns ``None`` when applied, else why it was ignored."""
         if offset <= self.offset:
             return self._ignore("duplicate")
-        self.offset = offset
+        applied, self.offset = self.offset, offset
         match message:
             case MarkerMessage():
                 return None
             case CheckpointMessage():
-                if self.epoch >= 0 or self.tasks or message.as_of < 0:
+                if self.epoch >= 0 or self.tasks or not applied < message.as_of:
                     return self._ignore("checkpoint-not-needed")
                 self._load_checkpoint(message)
                 return None

@@ -1,0 +1,304 @@
+"""One test per rule of the pure cores, asserting exact outputs: the CIM after a message
+sequence, the planner's offers, the share decisions, the move state machine, and the task
+core's exact command lists. (The seeded many-task simulation is in ``test_faultsim.py``.)"""
+
+from __future__ import annotations
+
+from random import Random
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import lifecycle, messages, share
+from protocol.cim import Cim
+from protocol.handoff import Move, MoveError
+from protocol.messages import (
+    CheckpointMessage,
+    EpochMessage,
+    Partition,
+    Share,
+    StateMessage,
+    SyncDecodeError,
+    TaskState,
+)
+from protocol.planner import plan
+from protocol.records import ChildPartition
+from protocol.task import (
+    Joined,
+    Lease,
+    Publish,
+    StartReader,
+    StopReader,
+    SyncRead,
+    TaskConfig,
+    TaskCore,
+)
+
+T0 = 1_700_000_000_000_000
+
+
+def part(
+    token: str, wm: int = 0, status: str = "owned", parents: tuple[str, ...] = ()
+) -> Partition:
+    """A partition started at T0 whose committed watermark is ``wm`` micros after T0."""
+    wm = T0 + wm if wm else 0
+    return Partition(token, T0, parents=parents, status=status, watermark=wm)  # type: ignore[arg-type]
+
+
+def state(task: str, ts: int, *parts: Partition, removed: tuple[str, ...] = ()) -> StateMessage:
+    """A state message; its state timestamps come after every epoch message's below."""
+    return StateMessage(
+        task_id=task,
+        epoch=0,
+        connector_state=(TaskState(task, 2 * 10**9 + ts, data=parts, removed=removed),),
+    )
+
+
+def epoch(leader: str, n: int, members: tuple[str, ...], *offers: Share) -> EpochMessage:
+    return EpochMessage(
+        task_id=leader,
+        epoch=n,
+        members=members,
+        connector_state=(TaskState(leader, 10**9 + n, share=offers),),
+    )
+
+
+def owned(cim: Cim, task: str) -> dict[str, int]:
+    return {t: p.watermark - T0 for t, p in cim.view(task).partitions.items()}
+
+
+# -- CIM merge (protocol/cim.py) ---------------------------------------------------------------
+def test_cim_latest_state_by_state_timestamp_wins() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 0, ("a", "b")))
+    cim.apply(1, state("b", 20, part("p1", 5)))
+    assert cim.apply(2, state("b", 10, part("p1", 3))) == "older-state"
+    assert owned(cim, "b") == {"p1": 5}
+
+
+def test_cim_a_task_changes_only_its_own_state() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 0, ("a", "b")))
+    forged = StateMessage(
+        task_id="b", epoch=0, connector_state=(TaskState("a", 5, data=(part("p9"),)),)
+    )
+    assert cim.apply(1, forged) == "foreign-state"
+    assert owned(cim, "a") == {}
+
+
+def test_cim_epochs_fence_older_messages_and_only_the_epoch_drops_tasks() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 3, ("a", "b")))
+    cim.apply(1, state("b", 1, part("p1", 7)))
+    stale = StateMessage(task_id="a", epoch=2, connector_state=(TaskState("a", 5),))
+    assert cim.apply(2, stale) == "stale-epoch"
+    cim.apply(3, epoch("a", 4, ("a",)))
+    assert "b" not in cim.tasks
+    assert cim.members == ("a",)
+    assert cim.apply(4, epoch("a", 4, ("a", "b"))) == "stale-epoch"
+
+
+def test_cim_rule_2b_a_dropped_task_claims_nothing_until_an_epoch_includes_it() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 5, ("a",)))
+    late = StateMessage(task_id="b", epoch=6, connector_state=(TaskState("b", 9, (part("p1"),)),))
+    assert cim.apply(1, late) == "not-a-member"
+    assert owned(cim, "b") == {}
+    assert cim.view("b").epoch_seen == 6  # its answer counts for the leader
+
+
+def test_cim_rule_5b_an_offer_resumes_from_the_newest_watermark_in_the_cim() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 0, ("a", "b")))
+    cim.apply(1, state("b", 1, part("p1", 900)))  # b's last report, after the leader planned
+    offer = Share(part("p1", 400), target="a", kind="new")
+    cim.apply(2, epoch("a", 1, ("a",), offer))
+    assert cim.view("a").share["p1"].partition.watermark == T0 + 900
+
+
+def test_cim_duplicate_offsets_are_ignored() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 0, ("a",)))
+    assert cim.apply(0, state("a", 1, part("p1"))) == "duplicate"
+
+
+def test_cim_replay_from_a_checkpoint_equals_a_full_replay() -> None:
+    log: list[messages.SyncMessage] = [
+        epoch("a", 0, ("a", "b")),
+        state("a", 1, part("p1", 10)),
+        state("b", 2, part("p2", 20)),
+    ]
+    full = Cim()
+    for i, m in enumerate(log):
+        full.apply(i, m)
+    ckpt = full.checkpoint("a", now=5)
+    tail: list[messages.SyncMessage] = [
+        state("b", 3, part("p2", 30)),
+        state("a", 4, removed=("p1",)),
+    ]
+    for i, m in enumerate(tail, start=len(log) + 1):
+        full.apply(i, m)
+    resumed = Cim()
+    resumed.apply(len(log), ckpt)
+    for i, m in enumerate(tail, start=len(log) + 1):
+        resumed.apply(i, m)
+    assert isinstance(ckpt, CheckpointMessage)
+    assert {t: owned(resumed, t) for t in resumed.tasks} == {t: owned(full, t) for t in full.tasks}
+    assert (resumed.epoch, resumed.members) == (full.epoch, full.members)
+
+
+def test_malformed_and_newer_schema_messages_are_typed_errors() -> None:
+    with pytest.raises(SyncDecodeError) as bad:
+        messages.decode(b"{not json")
+    assert bad.value.reason == "malformed"
+    newer = msgspec.json.encode({"kind": "state", "taskID": "a", "v": 99})
+    with pytest.raises(SyncDecodeError) as future:
+        messages.decode(newer)
+    assert future.value.reason == "newer-schema"
+
+
+# -- partition lifecycle (protocol/lifecycle.py) -----------------------------------------------
+def test_a_merged_child_is_registered_once_by_its_smallest_parent() -> None:
+    child = ChildPartition("c", ("p2", "p1"))
+    assert lifecycle.registers("p1", child)
+    assert not lifecycle.registers("p2", child)
+
+
+def test_a_merged_child_is_readable_only_after_every_parent_finished() -> None:
+    parts = {"p1": part("p1", status="finished"), "p2": part("p2")}
+    child = part("c", parents=("p1", "p2"))
+    assert not lifecycle.readable(child, parts.get)
+    parts["p2"] = part("p2", status="finished")
+    assert lifecycle.readable(child, parts.get)
+    assert not lifecycle.readable(part("d", parents=("unknown",)), parts.get)
+
+
+# -- sharing (protocol/share.py) ---------------------------------------------------------------
+def test_children_go_to_the_most_underloaded_task_within_the_cap() -> None:
+    assert share.place_child("a", {"a": 5, "b": 2, "c": 3}, cap=0) == "b"
+    assert share.place_child("a", {"a": 2, "b": 2}, cap=0) == "a"  # not strictly less: keep it
+    assert share.place_child("a", {"a": 4, "b": 4}, cap=4) is None  # everyone full: park it
+
+
+def test_a_join_moves_each_donors_surplus_and_nothing_else() -> None:
+    loads = {"a": 10, "b": 10, "c": 10, "d": 0}
+    assert share.goals(loads) == {"a": 8, "b": 8, "c": 7, "d": 7}
+    assert share.balance_moves(loads, cap=0) == [("a", "d", 2), ("b", "d", 2), ("c", "d", 3)]
+    assert share.balance("a", loads, cap=0) == [("d", 2)]
+    assert share.balance_moves({"a": 5, "b": 4, "c": 4}, cap=0) == []  # within one already
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 60), min_size=2))
+def test_balancing_reaches_loads_within_one_moving_only_surplus(loads: dict[str, int]) -> None:
+    goal = share.goals(loads)
+    after = dict(loads)
+    moved_out: dict[str, int] = {}
+    for donor, target, count in share.balance_moves(loads, cap=0):
+        assert loads[donor] > goal[donor]
+        assert loads[target] < goal[target]
+        after[donor] -= count
+        after[target] += count
+        moved_out[donor] = moved_out.get(donor, 0) + count
+    assert sum(after.values()) == sum(loads.values())
+    assert max(after.values()) - min(after.values()) <= 1
+    assert all(moved_out[d] == loads[d] - goal[d] for d in moved_out)
+
+
+# -- planner (protocol/planner.py) -------------------------------------------------------------
+def test_the_planner_deals_a_dead_tasks_partitions_to_the_least_loaded_under_the_cap() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 0, ("a", "b", "c")))
+    cim.apply(1, state("a", 1, part("p1"), part("p2")))
+    cim.apply(2, state("c", 1, part("p3", 30), part("p4", 40), part("p5", 50)))
+    p = plan(cim, ("a", "b"), "a", 1, now=7, cap=2, rng=Random(1))
+    assert [(o.token, o.target, o.partition.watermark - T0) for o in p.offers] == [
+        ("p3", "b", 30),
+        ("p4", "b", 40),
+        ("p5", None, 50),  # everyone at the cap: parked
+    ]
+    assert plan(cim, ("a", "b"), "a", 1, 7, 2, Random(1)) == p  # deterministic
+
+
+def test_survivors_keep_what_they_own() -> None:
+    cim = Cim()
+    cim.apply(0, epoch("a", 0, ("a", "b")))
+    cim.apply(1, state("a", 1, part("p1")))
+    cim.apply(2, state("b", 1, part("p2")))
+    assert plan(cim, ("a", "b", "c"), "a", 1, 0, 0, Random(0)).offers == ()
+
+
+# -- hand-off state machine (protocol/handoff.py) ----------------------------------------------
+def test_a_move_goes_stable_pending_stable_and_a_newer_target_is_planned() -> None:
+    m = Move("p", stable="a").request("b", revision=10)
+    assert (m.phase, m.pending) == ("pending", "b")
+    m = m.request("c", revision=11)
+    assert (m.pending, m.planned) == ("b", "c")
+    assert m.request("c", revision=11) == m  # a replayed decision is applied once
+    m = m.ready()
+    assert m.phase == "ready"
+    done = m.complete("b")
+    assert (done.stable, done.pending, done.planned) == ("b", None, None)
+    assert m.abort().pending == "c"  # the target died: the planned one is next
+    with pytest.raises(MoveError):
+        done.ready()
+    with pytest.raises(MoveError):
+        m.complete("x")
+
+
+# -- task core exact command lists (protocol/task.py) ------------------------------------------
+def core(task: str = "a") -> TaskCore:
+    return TaskCore(TaskConfig(task_id=task, cap=2), Random(0))
+
+
+def test_a_task_reads_its_partitions_only_after_the_epoch_that_includes_it_and_within_its_cap() -> (
+    None
+):
+    c = core()
+    assert c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1) == []
+    c.handle(Lease(until=10**12), now=2)
+    joined = c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    assert not any(isinstance(cmd, StartReader) for cmd in joined)  # no epoch 1 yet
+    assert any(isinstance(cmd, Publish) for cmd in joined)  # its answer to the rebalance
+    offers = tuple(
+        Share(part(f"p{i}", 100 * i), target="a", kind="new", since=4) for i in (1, 2, 3)
+    )
+    out = c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), *offers)), now=5)
+    starts = [cmd for cmd in out if isinstance(cmd, StartReader)]
+    assert [(s.token, s.start_ts - T0) for s in starts] == [("p1", 100), ("p2", 200)]  # cap 2
+    assert sorted(c.mine) == ["p1", "p2", "p3"]
+
+
+def test_a_task_whose_lease_lapsed_stops_every_reader() -> None:
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=100), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    offer = Share(part("p1", 50), target="a", kind="new", since=4)
+    c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
+    assert c.reading == {"p1": T0 + 50}
+    out = c.handle(Lease(until=100), now=150)
+    assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [
+        StopReader("p1", "not-permitted")
+    ]
+
+
+def test_a_restarted_task_adopts_what_the_cim_credits_to_it() -> None:
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("a", "x"))), now=1)
+    c.handle(SyncRead(1, state("a", 2, part("p7", 70))), now=2)  # its previous life's report
+    c.handle(Lease(until=10**12), now=3)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=4)
+    assert c.mine == {"p7": part("p7", 70)}
+    assert c.counters["adopted"] == 1
+
+
+def test_sync_messages_round_trip_through_the_wire_format() -> None:
+    m = epoch("a", 3, ("a", "b"), Share(part("p1", 5), target="b", kind="move", released=True))
+    assert messages.decode(messages.encode(m)) == m
+    wire = messages.encode(m)
+    assert b'"taskID"' in wire
+    assert b'"kind":"epoch"' in wire
+    assert msgspec.json.decode(messages.encode(m))["connectorState"][0]["taskID"] == "a"
