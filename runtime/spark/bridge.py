@@ -130,6 +130,7 @@ class SparkBridge:
         )
         self._next_seq = 0
         self._ack_kick: asyncio.Event | None = None
+        self._broken: BridgeError | None = None  # the streaming query died for good
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._changed: asyncio.Condition | None = None
         self._kick: asyncio.Event | None = None
@@ -245,6 +246,9 @@ class SparkBridge:
         if self._changed is None or self._closing:
             self._puts_refused += 1
             raise BridgeError(f"{self!r} is not running")
+        if self._broken is not None:
+            self._puts_refused += 1
+            raise self._broken
         if not _is_sink_batch(batch):
             self._puts_refused += 1
             raise TypeError(f"SparkBridge.put takes a SinkBatch of DataChange, got {batch!r:.200}")
@@ -518,9 +522,8 @@ class SparkBridge:
                     continue
                 cuts = [cut for _, cut, _, _ in self._unacked]
                 self._unacked.clear()
-                self._fail_permanently(
-                    cuts, BridgeError(f"Spark's streaming query failed for good: {exc}")
-                )
+                self._broken = BridgeError(f"Spark's streaming query failed for good: {exc}")
+                self._fail_permanently(cuts, self._broken)
                 for cut in cuts:
                     await self._done(cut)
                 return
