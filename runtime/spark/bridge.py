@@ -252,6 +252,9 @@ class SparkBridge:
         if not _is_sink_batch(batch):
             self._puts_refused += 1
             raise TypeError(f"SparkBridge.put takes a SinkBatch of DataChange, got {batch!r:.200}")
+        if id(batch) in self._futures:
+            self._puts_refused += 1
+            raise BridgeError(f"this SinkBatch object of {batch.token} is already in flight")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         self._puts += 1
@@ -459,6 +462,11 @@ class SparkBridge:
         for cut in cuts:
             self._fail_cut(cut, failure)
         self._generation += 1
+        # Cuts still in flight fail when they reach the committer; refuse their partitions'
+        # continuations from now on, or one could commit past them before they fail.
+        for cut in self._inflight_cuts.values():
+            for entry in cut.entries:
+                self._gate.open_gap(entry.token, entry.records)
         for entry in self._batcher.take_all():
             self._gate.open_gap(entry.token, entry.records)
             self._resolve(entry, failure)
