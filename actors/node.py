@@ -9,7 +9,8 @@
 3. the leader actor, the negotiator actor and the partition readers do the rest.
 
 Leaving the block leaves the group and stops every actor; partitions are handed over by the
-group's next epoch. :meth:`TaskNode.drain` first stops readers and lets in-flight batches commit.
+group's next epoch. :meth:`TaskNode.drain` first stops reading for good, lets in-flight batches
+commit and waits until the final watermarks are in the sync topic.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from actors.kernel import MailboxStats, Supervisor
 from actors.task import LeaderActor, NegotiatorActor, TaskActor, wall_micros
 from protocol import messages
 from protocol.messages import CheckpointMessage
-from protocol.task import SyncRead, TaskConfig
+from protocol.task import Drain, SyncRead, TaskConfig
 from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
 
 log = logging.getLogger("shoal.node")
@@ -164,15 +165,25 @@ class TaskNode:
         await self._supervisor.__aexit__(exc_type, exc, tb)
         return None
 
-    async def drain(self, timeout: float = 10.0) -> None:
-        """Stop reading, let in-flight batches commit and publish the final state."""
+    async def drain(self, timeout: float = 10.0) -> bool:
+        """Stop reading for good (in-flight batches commit first), then wait until the task's
+        final state is read back from the sync topic. Returns whether it got that far within
+        ``timeout`` (``False``: time ran out, or the task is not a member any more, so its
+        partitions are the group's to settle from their last published watermarks)."""
         task = self.task
         if task is None:
-            return
-        for reader in list(task.readers.values()):
-            reader.request_stop("shutdown", drain=True)
-        async with asyncio.timeout(timeout):
-            await task.readers_idle.wait()
+            return False
+        await task.tell(Drain())
+        core = task.core
+        try:
+            async with asyncio.timeout(timeout):
+                await task.readers_idle.wait()
+                while core.member and core.cim.view(core.me).partitions != core.mine:  # noqa: ASYNC110 (no event for the CIM catching up)
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.warning("task %s: drain did not finish in %.1fs", self.task_id, timeout)
+            return False
+        return core.member
 
     def status(self) -> NodeStatus:
         assert self.task is not None

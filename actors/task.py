@@ -122,7 +122,8 @@ class TaskActor(Actor[Event]):
             case StopReader():
                 reader = self.readers.get(command.token)
                 if reader is not None:
-                    reader.request_stop(command.reason, drain=command.reason == "handoff")
+                    drain = command.reason in ("handoff", "shutdown")
+                    reader.request_stop(command.reason, drain=drain)
             case RequestPlan():
                 if self.leader is not None:
                     snapshot = self.core.cim.checkpoint(self.core.me, self.clock())

@@ -127,8 +127,14 @@ class PublishFailed(msgspec.Struct, frozen=True):
     error: str
 
 
+class Drain(msgspec.Struct, frozen=True):
+    """The task is shutting down: stop reading (letting in-flight batches commit), take no new
+    work, publish the final watermarks. Its partitions are handed over by the next epoch."""
+
+
 Event = (
-    SyncRead
+    Drain
+    | SyncRead
     | SyncBad
     | Joined
     | Lost
@@ -231,6 +237,7 @@ class TaskCore:
         self._last_state_ts = -1
         self._inflight = 0  # own messages published and not yet read back
         self._adopted = False  # the previous life's state taken over (at the first join)
+        self.draining = False
         self.counters: Counter[str] = Counter()
         self.log: deque[tuple[int, str]] = deque(maxlen=256)
 
@@ -266,13 +273,17 @@ class TaskCore:
             case PublishFailed():
                 self.counters["publish_failed"] += 1
                 self._resync()
+            case Drain():
+                self.draining = True
+                self._urgent = True
         out += self._step(now)
         return out
 
     # -- permissions ------------------------------------------------------------------------
     def may_read(self, now: int) -> bool:
         return (
-            self.member
+            not self.draining
+            and self.member
             and now < self.lease_until
             and self.cim.epoch >= self.continuous_since
             and self.me in self.cim.members
@@ -751,6 +762,8 @@ class TaskCore:
                 self.stopping.add(token)
                 if token in self.releasing:
                     reason = "handoff"
+                elif self.draining:
+                    reason = "shutdown"
                 elif not allowed:
                     reason = "not-permitted"
                 else:
@@ -765,7 +778,7 @@ class TaskCore:
     def _maybe_publish(self, now: int) -> StateMessage | None:
         if not self.member or self.generation < 0:
             return None
-        due = self._urgent or self._answer
+        due = self._urgent or self._answer or self.draining  # a drain's last reports at once
         if not due and now - self._last_publish < self.config.publish_interval:
             return None
         state = self._diff(now, force=self._answer)

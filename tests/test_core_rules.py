@@ -26,14 +26,17 @@ from protocol.messages import (
 from protocol.planner import plan
 from protocol.records import ChildPartition
 from protocol.task import (
+    Drain,
     Joined,
     Lease,
     Publish,
+    ReaderStopped,
     StartReader,
     StopReader,
     SyncRead,
     TaskConfig,
     TaskCore,
+    Tick,
 )
 
 T0 = 1_700_000_000_000_000
@@ -302,3 +305,22 @@ def test_sync_messages_round_trip_through_the_wire_format() -> None:
     assert b'"taskID"' in wire
     assert b'"kind":"epoch"' in wire
     assert msgspec.json.decode(messages.encode(m))["connectorState"][0]["taskID"] == "a"
+
+
+def test_a_draining_task_stops_its_readers_for_good_and_publishes() -> None:
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    offer = Share(part("p1", 50), target="a", kind="new", since=4)
+    c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
+    out = c.handle(Drain(), now=6)
+    assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [StopReader("p1", "shutdown")]
+    stopped = c.handle(ReaderStopped("p1", T0 + 80), now=7)
+    published = [cmd.message for cmd in stopped if isinstance(cmd, Publish)]
+    assert [
+        [p.watermark - T0 for s in m.connector_state for p in s.data]  # type: ignore[union-attr]
+        for m in published
+    ] == [[80]]  # the final watermark goes out at once
+    later = c.handle(Tick(), now=10**6)
+    assert not any(isinstance(cmd, StartReader) for cmd in later)

@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 import pytest
 
 from actors.node import NodeConfig, TaskNode
+from protocol.records import DataChange
 from protocol.task import TaskConfig
 from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
 from runtime.ports import Membership
@@ -91,3 +92,39 @@ async def test_three_nodes_share_and_hand_over() -> None:
         assert live <= set(owners)
         assert len(sink.rows) > 50
         assert any(n.status().counters.get("picked_up", 0) for n in survivors)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_drain_stops_reading_for_good_and_publishes_the_final_watermarks() -> None:
+    params = StreamParams(seed=3, roots=4, split_p=0.0, merge_p=0.0, move_p=0.0, records_per_s=20)
+    model = StreamModel(params)
+    source = SimulatedSource(model, speedup=4.0, heartbeat_ms=250)
+    log = MemorySyncLog()
+    group = MemoryGroup(rebalance_delay=0.1, session_timeout=2.0)
+    sink = MemorySink(commit_delay=0.01)
+
+    async def join(task_id: str) -> Membership:
+        return group.join(task_id)
+
+    config = NodeConfig(
+        task=TaskConfig(task_id="solo", answer_timeout=300_000, publish_interval=500_000),
+        stream_start=params.start_ts,
+        tick_interval=0.05,
+    )
+    async with TaskNode(config, sync_log=log, join=join, source=source, sink=sink) as node:
+        await _wait_for(lambda: node.status().reading == 4, 10)
+        await asyncio.sleep(1.0)
+        assert await node.drain(timeout=10)
+        assert node.task is not None
+        core = node.task.core
+        assert core.reading == {}
+        final = dict(node.status().watermarks)
+        await asyncio.sleep(0.5)
+        assert core.reading == {}  # nothing restarted
+        assert core.cim.view("solo").partitions == core.mine  # the final state is in the log
+    delivered = set(sink.rows)
+    for token, watermark in final.items():
+        records = model.records(token, params.start_ts, watermark - 1)
+        expected = {r.identity for r in records if isinstance(r, DataChange)}
+        assert expected <= delivered, token
