@@ -108,6 +108,10 @@ class Observer:
         self.watermark: dict[str, int] = {}
         self.max_unread_s = 0.0
         self.worst = ""
+        self.t0 = time.monotonic()
+        self.faults: list[tuple[float, str, str]] = []  # (seconds into the run, kind, task)
+        self.measuring = True
+        self.worst_at = 0.0  # seconds into the run when the worst stall ended or was seen
 
     def apply(self, offset: int, payload: bytes) -> None:
         try:
@@ -139,11 +143,14 @@ class Observer:
         return found is None or found.status == "finished"
 
     def sample(self) -> None:
+        if not self.measuring:
+            return  # the run is over (tasks are being stopped): nothing is read any more
         now = time.monotonic()
         for token, at in self.advanced.items():
             if now - at > self.max_unread_s:
                 self.max_unread_s = now - at
                 self.worst = token
+                self.worst_at = round(now - self.t0, 1)
 
 
 async def observe(bootstrap: str, observer: Observer, stop: asyncio.Event) -> None:
@@ -261,6 +268,8 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     expected = loader.expected_mods()
                     last_commit = max((c.commit_ts for c in loader.committed), default=0)
                     caught = await catch_up(observer, last_commit, args.catch_up_s)
+                    observer.sample()
+                    observer.measuring = False
                     out["caught_up"] = caught
                     if not caught:
                         out["cim_when_not_caught_up"] = describe(observer.cim, last_commit)
@@ -281,7 +290,9 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 duplicates=sum(extra.values()),
                 lost_examples=[list(k) for k in list(lost)[:5]],
                 max_unread_s=round(observer.max_unread_s, 1),
-                worst_partition=observer.worst,
+                worst_partition=observer.worst[:12],
+                worst_unread_seen_at_s=observer.worst_at,
+                fault_log=observer.faults,
                 rebalances=observer.epochs,
                 bad_sync_messages=observer.bad,
                 task_starts={t.task_id: t.starts for t in tasks},
@@ -296,6 +307,7 @@ async def inject_faults(
 ) -> Counter[str]:
     """Random faults for ``duration`` seconds; returns what was done."""
     done: Counter[str] = Counter()
+    observer.faults = []
     end = time.monotonic() + duration
     pending: list[tuple[float, str, TaskProcess]] = []  # (when, action, task)
     next_fault = time.monotonic() + rng.uniform(4, 8)
@@ -327,6 +339,7 @@ async def inject_faults(
                     victim.kill()
                     pending.append((now + rng.uniform(2, 6), "restart", victim))
                 done[kind] += 1
+                observer.faults.append((round(now - observer.t0, 1), kind, victim.task_id))
             next_fault = now + rng.uniform(6, 12)
         await asyncio.sleep(0.2)
     return done
