@@ -187,6 +187,8 @@ class SparkBridge:
                 self._streaming = StreamingBackend(self.spark, cfg, self.foreach_batch)
                 self._next_seq = await asyncio.to_thread(self._streaming.next_seq)
                 await asyncio.to_thread(self._streaming.start)
+                async with asyncio.timeout(cfg.start_timeout_s):
+                    await self._warm_stream()
         except TimeoutError:
             await self._stop_spark()
             raise SparkStartError(
@@ -506,6 +508,20 @@ class SparkBridge:
         self._unacked.append((seq, cut, fresh, rows))
         assert self._ack_kick is not None
         self._ack_kick.set()
+
+    async def _warm_stream(self) -> None:
+        """Spool an empty file and wait until Spark committed it: the query's first micro-batch
+        (source process, planning, checkpoint) costs seconds, paid here before traffic."""
+        from runtime.spark.streaming import spool_write
+
+        seq = self._next_seq
+        await asyncio.to_thread(spool_write, self._streaming.spool, seq, to_arrow([]))
+        self._next_seq += 1
+        while True:  # Spark's checkpoint is files: polled, as in _ack_loop
+            committed = await asyncio.to_thread(self._streaming.committed)
+            if committed >= seq:
+                return
+            await asyncio.sleep(self.config.ack_poll_s)
 
     async def _ack_loop(self) -> None:
         """Resolve spooled cuts, in order, once Spark's checkpoint has committed them; restart
