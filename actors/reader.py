@@ -20,7 +20,6 @@ sink in batches.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -129,10 +128,21 @@ class PartitionReader(Actor[Stop]):
         return None  # the partition finished (reported by the read loop)
 
     async def _drain(self) -> None:
-        with contextlib.suppress(TimeoutError):
+        """Let in-flight batches commit before stopping (bounded). A batch the sink fails here
+        ends the drain: the committed watermark stays before it, so the next owner re-reads it."""
+        try:
             async with asyncio.timeout(self._drain_timeout):
                 while self._pending:
                     await self._advance()
+        except TimeoutError:
+            log.warning("reader %s: drain timed out at %d", self.token, self.committed)
+        except Exception as exc:
+            log.warning(
+                "reader %s: the sink failed a batch while draining: %r; stopping at %d",
+                self.token,
+                exc,
+                self.committed,
+            )
 
     async def _advance(self) -> None:
         future, watermark, records = self._pending[0]

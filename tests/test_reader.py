@@ -1,0 +1,83 @@
+"""The partition reader actor: a hand-off drain whose in-flight batch the sink fails stops
+cleanly at the last committed watermark (the next owner re-reads from there)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from actors.kernel import Supervisor
+from actors.reader import PartitionReader
+from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
+from protocol.task import Event, ReaderStopped
+from runtime.ports import SinkBatch
+
+T0 = 1_700_000_000_000_000
+
+
+class SteadySource:
+    """One data record every 10 ms, then a heartbeat."""
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        ts = start_ts
+        while True:
+            ts += 1000
+            record = DataChange(
+                commit_ts=ts,
+                record_sequence="00000000",
+                server_transaction_id=f"tx{ts}",
+                is_last_record_in_transaction_in_partition=True,
+                table="T",
+                column_types=(),
+                mods=(Mod('{"Id":1}', "{}", "{}"),),
+                mod_type="INSERT",
+            )
+            yield [record, Heartbeat(ts)]
+            await asyncio.sleep(0.01)
+
+
+class SlowFailingSink:
+    """Commits the first batches at once; from the third on, fails each after 0.2 s."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        self.puts += 1
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.puts < 3:
+            future.set_result(None)
+        else:
+            asyncio.get_running_loop().call_later(
+                0.2, future.set_exception, RuntimeError("sink down (injected)")
+            )
+        return future
+
+
+@pytest.mark.asyncio
+async def test_a_drain_whose_batch_the_sink_fails_stops_at_the_committed_watermark() -> None:
+    events: list[Event] = []
+    async with Supervisor("test") as sup:
+        reader = PartitionReader(
+            "p1",
+            T0,
+            source=SteadySource(),
+            sink=SlowFailingSink(),
+            report=events.append,
+            permit=lambda: True,
+            drain_timeout=2.0,
+        )
+        await sup.spawn(reader)
+        await asyncio.sleep(0.1)
+        reader.request_stop("handoff", drain=True)
+        async with asyncio.timeout(5):
+            while not any(isinstance(e, ReaderStopped) for e in events):
+                await asyncio.sleep(0.02)
+    stopped = [e for e in events if isinstance(e, ReaderStopped)]
+    assert len(stopped) == 1
+    # the two committed batches, and nothing the sink failed
+    assert stopped[0].watermark == T0 + 2000
