@@ -731,7 +731,7 @@ class TaskCore:
         offered = {o.token for _, o in self.cim.offers()} | set(self.shares)
         for token in finished:
             part = self.mine[token]
-            if token not in offered and lifecycle.removable(part, self._lookup):
+            if token not in offered and lifecycle.removable(part, self._member_lookup):
                 del self.mine[token]
                 self.retired.add(token)
                 self.counters["partitions_removed"] += 1
@@ -827,6 +827,23 @@ class TaskCore:
         if part is not None and part.status != "incoming":
             return part
         return self.cim.find(token)
+
+    def _member_lookup(self, token: str) -> Partition | None:
+        """As :meth:`_lookup`, but believing only members of the current generation: a task the
+        group has dropped may have reported a child finished that the epoch being opened deals
+        out again (unfinished), so its word cannot make a parent removable."""
+        part = self.mine.get(token)
+        if part is not None and part.status != "incoming":
+            return part
+        live = set(self.members) if self.members else set(self.cim.members)
+        best = None
+        for task, held in self.cim.holders(token):
+            if task not in live:
+                continue
+            if held.status != "incoming":
+                return held
+            best = held
+        return best
 
     def _known(self, token: str) -> bool:
         if token in self.mine or token in self.shares or token in self.retired:
