@@ -170,7 +170,13 @@ class TaskActor(Actor[Event]):
                 await self.tell(PublishFailed(f"{type(exc).__name__}: {exc}"))
                 continue
             if isinstance(message, CheckpointMessage):
-                await self.sync_log.record_checkpoint(offset)
+                try:
+                    await self.sync_log.record_checkpoint(offset)
+                except Exception:
+                    # the checkpoint message is in the log; only the pointer to it was not
+                    # stored: a starting task replays from the previous checkpoint instead
+                    log.exception("task %s: recording checkpoint %d failed", self.core.me, offset)
+                    self.core.counters["checkpoint_record_failed"] += 1
 
     async def tail_loop(self, start: int) -> None:
         """Every sync message from ``start`` on, into the mailbox; bad ones are counted."""

@@ -198,6 +198,9 @@ class TaskConfig(msgspec.Struct, frozen=True):
     publish_interval: int = 250_000  # coalescing of watermark-only changes
     negotiate_interval: int = 200_000  # how often balancing offers are considered
     checkpoint_interval: int = 10_000_000  # leader's full-state checkpoints
+    # zombie safety: appends to the sync topic failing for this long stop the task's readers
+    # (its partitions may be handed out meanwhile) until one of its messages is read back
+    sync_timeout: int = 3_000_000
     rules: Rules = Rules()
 
 
@@ -238,6 +241,7 @@ class TaskCore:
         self._inflight = 0  # own messages published and not yet read back
         self._adopted = False  # the previous life's state taken over (at the first join)
         self.draining = False
+        self._sync_failing_since = -1  # first failed append not followed by a read-back
         self.counters: Counter[str] = Counter()
         self.log: deque[tuple[int, str]] = deque(maxlen=256)
 
@@ -272,6 +276,8 @@ class TaskCore:
                 out += self._on_plan(event.plan, now)
             case PublishFailed():
                 self.counters["publish_failed"] += 1
+                if self._sync_failing_since < 0:
+                    self._sync_failing_since = now
                 self._resync()
             case Drain():
                 self.draining = True
@@ -283,6 +289,10 @@ class TaskCore:
     def may_read(self, now: int) -> bool:
         return (
             not self.draining
+            and (
+                self._sync_failing_since < 0
+                or now - self._sync_failing_since < self.config.sync_timeout
+            )
             and self.member
             and now < self.lease_until
             and self.cim.epoch >= self.continuous_since
@@ -297,6 +307,8 @@ class TaskCore:
         message = event.message
         before_epoch = self.cim.epoch
         ignored = self.cim.apply(event.offset, message)
+        if message.task_id == self.me:
+            self._sync_failing_since = -1  # an append of ours went through and was read back
         own = message.task_id == self.me and isinstance(message, StateMessage | EpochMessage)
         if own:
             self._inflight = max(0, self._inflight - 1)

@@ -30,6 +30,7 @@ from protocol.task import (
     Joined,
     Lease,
     Publish,
+    PublishFailed,
     ReaderStopped,
     StartReader,
     StopReader,
@@ -324,3 +325,23 @@ def test_a_draining_task_stops_its_readers_for_good_and_publishes() -> None:
     ] == [[80]]  # the final watermark goes out at once
     later = c.handle(Tick(), now=10**6)
     assert not any(isinstance(cmd, StartReader) for cmd in later)
+
+
+def test_a_task_whose_sync_appends_keep_failing_stops_reading_until_one_is_read_back() -> None:
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    offer = Share(part("p1", 50), target="a", kind="new", since=4)
+    c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
+    assert c.reading == {"p1": T0 + 50}
+    assert not any(
+        isinstance(cmd, StopReader) for cmd in c.handle(PublishFailed("down"), now=1_000_000)
+    )
+    out = c.handle(Tick(), now=1_000_000 + c.config.sync_timeout)
+    assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [
+        StopReader("p1", "not-permitted")
+    ]
+    c.handle(ReaderStopped("p1", T0 + 60), now=5_000_000)
+    back = c.handle(SyncRead(2, state("a", 99, part("p1", 60))), now=5_000_001)
+    assert [cmd.token for cmd in back if isinstance(cmd, StartReader)] == ["p1"]
