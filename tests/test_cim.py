@@ -1,0 +1,109 @@
+"""CIM merge rules (protocol/cim.py docstring, rules 1-7), exact contents after a sequence."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.cim import Cim
+from protocol.messages import MarkerMessage, StateMessage, SyncMessage, TaskState
+from tests.builders import epoch, part, state
+
+
+def _fold(log: list[SyncMessage]) -> Cim:
+    cim = Cim()
+    for offset, message in enumerate(log):
+        cim.apply(offset, message)
+    return cim
+
+
+def _contents(cim: Cim) -> tuple[object, ...]:
+    return (cim.offset, cim.epoch, cim.members, cim.leader, cim.checkpoint("x", 0).connector_state)
+
+
+def test_cim_keeps_latest_state_by_state_timestamp() -> None:
+    cim = _fold([epoch("a", 1, "a"), state("a", 5, part("p", 50)), state("a", 3, part("p", 30))])
+    assert cim.tasks["a"].partitions == {"p": part("p", 50)}
+    assert cim.ignored["older-state"] == 1
+
+
+def test_task_changes_only_its_own_state() -> None:
+    foreign = StateMessage(
+        task_id="a",
+        epoch=1,
+        connector_state=(TaskState(task_id="b", state_timestamp=1, data=(part("q"),), full=True),),
+    )
+    cim = _fold([epoch("a", 1, "a", "b"), foreign])
+    assert cim.view("b").partitions == {}
+    assert cim.ignored["foreign-state"] == 1
+
+
+def test_only_leader_epoch_removes_dead_tasks() -> None:
+    cim = _fold([epoch("a", 1, "a", "b"), state("a", 1, part("p")), state("b", 1, part("q"))])
+    assert set(cim.tasks) == {"a", "b"}
+    cim.apply(3, epoch("a", 2, "a"))
+    assert set(cim.tasks) == {"a"}
+    assert cim.members == ("a",)
+
+
+def test_epochs_fence_older_messages() -> None:
+    cim = _fold([epoch("a", 2, "a"), state("a", 1, part("p"), epoch=1), epoch("a", 1, "a")])
+    assert cim.view("a").partitions == {}
+    assert cim.epoch == 2
+    assert cim.ignored["stale-epoch"] == 2
+
+
+def test_duplicate_offset_is_ignored() -> None:
+    cim = _fold([epoch("a", 1, "a"), state("a", 1, part("p"))])
+    assert cim.apply(1, state("a", 9, part("z"))) == "duplicate"
+    assert cim.tasks["a"].partitions == {"p": part("p")}
+
+
+def test_marker_changes_nothing() -> None:
+    cim = _fold([epoch("a", 1, "a"), state("a", 1, part("p"))])
+    before = _contents(cim)
+    assert cim.apply(2, MarkerMessage(task_id="a", epoch=1)) is None
+    assert _contents(cim)[1:] == before[1:]
+
+
+def test_replay_from_checkpoint_gives_same_cim_as_full_replay() -> None:
+    log: list[SyncMessage] = [
+        epoch("a", 1, "a", "b"),
+        state("a", 1, part("p", 10)),
+        state("b", 1, part("q", 20)),
+    ]
+    full = _fold(log)
+    cp = full.checkpoint("a", 0)
+    tail: list[SyncMessage] = [state("a", 2, part("p", 15)), epoch("a", 2, "a")]
+    for i, m in enumerate(tail, start=3):
+        full.apply(i, m)
+    seeded = Cim()
+    seeded.apply(2, cp)
+    assert seeded.offset == cp.as_of
+    for i, m in enumerate(tail, start=3):
+        seeded.apply(i, m)
+    assert _contents(seeded) == _contents(full)
+
+
+_msgs = st.lists(
+    st.one_of(
+        st.builds(
+            lambda t, ts, w: state(t, ts, part("p", w)),
+            st.sampled_from("ab"),
+            st.integers(0, 5),
+            st.integers(0, 50),
+        ),
+        st.builds(lambda n: epoch("a", n, "a", "b"), st.integers(1, 3)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(log=_msgs)
+def test_cim_idempotent_under_duplicate_replay(log: list[SyncMessage]) -> None:
+    once = _fold(log)
+    twice = _fold(log)
+    for offset, message in enumerate(log):
+        assert twice.apply(offset, message) == "duplicate"
+    assert _contents(twice) == _contents(once)
