@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.cim import Cim
-from protocol.messages import MarkerMessage, StateMessage, SyncMessage, TaskState
+from protocol.messages import (
+    EpochMessage,
+    MarkerMessage,
+    Share,
+    StateMessage,
+    SyncMessage,
+    TaskState,
+)
 from tests.builders import epoch, part, state
 
 
@@ -107,3 +114,16 @@ def test_cim_idempotent_under_duplicate_replay(log: list[SyncMessage]) -> None:
     for offset, message in enumerate(log):
         assert twice.apply(offset, message) == "duplicate"
     assert _contents(twice) == _contents(once)
+
+
+def test_watermark_only_advances_when_leader_reoffers_a_dead_tasks_partition() -> None:
+    stale_offer = Share(partition=part("p", 10), target="a", kind="new", since=1)
+    reoffer = EpochMessage(
+        task_id="a",
+        epoch=2,
+        members=("a",),
+        connector_state=(TaskState(task_id="a", state_timestamp=1, share=(stale_offer,)),),
+    )
+    cim = _fold([epoch("a", 1, "a", "b"), state("b", 1, part("p", 50)), reoffer])
+    assert set(cim.tasks) == {"a"}
+    assert cim.tasks["a"].share["p"].partition.watermark == 50
