@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,3 +129,30 @@ def test_watermark_only_advances_when_leader_reoffers_a_dead_tasks_partition() -
     cim = _fold([epoch("a", 1, "a", "b"), state("b", 1, part("p", 50)), reoffer])
     assert set(cim.tasks) == {"a"}
     assert cim.tasks["a"].share["p"].partition.watermark == 50
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    a_ts=st.lists(st.integers(0, 5), max_size=4),
+    b_ts=st.lists(st.integers(0, 5), max_size=4),
+    seed=st.randoms(use_true_random=False),
+)
+def test_states_of_different_tasks_commute(
+    a_ts: list[int], b_ts: list[int], seed: random.Random
+) -> None:
+    """Only the relative order of one task's own messages matters (rule 4)."""
+    a = [state("a", ts, part("p", ts)) for ts in a_ts]
+    b = [state("b", ts, part("q", ts)) for ts in b_ts]
+    merged: list[SyncMessage] = []
+    ia = ib = 0
+    while ia < len(a) or ib < len(b):
+        if ib >= len(b) or (ia < len(a) and seed.random() < 0.5):
+            merged.append(a[ia])
+            ia += 1
+        else:
+            merged.append(b[ib])
+            ib += 1
+    head: list[SyncMessage] = [epoch("a", 1, "a", "b")]
+    one = _fold([*head, *a, *b]).checkpoint("x", 0).connector_state
+    two = _fold([*head, *merged]).checkpoint("x", 0).connector_state
+    assert one == two
