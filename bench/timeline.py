@@ -19,10 +19,10 @@ import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from actors.node import NodeConfig, TaskNode
-from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
-from runtime.ports import Membership, SinkBatch
+from actors.node import TaskNode
+from bench.common import MemoryCluster
+from runtime.memory import MemorySink
+from runtime.ports import SinkBatch
 from runtime.simsource import SimulatedSource
 from runtime.simstream import StreamModel, StreamParams
 
@@ -51,20 +51,14 @@ async def measure(duration: float, roots: int) -> dict[str, object]:
     params = StreamParams(seed=21, roots=roots, records_per_s=10.0, round_us=3_000_000)
     model = StreamModel(params)
     source = SimulatedSource(model, heartbeat_ms=500)
-    log = MemorySyncLog()
-    group = MemoryGroup(rebalance_delay=0.3, session_timeout=3.0)
     sink = TimedSink(source)
-
-    async def join(task_id: str) -> Membership:
-        return group.join(task_id)
+    cluster = MemoryCluster(
+        source, params.start_ts, sink=sink, rebalance_delay=0.3, session_timeout=3.0
+    )
+    group = cluster.group
 
     def node(name: str) -> TaskNode:
-        config = NodeConfig(
-            task=TaskConfig(task_id=name, answer_timeout=500_000, publish_interval=200_000),
-            stream_start=params.start_ts,
-            tick_interval=0.1,
-        )
-        return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)
+        return cluster.node(name, answer_timeout=500_000, publish_interval=200_000)
 
     samples: list[dict[str, object]] = []
     events: list[tuple[float, str]] = []
