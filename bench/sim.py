@@ -7,15 +7,52 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from types import FrameType
 
 from runtime.faultsim import SimParams, SimResult, run
+
+# A seed normally takes well under a second and a few hundred MB at most. A seed that runs away
+# (a message storm, a livelock) is a failure of that seed, reported with its number, not a worker
+# killed by the kernel's OOM killer taking the whole sweep down with it.
+SEED_SECONDS = 120
+WORKER_MEMORY_BYTES = 4 << 30
+
+
+class _SeedTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
+    raise _SeedTimeout
+
+
+def _init_worker(memory_bytes: int) -> None:
+    if memory_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    signal.signal(signal.SIGALRM, _on_alarm)
+
+
+def run_guarded(seed: int, seconds: int = SEED_SECONDS) -> SimResult:
+    """One seed under a wall-time budget (and the worker's memory limit)."""
+    signal.alarm(seconds)
+    try:
+        return run(SimParams(seed=seed))
+    except _SeedTimeout:
+        return SimResult(seed=seed, passed=False, violation=f"seed ran over {seconds} s")
+    except MemoryError:
+        return SimResult(seed=seed, passed=False, violation="seed ran out of its memory budget")
+    finally:
+        signal.alarm(0)
 
 
 def _run_range(args: tuple[int, int]) -> list[SimResult]:
     start, stop = args
-    return [run(SimParams(seed=seed)) for seed in range(start, stop)]
+    return [run_guarded(seed) for seed in range(start, stop)]
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +62,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, help="replay one seed and print its result")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="50 seeds")
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=WORKER_MEMORY_BYTES / (1 << 30),
+        help="address-space limit per worker process; 0 for none (default 4)",
+    )
     args = parser.parse_args(argv)
     if args.seed is not None:
         result = run(SimParams(seed=args.seed))
@@ -39,12 +82,18 @@ def main(argv: list[str]) -> int:
     ]
     started = time.perf_counter()
     results: list[SimResult] = []
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+    memory = int(args.memory_gb * (1 << 30))
+    with ProcessPoolExecutor(
+        max_workers=args.jobs, initializer=_init_worker, initargs=(memory,)
+    ) as pool:
         for batch in pool.map(_run_range, ranges):
             results.extend(batch)
             for r in batch:
                 if not r.passed:
                     print(f"seed {r.seed} FAILED: {r.violation}", flush=True)
+            if len(results) % 1000 < len(batch):
+                elapsed = time.perf_counter() - started
+                print(f"... {len(results)} seeds in {elapsed:.0f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - started
     passed = sum(r.passed for r in results)
     ok = [r for r in results if r.passed]
