@@ -279,6 +279,19 @@ class RetryCore:
     def holds(self, record_id: str) -> bool:
         return record_id in self._where
 
+    def blocks(self, key: str) -> bool:
+        """Whether a new record of ``key`` would not be sent at once (it would wait or be parked):
+        the key has a record in flight, waiting, in the RQ, or (``dlq_blocks``) in the DLQ. A
+        sink that delivers most records itself sends such keys' records through the core."""
+        ks = self._keys.get(key)
+        return ks is not None and (
+            ks.in_flight is not None or bool(ks.waiting) or self._blocked(ks)
+        )
+
+    def held_count(self) -> int:
+        """Records in flight, waiting, in the RQ or in the DLQ."""
+        return len(self._where)
+
     def key_of(self, record_id: str) -> str | None:
         return self._where.get(record_id)
 

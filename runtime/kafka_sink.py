@@ -6,18 +6,18 @@ keyed by ``<table>:<primary-key JSON>``; the partition is ``Router(key_hash)`` o
 topic the produce pointer names (:mod:`protocol.routing`), so producers agree on it and it stays
 shard consistent when the topic is scaled.
 
-The rules of delivery are those of :mod:`protocol.retry` (the pure core this module drives):
+The rules of delivery are those of :mod:`protocol.retry` (the pure core), carried out by the
+shared durable shell :class:`runtime.retry_queue.RetryQueue`; this module is the output topic
+and the per-record delivery port:
 
 * per key, records go out in commit order, one at a time (the next after the previous is
   acknowledged by Kafka); other keys are not held up by a failing key;
 * a failed delivery is parked in the RQ topic ``<name>_rq`` and retried with backoff; the key's
   later records are parked behind it; after ``max_attempts`` failures it goes to the DLQ topic
   ``<name>_dlq``; a key with a DLQ record blocks or releases (``RetryPolicy.dlq_blocks``);
-* the RQ and DLQ topics hold the core's log entries (each with its payload), routed by the same
-  key hash, so **a new sink over the same topics resumes the state**: at start it writes a marker
-  to every RQ/DLQ partition and reads each from the beginning until its marker comes back
-  (``end_offsets`` is wrong on the embedded broker), folds the entries with
-  :func:`protocol.retry.from_log` and retries what is due.
+* the RQ and DLQ topics hold the core's log entries (each with its payload, the
+  :class:`OutputRecord` JSON), routed by the same key hash, so **a new sink over the same topics
+  resumes the state** (see :mod:`runtime.retry_queue`).
 
 A batch's future (``put``) resolves when each of its records is settled: delivered to the output
 topic, or durably written to the RQ or the DLQ. It fails if the sink dies first; the caller then
@@ -39,51 +39,55 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Self
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from aiokafka.structs import TopicPartition
 
 from protocol.records import DataChange
-from protocol.retry import (
-    Deliver,
-    DeliveryFailed,
-    DeliveryOk,
-    DiscardDlq,
-    Discarded,
-    Duplicate,
-    Event,
-    LogEntry,
-    ParkInRetry,
-    Released,
-    ReplayDlq,
-    RetryCore,
-    RetryPolicy,
-    SendToDlq,
-    SendToSink,
-    Tick,
-    from_log,
-)
+from protocol.retry import RetryCore, RetryPolicy
 from protocol.routing import (
     CompositeTopic,
-    StorageTopic,
     key_hash,
     partitions_for_shard,
     shard_of_partition,
 )
-from runtime.kafka import KafkaConfig, ensure_topic
+from runtime.kafka import KafkaConfig
 from runtime.ports import SinkBatch
+from runtime.retry_queue import (
+    InternalMessage,
+    PendingSend,
+    RetryQueue,
+    RetryQueueConfig,
+    RetryQueueError,
+    internal_topic,
+    load_dlq,
+    ordering_key,
+    split_key,
+)
+
+__all__ = [
+    "DlqRecord",
+    "InternalMessage",
+    "KafkaSink",
+    "KafkaSinkConfig",
+    "KafkaSinkStats",
+    "OutputRecord",
+    "SinkError",
+    "decode_output",
+    "list_dlq",
+    "ordering_key",
+    "output_records",
+    "replay_dlq",
+    "split_key",
+]
 
 log = logging.getLogger(__name__)
 
 
-class SinkError(RuntimeError):
+class SinkError(RetryQueueError):
     """The sink failed or was closed; pending batches will not be committed by it."""
 
 
@@ -109,32 +113,12 @@ class OutputRecord(msgspec.Struct, frozen=True, kw_only=True):
         return ordering_key(self.table, self.keys)
 
 
-class InternalMessage(msgspec.Struct, frozen=True, kw_only=True):
-    """A message of the RQ or DLQ topic: a core log entry with the record, or a read marker."""
-
-    entry: LogEntry | None = None
-    payload: bytes | None = None  # the OutputRecord JSON, on ParkInRetry and SendToDlq
-    marker: str | None = None
-
-
 _out_encoder = msgspec.json.Encoder()
 _out_decoder: msgspec.json.Decoder[OutputRecord] = msgspec.json.Decoder(OutputRecord)
-_int_encoder = msgspec.msgpack.Encoder()
-_int_decoder: msgspec.msgpack.Decoder[InternalMessage] = msgspec.msgpack.Decoder(InternalMessage)
 
 
 def decode_output(raw: bytes) -> OutputRecord:
     return _out_decoder.decode(raw)
-
-
-def ordering_key(table: str, keys: str) -> str:
-    """The ordering key of a row (Spanner table names have no ':')."""
-    return f"{table}:{keys}"
-
-
-def split_key(key: str) -> tuple[str, str]:
-    table, _, keys = key.partition(":")
-    return table, keys
 
 
 def output_records(change: DataChange) -> list[OutputRecord]:
@@ -214,9 +198,7 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"shard_count {self.shard_count} must divide the {label} ({n})")
 
     def _internal(self, name: str, partitions: int) -> CompositeTopic:
-        base = self.output_topic().producing.base
-        k = partitions // base if partitions % base == 0 else 1
-        return CompositeTopic(name, (StorageTopic(name, partitions, k),))
+        return internal_topic(name, partitions, self.output_topic().producing.base)
 
     def owns(self, key: str) -> bool:
         """Whether this shard owns ``key`` (its output partition is in the shard's range)."""
@@ -247,6 +229,21 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
     def dlq_topic(self) -> CompositeTopic:
         return self._internal(f"{self.name}_dlq", self.dlq_partitions)
 
+    def queue_config(self) -> RetryQueueConfig:
+        """The RQ/DLQ settings of this sink (shard) for :class:`runtime.retry_queue.RetryQueue`."""
+        return RetryQueueConfig(
+            rq=self.rq_topic(),
+            dlq=self.dlq_topic(),
+            partitions=tuple(self.internal_partitions()),
+            policy=self.policy,
+            max_unsettled=self.max_unsettled,
+            linger_ms=self.linger_ms,
+            fetch_max_wait_ms=self.fetch_max_wait_ms,
+            load_timeout_s=self.load_timeout_s,
+            close_timeout_s=self.close_timeout_s,
+            seed=self.seed,
+        )
+
 
 class KafkaSinkStats(msgspec.Struct, frozen=True):
     records_accepted: int
@@ -272,127 +269,6 @@ class DlqRecord(msgspec.Struct, frozen=True):
     record: OutputRecord | None  # None if the payload could not be found or decoded
 
 
-# --- the loader ----------------------------------------------------------------------------
-
-
-class _Loaded(msgspec.Struct):
-    entries: list[LogEntry]
-    payloads: dict[str, bytes]
-
-
-async def _check_partitions(producer: AIOKafkaProducer, topic: CompositeTopic) -> None:
-    for st in topic.storage_topics:
-        found = await producer.partitions_for(st.name)
-        if set(found) != set(range(st.partitions)):
-            raise SinkError(
-                f"topic {st.name!r} has partitions {sorted(found)}, the sink expects "
-                f"{st.partitions}: routing would change; fix the configuration or the topic"
-            )
-
-
-async def _load_internal(
-    config: KafkaConfig,
-    producer: AIOKafkaProducer,
-    partitions: Sequence[tuple[str, int]],
-    *,
-    fetch_max_wait_ms: int,
-    timeout_s: float,
-) -> _Loaded:
-    """Read ``partitions`` from the beginning up to a fresh marker written to each."""
-    marker = uuid.uuid4().hex
-    want: dict[TopicPartition, int] = {}
-    raw_marker = _int_encoder.encode(InternalMessage(marker=marker))
-    sends = [
-        (TopicPartition(t, p), await producer.send(t, raw_marker, partition=p))
-        for t, p in partitions
-    ]
-    for tp, fut in sends:
-        want[tp] = (await fut).offset
-    entries: list[LogEntry] = []
-    payloads: dict[str, tuple[int, bytes]] = {}
-    consumer = AIOKafkaConsumer(
-        **config.client_kwargs(),
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=fetch_max_wait_ms,
-    )
-    await consumer.start()
-    try:
-        consumer.assign(list(want))
-        await consumer.seek_to_beginning(*want)
-        pending = set(want)
-        async with asyncio.timeout(timeout_s):
-            while pending:
-                batches = await consumer.getmany(*pending, timeout_ms=500)
-                for tp, msgs in batches.items():
-                    for m in msgs:
-                        if m.offset >= want[tp]:
-                            pending.discard(tp)
-                            break
-                        if m.value is None:
-                            continue
-                        try:
-                            msg = _int_decoder.decode(m.value)
-                        except msgspec.DecodeError:
-                            log.exception("undecodable message in %s at offset %d", tp, m.offset)
-                            raise
-                        if msg.entry is None:
-                            continue  # an older marker
-                        entries.append(msg.entry)
-                        if msg.payload is not None:
-                            rid, ver = msg.entry.record_id, msg.entry.version
-                            if rid not in payloads or payloads[rid][0] < ver:
-                                payloads[rid] = (ver, msg.payload)
-    finally:
-        await consumer.stop()
-    return _Loaded(entries, {rid: p for rid, (_, p) in payloads.items()})
-
-
-# --- the sink ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Batch:
-    remaining: int
-    future: asyncio.Future[None]
-
-
-@dataclass
-class _Written:
-    """An RQ/DLQ write was acknowledged (settles ``record_id`` if it is a park)."""
-
-    record_id: str
-    settles: bool
-
-
-@dataclass
-class _WriteFailed:
-    what: str
-    error: BaseException
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-_Item = Event | _Written | _WriteFailed | _Stop
-
-
-@dataclass
-class _Counters:
-    accepted: int = 0
-    settled: int = 0
-    delivered: int = 0
-    failures: int = 0
-    injected: int = 0
-    rq_writes: int = 0
-    dlq_writes: int = 0
-    loaded: int = 0
-    missing_payloads: int = 0
-
-
 class KafkaSink:
     """The Kafka output sink. Use ``async with KafkaSink(config, sink_config) as sink:``."""
 
@@ -410,31 +286,28 @@ class KafkaSink:
         self.rq = sink.rq_topic()
         self.dlq = sink.dlq_topic()
         self._inject = inject
-        self._clock = clock
-        self._core = RetryCore(sink.policy, sink.seed)
-        self._payloads: dict[str, bytes] = {}
-        self._waiters: dict[str, list[_Batch]] = {}
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._room = asyncio.Event()  # set while fewer than max_unsettled are unsettled
-        self._room.set()
-        self._producer: AIOKafkaProducer | None = None
-        self._tg: asyncio.TaskGroup | None = None
-        self._driver: asyncio.Task[None] | None = None
-        self._dead: BaseException | None = None
-        self._idle = asyncio.Event()
-        self._n = _Counters()
+        self._injected = 0
+        self._queue = RetryQueue(
+            config,
+            sink.queue_config(),
+            self._send,
+            also_topics=(self.output,),
+            clock=clock,
+            name=sink.name,
+        )
 
     def __repr__(self) -> str:
         return f"KafkaSink({self.sink_config.name!r}, config={self._config!r})"
 
+    @property
+    def _core(self) -> RetryCore:
+        """The retry core (tests look at its group state)."""
+        return self._queue.core
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        await self._start()
-        tg = asyncio.TaskGroup()
-        await tg.__aenter__()
-        self._tg = tg
-        self._driver = tg.create_task(self._drive(), name=f"kafka-sink-{self.sink_config.name}")
+        await self._queue.__aenter__()
         return self
 
     async def __aexit__(
@@ -443,87 +316,12 @@ class KafkaSink:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None and self._driver is not None and not self._driver.done():
-            try:
-                async with asyncio.timeout(self.sink_config.close_timeout_s):
-                    await self.wait_idle(include_rq=False)
-            except TimeoutError:
-                log.warning(
-                    "%r: closing with %d record(s) unsettled after %.1f s; their batches fail",
-                    self,
-                    len(self._waiters),
-                    self.sink_config.close_timeout_s,
-                )
-            except SinkError as err:  # the driver failed: the task group below raises it
-                log.warning("%r: closing a failed sink: %s", self, err)
-            self._queue.put_nowait(_Stop())
-        elif self._driver is not None:
-            self._driver.cancel()
-        try:
-            if self._tg is not None:
-                await self._tg.__aexit__(exc_type, exc, tb)
-        finally:
-            self._fail_all(SinkError(f"{self!r} is closed"))
-            await self._stop_producer()
+        await self._queue.__aexit__(exc_type, exc, tb)
 
     async def abort(self) -> None:
         """Die abruptly (for tests of a task's death): stop processing at once, write nothing
         more to the RQ/DLQ, fail every pending batch. The context manager still has to exit."""
-        if self._driver is not None:
-            self._driver.cancel()
-            await asyncio.wait([self._driver])  # returns when it ended; raises nothing
-        self._fail_all(SinkError(f"{self!r} was aborted"))
-
-    async def _start(self) -> None:
-        for topic in (self.output, self.rq, self.dlq):
-            for st in topic.storage_topics:
-                await ensure_topic(self._config, st.name, partitions=st.partitions)
-        producer = AIOKafkaProducer(
-            **self._config.client_kwargs(),
-            acks="all",
-            enable_idempotence=False,
-            linger_ms=self.sink_config.linger_ms,
-        )
-        self._producer = producer
-        try:
-            await producer.start()
-            for topic in (self.output, self.rq, self.dlq):
-                await _check_partitions(producer, topic)
-            loaded = await _load_internal(
-                self._config,
-                producer,
-                self.sink_config.internal_partitions(),
-                fetch_max_wait_ms=self.sink_config.fetch_max_wait_ms,
-                timeout_s=self.sink_config.load_timeout_s,
-            )
-        except BaseException:
-            await self._stop_producer()
-            raise
-        self._core = from_log(loaded.entries, self.sink_config.policy, self.sink_config.seed)
-        self._n.loaded = len(loaded.entries)
-        for e in self._core.durable_state():
-            payload = loaded.payloads.get(e.record_id)
-            if payload is None:
-                log.error("%r: no payload for held record %s; it cannot be sent", self, e.record_id)
-                self._n.missing_payloads += 1
-                continue
-            self._payloads[e.record_id] = payload
-        held = len(self._core.durable_state())
-        if held:
-            log.info("%r resumed %d record(s) from the RQ/DLQ", self, held)
-
-    async def _stop_producer(self) -> None:
-        producer, self._producer = self._producer, None
-        if producer is not None:
-            await producer.stop()
-
-    def _fail_all(self, error: BaseException) -> None:
-        batches = {id(b): b for bs in self._waiters.values() for b in bs}
-        self._waiters.clear()
-        for b in batches.values():
-            if not b.future.done():
-                b.future.set_exception(error)
-                b.future.exception()  # retrieved: a caller that dropped it is not warned about
+        await self._queue.abort()
 
     # -- the Sink port ---------------------------------------------------------------------
 
@@ -531,7 +329,6 @@ class KafkaSink:
         """Accept a batch (waits while ``max_unsettled`` records are not yet settled); the future
         resolves when every record is delivered or durably in the RQ/DLQ."""
         self._check_alive()
-        loop = asyncio.get_running_loop()
         records = [r for change in batch.records for r in output_records(change)]
         for rec in records:
             if not self.sink_config.owns(rec.key):
@@ -539,251 +336,97 @@ class KafkaSink:
                     f"record {rec.record_id} (key {rec.key}) belongs to another shard than "
                     f"{self.sink_config.shard_id} of {self.sink_config.shard_count}"
                 )
-        tracker = _Batch(len(records), loop.create_future())
-        if not records:
-            tracker.future.set_result(None)
-            return tracker.future
-        limit = self.sink_config.max_unsettled
-        while self._waiters and len(self._waiters) + len(records) > limit:
-            self._room.clear()
-            await self._room.wait()
-            self._check_alive()
-        self._idle.clear()
-        for rec in records:
-            self._n.accepted += 1
-            rid = rec.record_id
-            if rid in self._waiters:
-                self._waiters[rid].append(tracker)  # an unsettled copy: settle together
-            elif self._core.holds(rid):
-                self._settled_one(tracker)  # durably in the RQ/DLQ already
-            else:
-                self._waiters[rid] = [tracker]
-                self._payloads[rid] = _out_encoder.encode(rec)
-                self._queue.put_nowait(Deliver(rid, rec.key))
-        return tracker.future
+        try:
+            return await self._queue.submit(
+                [(rec.record_id, rec.key, _out_encoder.encode(rec)) for rec in records]
+            )
+        except RetryQueueError as exc:
+            raise SinkError(str(exc)) from exc
 
     def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise SinkError(f"{self!r} failed: {self._dead!r}") from self._dead
-        if self._driver is None or self._driver.done():
-            raise SinkError(f"{self!r} is not running (use 'async with')")
+        try:
+            self._queue.check_alive()
+        except RetryQueueError as exc:
+            raise SinkError(f"{self!r}: {exc}") from exc
 
     # -- operator actions ------------------------------------------------------------------
 
     def dlq_records(self) -> list[DlqRecord]:
-        out = []
-        for e in self._core.dlq_records():
-            raw = self._payloads.get(e.record_id)
-            out.append(DlqRecord(e.record_id, e.key, e.attempts, e.error, _maybe_decode(raw)))
-        return out
+        return [
+            DlqRecord(e.record_id, e.key, e.attempts, e.error, _maybe_decode(raw))
+            for e, raw in self._queue.dlq_records()
+        ]
 
     def replay_dlq(self, record_ids: Iterable[str] | None = None) -> list[str]:
         """Put DLQ records (all, or those named) back into the RQ; return their ids."""
         self._check_alive()
-        held = {e.record_id for e in self._core.dlq_records()}
-        chosen = sorted(held if record_ids is None else set(record_ids) & held)
-        for rid in chosen:
-            self._queue.put_nowait(ReplayDlq(rid))
-        if chosen:
-            self._idle.clear()
-        return chosen
+        return self._queue.replay_dlq(record_ids)
 
     def discard_dlq(self, record_ids: Iterable[str]) -> list[str]:
         self._check_alive()
-        held = {e.record_id for e in self._core.dlq_records()}
-        chosen = sorted(set(record_ids) & held)
-        for rid in chosen:
-            self._queue.put_nowait(DiscardDlq(rid))
-        return chosen
+        return self._queue.discard_dlq(record_ids)
 
     def holds(self, record_id: str) -> bool:
-        return self._core.holds(record_id)
+        return self._queue.holds(record_id)
 
     async def wait_idle(self, *, include_rq: bool = True) -> None:
         """Wait until nothing is unsettled and (``include_rq``) nothing is in flight or in the RQ:
         only DLQ records (and, for blocking keys, the records parked behind them) remain."""
-        while True:
-            self._check_alive()
-            if self._is_idle(include_rq):
-                return
-            self._idle.clear()
-            await self._idle.wait()
-
-    def _is_idle(self, include_rq: bool) -> bool:
-        if self._waiters or not self._queue.empty():
-            return False
-        if not include_rq:
-            return True
-        # nothing in flight and no retry timer: the RQ holds only records blocked by the DLQ
-        return self._core.in_flight_count() == 0 and self._core.next_deadline() is None
+        try:
+            await self._queue.wait_idle(include_rq=include_rq)
+        except RetryQueueError as exc:
+            raise SinkError(str(exc)) from exc
 
     def statistics(self) -> KafkaSinkStats:
-        core = self._core.statistics()
+        q = self._queue.statistics()
         return KafkaSinkStats(
-            records_accepted=self._n.accepted,
-            records_settled=self._n.settled,
-            records_delivered=self._n.delivered,
-            delivery_failures=self._n.failures,
-            injected_failures=self._n.injected,
-            rq_writes=self._n.rq_writes,
-            dlq_writes=self._n.dlq_writes,
-            duplicates=core.duplicates,
-            unsettled=len(self._waiters),
-            held=core.held,
-            in_dlq=len(self._core.dlq_records()),
-            loaded_entries=self._n.loaded,
-            missing_payloads=self._n.missing_payloads,
+            records_accepted=q.records_accepted,
+            records_settled=q.records_settled,
+            records_delivered=q.records_delivered,
+            delivery_failures=q.delivery_failures,
+            injected_failures=self._injected,
+            rq_writes=q.rq_writes,
+            dlq_writes=q.dlq_writes,
+            duplicates=q.duplicates,
+            unsettled=q.unsettled,
+            held=q.held,
+            in_dlq=q.in_dlq,
+            loaded_entries=q.loaded_entries,
+            missing_payloads=q.missing_payloads,
         )
 
-    # -- the driver ------------------------------------------------------------------------
+    # -- the delivery port -----------------------------------------------------------------
 
-    async def _drive(self) -> None:
-        try:
-            await self._loop()
-        except BaseException as exc:
-            self._dead = exc
-            if not isinstance(exc, asyncio.CancelledError):
-                log.exception("%r: the sink driver failed", self)
-            self._fail_all(SinkError(f"{self!r} failed: {exc!r}"))
-            self._idle.set()
-            self._room.set()
-            raise
-
-    async def _loop(self) -> None:
-        await self._handle(Tick())  # records resumed from the RQ that are due now
-        while True:
-            deadline = self._core.next_deadline()
-            wait = None if deadline is None else deadline - self._clock()
-            if wait is not None and wait <= 0:
-                item: _Item = Tick()
-            elif not self._queue.empty():
-                item = self._queue.get_nowait()
-            else:
-                try:
-                    item = await asyncio.wait_for(self._queue.get(), wait)
-                except TimeoutError:
-                    item = Tick()
-            match item:
-                case _Stop():
-                    break
-                case _WriteFailed(what=what, error=error):
-                    raise SinkError(f"{self!r}: writing {what} failed: {error!r}") from error
-                case _Written(record_id=rid, settles=settles):
-                    if settles:
-                        self._settle(rid)
-                case Event():
-                    await self._handle(item)
-            if self._is_idle(include_rq=False):
-                self._idle.set()  # wait_idle() re-checks its own condition
-        producer = self._producer
-        if producer is not None:
-            await producer.flush()
-
-    async def _handle(self, event: Event) -> None:
-        if isinstance(event, DeliveryOk):
-            self._n.delivered += 1
-            self._settle(event.record_id)
-        elif isinstance(event, DeliveryFailed):
-            self._n.failures += 1
-        for cmd in self._core.handle(event, self._clock()):
-            match cmd:
-                case SendToSink(record_id=rid, key=key, attempts=attempts):
-                    await self._send(rid, key, attempts)
-                case ParkInRetry() | Released():
-                    self._n.rq_writes += 1
-                    payload = self._payloads.get(cmd.record_id)
-                    await self._write(
-                        self.rq, cmd, payload if isinstance(cmd, ParkInRetry) else None
-                    )
-                case SendToDlq() | Discarded():
-                    self._n.dlq_writes += 1
-                    payload = self._payloads.get(cmd.record_id)
-                    await self._write(
-                        self.dlq, cmd, payload if isinstance(cmd, SendToDlq) else None
-                    )
-                    if isinstance(cmd, Discarded):
-                        self._payloads.pop(cmd.record_id, None)
-                case Duplicate():
-                    pass  # counted by the core; put() settled it
-        if isinstance(event, DeliveryOk):
-            self._payloads.pop(event.record_id, None)
-
-    async def _send(self, rid: str, key: str, attempts: int) -> None:
-        payload = self._payloads.get(rid)
-        if payload is None:
-            self._queue.put_nowait(DeliveryFailed(rid, "no payload for this record"))
-            return
+    async def _send(self, send: PendingSend) -> None:
+        rid, key, payload = send.record_id, send.key, send.payload
         if self._inject is not None:
-            error = self._inject(_out_decoder.decode(payload), attempts)
+            error = self._inject(_out_decoder.decode(payload), send.attempts)
             if error is not None:
-                self._n.injected += 1
-                self._queue.put_nowait(DeliveryFailed(rid, error))
+                self._injected += 1
+                self._queue.failed(rid, error)
                 return
         table, keys = split_key(key)
         idx, partition = self.output.route(key_hash(table, keys))
         topic = self.output.storage_topics[idx].name
-        producer = self._live_producer()
         try:
-            fut = await producer.send(topic, payload, key=key.encode(), partition=partition)
+            fut = await self._queue.producer.send(
+                topic, payload, key=key.encode(), partition=partition
+            )
         except KafkaError as exc:
             log.warning("%r: producing %s failed: %r", self, rid, exc)
-            self._queue.put_nowait(DeliveryFailed(rid, repr(exc)))
+            self._queue.failed(rid, repr(exc))
             return
 
         def done(f: asyncio.Future[object]) -> None:
             if f.cancelled():
-                self._queue.put_nowait(DeliveryFailed(rid, "produce cancelled"))
+                self._queue.failed(rid, "produce cancelled")
             elif (exc := f.exception()) is not None:
                 log.warning("%r: delivery of %s failed: %r", self, rid, exc)
-                self._queue.put_nowait(DeliveryFailed(rid, repr(exc)))
+                self._queue.failed(rid, repr(exc))
             else:
-                self._queue.put_nowait(DeliveryOk(rid))
+                self._queue.delivered(rid)
 
         fut.add_done_callback(done)
-
-    async def _write(self, topic: CompositeTopic, entry: LogEntry, payload: bytes | None) -> None:
-        table, keys = split_key(entry.key)
-        idx, partition = topic.route(key_hash(table, keys))
-        name = topic.storage_topics[idx].name
-        raw = _int_encoder.encode(InternalMessage(entry=entry, payload=payload))
-        settles = isinstance(entry, ParkInRetry | SendToDlq)
-        what = f"{type(entry).__name__} of {entry.record_id} to {name}"
-        producer = self._live_producer()
-        try:
-            fut = await producer.send(name, raw, key=entry.key.encode(), partition=partition)
-        except KafkaError as exc:
-            raise SinkError(f"{self!r}: writing {what} failed: {exc!r}") from exc
-        rid = entry.record_id
-
-        def done(f: asyncio.Future[object]) -> None:
-            if f.cancelled():
-                self._queue.put_nowait(_WriteFailed(what, SinkError("cancelled")))
-            elif (exc := f.exception()) is not None:
-                self._queue.put_nowait(_WriteFailed(what, exc))
-            else:
-                self._queue.put_nowait(_Written(rid, settles))
-
-        fut.add_done_callback(done)
-
-    def _live_producer(self) -> AIOKafkaProducer:
-        if self._producer is None:
-            raise SinkError(f"{self!r} has no producer (not started, or closed)")
-        return self._producer
-
-    def _settle(self, rid: str) -> None:
-        batches = self._waiters.pop(rid, None)
-        if batches is None:
-            return
-        for b in batches:
-            self._settled_one(b)
-        if len(self._waiters) < self.sink_config.max_unsettled:
-            self._room.set()
-
-    def _settled_one(self, b: _Batch) -> None:
-        self._n.settled += 1
-        b.remaining -= 1
-        if b.remaining == 0 and not b.future.done():
-            b.future.set_result(None)
 
 
 def _maybe_decode(raw: bytes | None) -> OutputRecord | None:
@@ -801,24 +444,9 @@ def _maybe_decode(raw: bytes | None) -> OutputRecord | None:
 
 async def list_dlq(config: KafkaConfig, sink: KafkaSinkConfig) -> list[DlqRecord]:
     """The records in the DLQ of ``sink`` (read from the RQ and DLQ topics; nothing is sent)."""
-    producer = AIOKafkaProducer(**config.client_kwargs(), acks="all", enable_idempotence=False)
-    await producer.start()
-    try:
-        loaded = await _load_internal(
-            config,
-            producer,
-            sink.internal_partitions(),
-            fetch_max_wait_ms=sink.fetch_max_wait_ms,
-            timeout_s=sink.load_timeout_s,
-        )
-    finally:
-        await producer.stop()
-    core: RetryCore = from_log(loaded.entries, sink.policy)
     return [
-        DlqRecord(
-            e.record_id, e.key, e.attempts, e.error, _maybe_decode(loaded.payloads.get(e.record_id))
-        )
-        for e in core.dlq_records()
+        DlqRecord(e.record_id, e.key, e.attempts, e.error, _maybe_decode(raw))
+        for e, raw in await load_dlq(config, sink.queue_config())
     ]
 
 
@@ -835,8 +463,5 @@ async def replay_dlq(
     async with KafkaSink(config, sink) as s:
         chosen = s.replay_dlq(record_ids)
         async with asyncio.timeout(timeout_s):
-            while True:
-                dead = {d.record_id for d in s.dlq_records()}
-                if not any(s.holds(rid) and rid not in dead for rid in chosen):
-                    return chosen
-                await asyncio.sleep(0.05)
+            await s._queue.wait_replayed(chosen)
+        return chosen

@@ -73,6 +73,29 @@ def test_failure_parks_the_key_behind_it_in_the_rq() -> None:
     core.validate()
 
 
+def test_blocks_says_which_keys_must_go_through_the_core() -> None:
+    """A sink that delivers most records itself (the Spark bridge) asks ``blocks(key)``."""
+    core = RetryCore(FIXED)
+    assert not core.blocks("k")
+    core.handle(Deliver("a", "k"), 0)
+    assert core.blocks("k")  # in flight
+    core.handle(Deliver("b", "k"), 0)
+    core.handle(DeliveryFailed("a", "boom"), 0)
+    assert core.blocks("k")  # in the RQ
+    assert core.held_count() == 2
+    core.handle(Tick(), 1)
+    core.handle(DeliveryOk("a"), 1)
+    core.handle(DeliveryOk("b"), 1)
+    assert not core.blocks("k")
+    release = RetryCore(RetryPolicy(max_attempts=1, dlq_blocks=False))
+    release.handle(Deliver("c", "j"), 0)
+    release.handle(DeliveryFailed("c", "boom"), 0)
+    assert not release.blocks("j")  # only a DLQ record, and the DLQ releases
+    assert release.held_count() == 1
+    core.validate()
+    release.validate()
+
+
 def test_backoff_doubles_then_dead_letters_and_blocks() -> None:
     core = RetryCore(FIXED)
     core.handle(Deliver("a", "k"), 0)

@@ -1,0 +1,737 @@
+"""The durable shell of design 003's retry queue and dead-letter queue, shared by the Kafka output
+sink (:mod:`runtime.kafka_sink`) and the Spark bridge (:mod:`runtime.spark.bridge`).
+
+:class:`RetryQueue` drives the pure core :class:`protocol.retry.RetryCore` and does its I/O:
+
+* **Durable state.** The core's log entries (:data:`protocol.retry.LogEntry`) go to two Kafka
+  composite topics, the RQ and the DLQ, as :class:`InternalMessage` (msgpack: the entry, and on
+  ``ParkInRetry``/``SendToDlq`` the record's payload), routed by the record's ordering-key hash
+  (:func:`protocol.routing.key_hash`) with the design-003 router. At start a queue writes a marker
+  to every RQ/DLQ partition it owns and reads each from the beginning until its marker comes back
+  (``end_offsets`` is wrong on the embedded broker), folds the entries with
+  :func:`protocol.retry.from_log`, and retries what is due. So **a new owner over the same topics
+  resumes the state** of a dead one.
+* **Settlement.** :meth:`RetryQueue.submit` takes records (id, ordering key, payload) and returns
+  a future that resolves once each is settled: delivered, or durably written to the RQ or the DLQ.
+  ``submit(..., failed=error)`` hands over records whose first delivery already failed elsewhere
+  (the Spark bridge isolated them): they are parked without being sent again at once.
+* **Delivery** goes through the owner's ``send`` callback, one record at a time per key (the core
+  never has two records of a key in flight); the owner answers every send exactly once with
+  :meth:`RetryQueue.delivered` or :meth:`RetryQueue.failed`, from any task or callback.
+* :meth:`RetryQueue.blocks` says whether a key's next record must go through the queue (it has a
+  record in flight, waiting, in the RQ, or, with ``dlq_blocks``, in the DLQ): a sink that delivers
+  most records on its own (the Spark bridge) sends those keys' records here to keep per-key order.
+
+Operators: :meth:`RetryQueue.dlq_records`, :meth:`RetryQueue.replay_dlq`,
+:meth:`RetryQueue.discard_dlq`, and :func:`load_dlq` (a read-only listing). One owner at a time
+per set of RQ/DLQ partitions: two queues over the same partitions would both number entries from
+the same log (fencing is not implemented).
+
+Failures are not swallowed: a failed RQ/DLQ write kills the queue's driver (logged), every pending
+future fails with :class:`RetryQueueError`, and the exception leaves ``__aexit__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
+
+from protocol.retry import (
+    Deliver,
+    DeliveryFailed,
+    DeliveryOk,
+    DiscardDlq,
+    Discarded,
+    Duplicate,
+    Event,
+    LogEntry,
+    ParkInRetry,
+    Released,
+    ReplayDlq,
+    RetryCore,
+    RetryPolicy,
+    SendToDlq,
+    SendToSink,
+    Tick,
+    from_log,
+)
+from protocol.routing import CompositeTopic, StorageTopic, key_hash
+from runtime.kafka import KafkaConfig, ensure_topic
+
+__all__ = [
+    "InternalMessage",
+    "LoadedLog",
+    "PendingSend",
+    "RetryQueue",
+    "RetryQueueConfig",
+    "RetryQueueError",
+    "RetryQueueStats",
+    "internal_topic",
+    "load_dlq",
+    "ordering_key",
+    "split_key",
+]
+
+log = logging.getLogger(__name__)
+
+
+class RetryQueueError(RuntimeError):
+    """The queue failed or was closed; pending batches will not be settled by it."""
+
+
+# --- wire format -----------------------------------------------------------------------------
+
+
+class InternalMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """A message of the RQ or DLQ topic: a core log entry with the record, or a read marker."""
+
+    entry: LogEntry | None = None
+    payload: bytes | None = None  # the record (the sink's format), on ParkInRetry and SendToDlq
+    marker: str | None = None
+
+
+_int_encoder = msgspec.msgpack.Encoder()
+_int_decoder: msgspec.msgpack.Decoder[InternalMessage] = msgspec.msgpack.Decoder(InternalMessage)
+
+
+def ordering_key(table: str, keys: str) -> str:
+    """The ordering key of a row (Spanner table names have no ':')."""
+    return f"{table}:{keys}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    table, _, keys = key.partition(":")
+    return table, keys
+
+
+def internal_topic(name: str, partitions: int, base: int = 1) -> CompositeTopic:
+    """An RQ or DLQ composite topic of one storage topic. It is a scaled copy of an output topic
+    whose base is ``base`` when ``partitions`` is a multiple of it (``K = partitions / base``,
+    else 1), so a key's RQ/DLQ partition belongs to the same shard as its output partition."""
+    k = partitions // base if partitions % base == 0 else 1
+    return CompositeTopic(name, (StorageTopic(name, partitions, k),))
+
+
+# --- configuration and figures ----------------------------------------------------------------
+
+
+class RetryQueueConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The RQ and DLQ topics of one owner and how it behaves."""
+
+    rq: CompositeTopic
+    dlq: CompositeTopic
+    # (topic, partition) of the RQ and DLQ this owner reads at start; None: all of them
+    partitions: tuple[tuple[str, int], ...] | None = None
+    policy: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
+    max_unsettled: int = 20_000  # records submitted but not yet settled (backpressure)
+    linger_ms: int = 2
+    fetch_max_wait_ms: int = 50
+    load_timeout_s: float = 60.0
+    close_timeout_s: float = 10.0  # a clean exit waits this long for unsettled records
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_unsettled <= 0:
+            raise ValueError("max_unsettled must be positive")
+
+    def read_partitions(self) -> list[tuple[str, int]]:
+        if self.partitions is not None:
+            return list(self.partitions)
+        return [
+            (st.name, p)
+            for t in (self.rq, self.dlq)
+            for st in t.storage_topics
+            for p in range(st.partitions)
+        ]
+
+
+class RetryQueueStats(msgspec.Struct, frozen=True):
+    records_accepted: int  # records submitted (duplicates included)
+    records_settled: int
+    records_delivered: int  # by the queue (sends answered delivered)
+    delivery_failures: int
+    rq_writes: int
+    dlq_writes: int
+    duplicates: int
+    unsettled: int
+    held: int  # in flight, waiting, in the RQ or in the DLQ
+    in_dlq: int
+    loaded_entries: int  # log entries read back at start
+    missing_payloads: int  # resumed records whose payload was not found (they will fail)
+
+
+class PendingSend(msgspec.Struct, frozen=True):
+    """One delivery the owner must make; answer with ``delivered`` or ``failed``."""
+
+    record_id: str
+    key: str
+    attempts: int  # failures so far
+    payload: bytes
+
+
+Send = Callable[[PendingSend], Awaitable[None]]
+
+
+# --- the loader ------------------------------------------------------------------------------
+
+
+class LoadedLog(msgspec.Struct):
+    entries: list[LogEntry]
+    payloads: dict[str, bytes]
+
+
+async def check_partitions(producer: AIOKafkaProducer, topic: CompositeTopic) -> None:
+    for st in topic.storage_topics:
+        found = await producer.partitions_for(st.name)
+        if set(found) != set(range(st.partitions)):
+            raise RetryQueueError(
+                f"topic {st.name!r} has partitions {sorted(found)}, {st.partitions} expected: "
+                "routing would change; fix the configuration or the topic"
+            )
+
+
+async def load_log(
+    config: KafkaConfig,
+    producer: AIOKafkaProducer,
+    partitions: Sequence[tuple[str, int]],
+    *,
+    fetch_max_wait_ms: int,
+    timeout_s: float,
+) -> LoadedLog:
+    """Read ``partitions`` from the beginning up to a fresh marker written to each."""
+    marker = uuid.uuid4().hex
+    want: dict[TopicPartition, int] = {}
+    raw_marker = _int_encoder.encode(InternalMessage(marker=marker))
+    sends = [
+        (TopicPartition(t, p), await producer.send(t, raw_marker, partition=p))
+        for t, p in partitions
+    ]
+    for tp, fut in sends:
+        want[tp] = (await fut).offset
+    entries: list[LogEntry] = []
+    payloads: dict[str, tuple[int, bytes]] = {}
+    consumer = AIOKafkaConsumer(
+        **config.client_kwargs(),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=fetch_max_wait_ms,
+    )
+    await consumer.start()
+    try:
+        consumer.assign(list(want))
+        await consumer.seek_to_beginning(*want)
+        pending = set(want)
+        async with asyncio.timeout(timeout_s):
+            while pending:
+                batches = await consumer.getmany(*pending, timeout_ms=500)
+                for tp, msgs in batches.items():
+                    for m in msgs:
+                        if m.offset >= want[tp]:
+                            pending.discard(tp)
+                            break
+                        if m.value is None:
+                            continue
+                        try:
+                            msg = _int_decoder.decode(m.value)
+                        except msgspec.DecodeError:
+                            log.exception("undecodable message in %s at offset %d", tp, m.offset)
+                            raise
+                        if msg.entry is None:
+                            continue  # an older marker
+                        entries.append(msg.entry)
+                        if msg.payload is not None:
+                            rid, ver = msg.entry.record_id, msg.entry.version
+                            if rid not in payloads or payloads[rid][0] < ver:
+                                payloads[rid] = (ver, msg.payload)
+    finally:
+        await consumer.stop()
+    return LoadedLog(entries, {rid: p for rid, (_, p) in payloads.items()})
+
+
+def make_producer(config: KafkaConfig, linger_ms: int = 2) -> AIOKafkaProducer:
+    return AIOKafkaProducer(
+        **config.client_kwargs(), acks="all", enable_idempotence=False, linger_ms=linger_ms
+    )
+
+
+async def load_dlq(
+    config: KafkaConfig, queue: RetryQueueConfig
+) -> list[tuple[SendToDlq, bytes | None]]:
+    """The DLQ of ``queue`` (each entry with its payload, if found), read from the RQ and DLQ
+    topics; nothing is delivered, only a read marker is written."""
+    producer = make_producer(config)
+    await producer.start()
+    try:
+        loaded = await load_log(
+            config,
+            producer,
+            queue.read_partitions(),
+            fetch_max_wait_ms=queue.fetch_max_wait_ms,
+            timeout_s=queue.load_timeout_s,
+        )
+    finally:
+        await producer.stop()
+    core = from_log(loaded.entries, queue.policy)
+    return [(e, loaded.payloads.get(e.record_id)) for e in core.dlq_records()]
+
+
+# --- the shell -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Batch:
+    remaining: int
+    future: asyncio.Future[None]
+
+
+@dataclass
+class _Written:
+    """An RQ/DLQ write was acknowledged (settles ``record_id`` if it is a park)."""
+
+    record_id: str
+    settles: bool
+
+
+@dataclass
+class _WriteFailed:
+    what: str
+    error: BaseException
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+_Item = Event | _Written | _WriteFailed | _Stop
+
+
+@dataclass
+class _Counters:
+    accepted: int = 0
+    settled: int = 0
+    delivered: int = 0
+    failures: int = 0
+    rq_writes: int = 0
+    dlq_writes: int = 0
+    loaded: int = 0
+    missing_payloads: int = 0
+
+
+class RetryQueue:
+    """RQ + DLQ for one owner. ``async with RetryQueue(kafka, config, send) as rq:``.
+
+    ``also_topics`` are created and checked with the RQ and DLQ (the Kafka sink's output topic:
+    it shares the queue's producer, :attr:`producer`)."""
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        queue: RetryQueueConfig,
+        send: Send,
+        *,
+        also_topics: Sequence[CompositeTopic] = (),
+        clock: Callable[[], float] = time.time,
+        name: str = "retry-queue",
+    ) -> None:
+        self._config = config
+        self.queue_config = queue
+        self.rq = queue.rq
+        self.dlq = queue.dlq
+        self._send = send
+        self._also = tuple(also_topics)
+        self._clock = clock
+        self.name = name
+        self.core = RetryCore(queue.policy, queue.seed)
+        self._payloads: dict[str, bytes] = {}
+        self._waiters: dict[str, list[_Batch]] = {}
+        self._doomed: dict[str, str] = {}  # record id -> error of a failure that happened already
+        self._pending_keys: Counter[str] = Counter()  # keys of Deliver events not handled yet
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._room = asyncio.Event()  # set while fewer than max_unsettled are unsettled
+        self._room.set()
+        self._producer: AIOKafkaProducer | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._dead: BaseException | None = None
+        self._idle = asyncio.Event()
+        self._n = _Counters()
+
+    def __repr__(self) -> str:
+        return f"RetryQueue({self.name!r}, rq={self.rq.name!r}, dlq={self.dlq.name!r})"
+
+    @property
+    def producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            raise RetryQueueError(f"{self!r} has no producer (not started, or closed)")
+        return self._producer
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self._start()
+        tg = asyncio.TaskGroup()
+        await tg.__aenter__()
+        self._tg = tg
+        self._driver = tg.create_task(self._drive(), name=f"retry-queue-{self.name}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None and self._driver is not None and not self._driver.done():
+            try:
+                async with asyncio.timeout(self.queue_config.close_timeout_s):
+                    await self.wait_idle(include_rq=False)
+            except TimeoutError:
+                log.warning(
+                    "%r: closing with %d record(s) unsettled after %.1f s; their batches fail",
+                    self,
+                    len(self._waiters),
+                    self.queue_config.close_timeout_s,
+                )
+            except RetryQueueError as err:  # the driver failed: the task group below raises it
+                log.warning("%r: closing a failed queue: %s", self, err)
+            self._queue.put_nowait(_Stop())
+        elif self._driver is not None:
+            self._driver.cancel()
+        try:
+            if self._tg is not None:
+                await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._fail_all(RetryQueueError(f"{self!r} is closed"))
+            await self._stop_producer()
+
+    async def abort(self) -> None:
+        """Die abruptly (for tests of a task's death): stop processing at once, write nothing
+        more to the RQ/DLQ, fail every pending batch. The context manager still has to exit."""
+        if self._driver is not None:
+            self._driver.cancel()
+            await asyncio.wait([self._driver])  # returns when it ended; raises nothing
+        self._fail_all(RetryQueueError(f"{self!r} was aborted"))
+
+    async def _start(self) -> None:
+        topics = (*self._also, self.rq, self.dlq)
+        for topic in topics:
+            for st in topic.storage_topics:
+                await ensure_topic(self._config, st.name, partitions=st.partitions)
+        producer = make_producer(self._config, self.queue_config.linger_ms)
+        self._producer = producer
+        try:
+            await producer.start()
+            for topic in topics:
+                await check_partitions(producer, topic)
+            loaded = await load_log(
+                self._config,
+                producer,
+                self.queue_config.read_partitions(),
+                fetch_max_wait_ms=self.queue_config.fetch_max_wait_ms,
+                timeout_s=self.queue_config.load_timeout_s,
+            )
+        except BaseException:
+            await self._stop_producer()
+            raise
+        self.core = from_log(loaded.entries, self.queue_config.policy, self.queue_config.seed)
+        self._n.loaded = len(loaded.entries)
+        for e in self.core.durable_state():
+            payload = loaded.payloads.get(e.record_id)
+            if payload is None:
+                log.error("%r: no payload for held record %s; it cannot be sent", self, e.record_id)
+                self._n.missing_payloads += 1
+                continue
+            self._payloads[e.record_id] = payload
+        held = len(self.core.durable_state())
+        if held:
+            log.info("%r resumed %d record(s) from the RQ/DLQ", self, held)
+
+    async def _stop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.stop()
+
+    def _fail_all(self, error: BaseException) -> None:
+        batches = {id(b): b for bs in self._waiters.values() for b in bs}
+        self._waiters.clear()
+        for b in batches.values():
+            if not b.future.done():
+                b.future.set_exception(error)
+                b.future.exception()  # retrieved: a caller that dropped it is not warned about
+
+    # -- submitting ------------------------------------------------------------------------
+
+    async def submit(
+        self, records: Sequence[tuple[str, str, bytes]], *, failed: str | None = None
+    ) -> asyncio.Future[None]:
+        """Accept records ``(record id, ordering key, payload)`` in order (waits while
+        ``max_unsettled`` records are not yet settled); the future resolves when every one is
+        delivered or durably in the RQ/DLQ. With ``failed``, their first delivery already failed
+        with that error (they are parked, the key's first one counted as one failure)."""
+        self.check_alive()
+        loop = asyncio.get_running_loop()
+        tracker = _Batch(len(records), loop.create_future())
+        if not records:
+            tracker.future.set_result(None)
+            return tracker.future
+        limit = self.queue_config.max_unsettled
+        while self._waiters and len(self._waiters) + len(records) > limit:
+            self._room.clear()
+            await self._room.wait()
+            self.check_alive()
+        self._idle.clear()
+        for rid, key, payload in records:
+            self._n.accepted += 1
+            if rid in self._waiters:
+                self._waiters[rid].append(tracker)  # an unsettled copy: settle together
+            elif self.core.holds(rid):
+                self._settled_one(tracker)  # durably in the RQ/DLQ already
+            else:
+                self._waiters[rid] = [tracker]
+                self._payloads[rid] = payload
+                if failed is not None:
+                    self._doomed[rid] = failed
+                self._pending_keys[key] += 1
+                self._queue.put_nowait(Deliver(rid, key))
+        return tracker.future
+
+    def delivered(self, record_id: str) -> None:
+        """The owner delivered a record ``send`` gave it."""
+        self._queue.put_nowait(DeliveryOk(record_id))
+
+    def failed(self, record_id: str, error: str) -> None:
+        """The owner could not deliver a record ``send`` gave it."""
+        self._queue.put_nowait(DeliveryFailed(record_id, error))
+
+    def check_alive(self) -> None:
+        if self._dead is not None:
+            raise RetryQueueError(f"{self!r} failed: {self._dead!r}") from self._dead
+        if self._driver is None or self._driver.done():
+            raise RetryQueueError(f"{self!r} is not running (use 'async with')")
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def blocks(self, key: str) -> bool:
+        """Whether a new record of ``key`` must go through the queue to keep the key's order."""
+        return self._pending_keys[key] > 0 or self.core.blocks(key)
+
+    def busy(self) -> bool:
+        """Whether any key may be blocked (cheap; ``False`` means :meth:`blocks` is ``False``
+        for every key)."""
+        return bool(self._pending_keys) or self.core.held_count() > 0
+
+    def holds(self, record_id: str) -> bool:
+        return self.core.holds(record_id)
+
+    def payload(self, record_id: str) -> bytes | None:
+        return self._payloads.get(record_id)
+
+    def dlq_records(self) -> list[tuple[SendToDlq, bytes | None]]:
+        return [(e, self._payloads.get(e.record_id)) for e in self.core.dlq_records()]
+
+    async def wait_idle(self, *, include_rq: bool = True) -> None:
+        """Wait until nothing is unsettled and (``include_rq``) nothing is in flight or in the RQ:
+        only DLQ records (and, for blocking keys, the records parked behind them) remain."""
+        while True:
+            self.check_alive()
+            if self._is_idle(include_rq):
+                return
+            self._idle.clear()
+            await self._idle.wait()
+
+    def _is_idle(self, include_rq: bool) -> bool:
+        if self._waiters or not self._queue.empty():
+            return False
+        if not include_rq:
+            return True
+        # nothing in flight and no retry timer: the RQ holds only records blocked by the DLQ
+        return self.core.in_flight_count() == 0 and self.core.next_deadline() is None
+
+    def statistics(self) -> RetryQueueStats:
+        core = self.core.statistics()
+        return RetryQueueStats(
+            records_accepted=self._n.accepted,
+            records_settled=self._n.settled,
+            records_delivered=self._n.delivered,
+            delivery_failures=self._n.failures,
+            rq_writes=self._n.rq_writes,
+            dlq_writes=self._n.dlq_writes,
+            duplicates=core.duplicates,
+            unsettled=len(self._waiters),
+            held=core.held,
+            in_dlq=len(self.core.dlq_records()),
+            loaded_entries=self._n.loaded,
+            missing_payloads=self._n.missing_payloads,
+        )
+
+    # -- operator actions ------------------------------------------------------------------
+
+    def replay_dlq(self, record_ids: Iterable[str] | None = None) -> list[str]:
+        """Put DLQ records (all, or those named) back into the RQ; return their ids."""
+        self.check_alive()
+        held = {e.record_id for e in self.core.dlq_records()}
+        chosen = sorted(held if record_ids is None else set(record_ids) & held)
+        for rid in chosen:
+            self._queue.put_nowait(ReplayDlq(rid))
+        if chosen:
+            self._idle.clear()
+        return chosen
+
+    def discard_dlq(self, record_ids: Iterable[str]) -> list[str]:
+        self.check_alive()
+        held = {e.record_id for e in self.core.dlq_records()}
+        chosen = sorted(set(record_ids) & held)
+        for rid in chosen:
+            self._queue.put_nowait(DiscardDlq(rid))
+        return chosen
+
+    async def wait_replayed(self, record_ids: Sequence[str]) -> None:
+        """Wait until each of ``record_ids`` was delivered or dead-lettered again."""
+        while True:
+            self.check_alive()
+            dead = {e.record_id for e in self.core.dlq_records()}
+            if not any(self.core.holds(rid) and rid not in dead for rid in record_ids):
+                return
+            await asyncio.sleep(0.05)
+
+    # -- the driver ------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        try:
+            await self._loop()
+        except BaseException as exc:
+            self._dead = exc
+            if not isinstance(exc, asyncio.CancelledError):
+                log.exception("%r: the retry-queue driver failed", self)
+            self._fail_all(RetryQueueError(f"{self!r} failed: {exc!r}"))
+            self._idle.set()
+            self._room.set()
+            raise
+
+    async def _loop(self) -> None:
+        await self._handle(Tick())  # records resumed from the RQ that are due now
+        while True:
+            deadline = self.core.next_deadline()
+            wait = None if deadline is None else deadline - self._clock()
+            if wait is not None and wait <= 0:
+                item: _Item = Tick()
+            elif not self._queue.empty():
+                item = self._queue.get_nowait()
+            else:
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), wait)
+                except TimeoutError:
+                    item = Tick()
+            match item:
+                case _Stop():
+                    break
+                case _WriteFailed(what=what, error=error):
+                    raise RetryQueueError(f"{self!r}: writing {what} failed: {error!r}") from error
+                case _Written(record_id=rid, settles=settles):
+                    if settles:
+                        self._settle(rid)
+                case Event():
+                    await self._handle(item)
+            if self._is_idle(include_rq=False):
+                self._idle.set()  # wait_idle() re-checks its own condition
+        producer = self._producer
+        if producer is not None:
+            await producer.flush()
+
+    async def _handle(self, event: Event) -> None:
+        if isinstance(event, DeliveryOk):
+            self._n.delivered += 1
+            self._settle(event.record_id)
+        elif isinstance(event, DeliveryFailed):
+            self._n.failures += 1
+        cmds = self.core.handle(event, self._clock())
+        if isinstance(event, Deliver):
+            self._pending_keys[event.key] -= 1
+            if self._pending_keys[event.key] <= 0:
+                del self._pending_keys[event.key]
+        for cmd in cmds:
+            match cmd:
+                case SendToSink(record_id=rid, key=key, attempts=attempts):
+                    await self._deliver(rid, key, attempts)
+                case ParkInRetry() | Released():
+                    self._n.rq_writes += 1
+                    payload = self._payloads.get(cmd.record_id)
+                    await self._write(
+                        self.rq, cmd, payload if isinstance(cmd, ParkInRetry) else None
+                    )
+                case SendToDlq() | Discarded():
+                    self._n.dlq_writes += 1
+                    payload = self._payloads.get(cmd.record_id)
+                    await self._write(
+                        self.dlq, cmd, payload if isinstance(cmd, SendToDlq) else None
+                    )
+                    if isinstance(cmd, Discarded):
+                        self._payloads.pop(cmd.record_id, None)
+                case Duplicate():
+                    pass  # counted by the core; submit() settled it
+        if isinstance(event, DeliveryOk):
+            self._payloads.pop(event.record_id, None)
+
+    async def _deliver(self, rid: str, key: str, attempts: int) -> None:
+        doomed = self._doomed.pop(rid, None)
+        if doomed is not None:
+            self._queue.put_nowait(DeliveryFailed(rid, doomed))
+            return
+        payload = self._payloads.get(rid)
+        if payload is None:
+            self._queue.put_nowait(DeliveryFailed(rid, "no payload for this record"))
+            return
+        await self._send(PendingSend(rid, key, attempts, payload))
+
+    async def _write(self, topic: CompositeTopic, entry: LogEntry, payload: bytes | None) -> None:
+        table, keys = split_key(entry.key)
+        idx, partition = topic.route(key_hash(table, keys))
+        name = topic.storage_topics[idx].name
+        raw = _int_encoder.encode(InternalMessage(entry=entry, payload=payload))
+        settles = isinstance(entry, ParkInRetry | SendToDlq)
+        what = f"{type(entry).__name__} of {entry.record_id} to {name}"
+        try:
+            fut = await self.producer.send(name, raw, key=entry.key.encode(), partition=partition)
+        except KafkaError as exc:
+            raise RetryQueueError(f"{self!r}: writing {what} failed: {exc!r}") from exc
+        rid = entry.record_id
+
+        def done(f: asyncio.Future[object]) -> None:
+            if f.cancelled():
+                self._queue.put_nowait(_WriteFailed(what, RetryQueueError("cancelled")))
+            elif (exc := f.exception()) is not None:
+                self._queue.put_nowait(_WriteFailed(what, exc))
+            else:
+                self._queue.put_nowait(_Written(rid, settles))
+
+        fut.add_done_callback(done)
+
+    def _settle(self, rid: str) -> None:
+        self._doomed.pop(rid, None)
+        batches = self._waiters.pop(rid, None)
+        if batches is None:
+            return
+        for b in batches:
+            self._settled_one(b)
+        if len(self._waiters) < self.queue_config.max_unsettled:
+            self._room.set()
+
+    def _settled_one(self, b: _Batch) -> None:
+        self._n.settled += 1
+        b.remaining -= 1
+        if b.remaining == 0 and not b.future.done():
+            b.future.set_result(None)
