@@ -43,7 +43,7 @@ import msgspec
 
 from actors.node import NodeConfig, TaskNode
 from protocol import messages
-from protocol.messages import EpochMessage
+from protocol.messages import EpochMessage, StateMessage
 from protocol.task import TaskConfig
 from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
@@ -243,6 +243,8 @@ class Bench:
         self.joined_at: dict[str, float] = {}
         self.sync_log: list[tuple[float, int]] = []  # (read back at, bytes)
         self.epochs: list[tuple[float, int, tuple[str, ...]]] = []  # (read at, epoch, members)
+        # hand-off steps as read back: (read at, "offer" | "incoming" | "released")
+        self.steps: list[tuple[float, str]] = []
         self.nodes: dict[str, tuple[TaskNode, contextlib.AsyncExitStack]] = {}
         self.workers: dict[str, Worker] = {}
         self._followers: list[asyncio.Task[None]] = []
@@ -258,10 +260,16 @@ class Bench:
             async for _, payload in reader:
                 at = time.monotonic()
                 self.sync_log.append((at, len(payload)))
-                if b'"kind":"epoch"' in payload:
-                    message = messages.decode(payload)
-                    if isinstance(message, EpochMessage):
-                        self.epochs.append((at, message.epoch, tuple(sorted(message.members))))
+                message = messages.decode(payload)
+                if isinstance(message, EpochMessage):
+                    self.epochs.append((at, message.epoch, tuple(sorted(message.members))))
+                elif isinstance(message, StateMessage):
+                    for state in message.connector_state:
+                        if any(p.status == "incoming" for p in state.data):
+                            self.steps.append((at, "incoming"))
+                        for offer in state.share or ():
+                            if offer.kind == "move" and offer.target is not None:
+                                self.steps.append((at, "released" if offer.released else "offer"))
 
     async def start_node(self, task_id: str) -> None:
         stack = contextlib.AsyncExitStack()
@@ -404,6 +412,16 @@ class Bench:
             raise RuntimeError(f"no epoch of {members} was read")
         return min(got)
 
+    def step_times(self, since: float, until: float) -> dict[str, float]:
+        """Per hand-off step: when it was first and last read back in the window."""
+        out: dict[str, float] = {}
+        for step in ("offer", "incoming", "released"):
+            times = [at for at, s in self.steps if s == step and since <= at <= until]
+            if times:
+                out[f"first_{step}"] = min(times)
+                out[f"last_{step}"] = max(times)
+        return out
+
     def bytes_between(self, t0: float, t1: float) -> int:
         return sum(n for at, n in self.sync_log if t0 <= at <= t1)
 
@@ -413,6 +431,8 @@ class Figures(msgspec.Struct):
     group_s: float
     protocol_s: float
     epoch_s: float  # of protocol_s: until the leader's epoch message is read back
+    # of protocol_s, when each hand-off step was first / last read back (moves only)
+    steps_s: dict[str, float]
     sync_bytes: int
     sync_bytes_raw: int
 
@@ -456,6 +476,10 @@ async def measure(
                     group_s=round(group_at - start, 3),
                     protocol_s=round(max(0.0, settled - group_at), 3),
                     epoch_s=round(epoch_at - group_at, 3),
+                    steps_s={
+                        k: round(v - group_at, 3)
+                        for k, v in bench.step_times(group_at, settled).items()
+                    },
                     sync_bytes=max(0, round(raw - steady * (settled + 0.5 - start))),
                     sync_bytes_raw=raw,
                 )
@@ -480,7 +504,8 @@ async def measure(
     results = {"join": join, "leave": leave, "kill": kill}
     for name, fig in results.items():
         for key, value in msgspec.structs.asdict(fig).items():
-            out[f"{name}_{key}"] = value
+            if key != "steps_s":
+                out[f"{name}_{key}"] = value
     out["join_s"] = join.total_s
     out["leave_s"] = leave.total_s
     out["kill_s"] = kill.total_s

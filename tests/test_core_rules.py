@@ -26,6 +26,7 @@ from protocol.messages import (
 from protocol.planner import plan
 from protocol.records import ChildPartition
 from protocol.task import (
+    Command,
     Drain,
     Joined,
     Lease,
@@ -253,6 +254,18 @@ def test_a_move_goes_stable_pending_stable_and_a_newer_target_is_planned() -> No
 
 
 # -- task core exact command lists (protocol/task.py) ------------------------------------------
+def read_back(c: TaskCore, sent: list[Command], first_offset: int, now: int) -> int:
+    """Feed ``c`` its own published messages (and those they lead to) until it has none on the
+    way; returns the next free offset."""
+    offset = first_offset
+    queue = [cmd.message for cmd in sent if isinstance(cmd, Publish)]
+    while queue:
+        more = c.handle(SyncRead(offset, queue.pop(0)), now=now)
+        queue += [cmd.message for cmd in more if isinstance(cmd, Publish)]
+        offset += 1
+    return offset
+
+
 def core(task: str = "a") -> TaskCore:
     return TaskCore(TaskConfig(task_id=task, cap=2), Random(0))
 
@@ -312,9 +325,10 @@ def test_a_draining_task_stops_its_readers_for_good_and_publishes() -> None:
     c = core()
     c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
     c.handle(Lease(until=10**12), now=2)
-    c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    sent = c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
     offer = Share(part("p1", 50), target="a", kind="new", since=4)
-    c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
+    sent += c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
+    read_back(c, sent, first_offset=2, now=5)  # nothing of ours in flight
     out = c.handle(Drain(), now=6)
     assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [StopReader("p1", "shutdown")]
     stopped = c.handle(ReaderStopped("p1", T0 + 80), now=7)

@@ -22,13 +22,15 @@ from protocol.task import (
 
 def _leader_with_epoch(cap: int) -> tuple[TaskCore, list[Command]]:
     core = TaskCore(TaskConfig("a", cap=cap))
-    core.handle(Joined(1, "a", ("a",)), 0)
+    (answer,) = core.handle(Joined(1, "a", ("a",)), 0)
+    assert isinstance(answer, Publish)
+    core.handle(SyncRead(0, answer.message), 0)  # read back: nothing of ours is on its way
     core.handle(Lease(10**9), 0)  # readers start only under a lease
     roots = (Partition("r1", 0), Partition("r2", 0))
     p = plan(core.cim, ("a",), "a", 1, 0, cap, Random(0), roots=roots, stream_start=0)
     (publish,) = core.handle(PlanReady(p), 1)
     assert isinstance(publish, Publish)
-    return core, core.handle(SyncRead(0, publish.message), 2)
+    return core, core.handle(SyncRead(1, publish.message), 2)
 
 
 def test_join_answers_with_own_state() -> None:
