@@ -4,7 +4,7 @@ Commands (``run`` is the default)::
 
     python -m actors.runtime [run] [options]    run tasks until stopped, or a bounded run
     python -m actors.runtime status [options]   replay the sync topic, print tasks/partitions
-    python -m actors.runtime dlq list|replay    the Kafka output sink's dead-letter queue
+    python -m actors.runtime dlq list|replay    the dead-letter queue of --sink kafka / spark
     python -m actors.runtime config [--reference]   the effective options / the docs table
 
 With no option at all it runs the whole pipeline on this machine: the embedded Kafka-compatible
@@ -51,7 +51,8 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         "3 tasks, local Spark writing parquet, live progress.",
         "status": "Replay the connector's sync topic and print its tasks, partitions, "
         "watermarks, lag, epoch and leader.",
-        "dlq": "List or replay the dead-letter queue of the Kafka output sink (--sink kafka).",
+        "dlq": "List or replay the dead-letter queue of the sink --sink names: the Kafka output "
+        "sink's (--sink kafka) or the Spark bridge's (--sink spark --spark-dead-letter).",
         "config": "Print the effective configuration (secrets hidden), or the reference.",
     }
     prog = PROG if command == "run" else f"{PROG} {command}"

@@ -245,6 +245,22 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Annotated[int, Meta(ge=1)] | None,
         Meta(description="Micro-batches in flight before backpressure."),
     ] = None
+    dead_letter: Annotated[
+        bool,
+        _d(
+            "Retry and dead-letter queues for rows Spark keeps failing: the failing rows are "
+            "isolated (the micro-batch is bisected by key) and parked in the Kafka topics "
+            "<dead_letter_topic>_rq / _dlq, retried with backoff, per-key order kept; "
+            "see the dlq command. Embedded path only."
+        ),
+    ] = False
+    dead_letter_topic: Annotated[
+        Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$")] | None,
+        _d("Topic prefix of the Spark retry/dead-letter queues (default: <connector>_spark)."),
+    ] = None
+    dead_letter_max_attempts: Annotated[
+        int, Meta(ge=1, description="Failures of a row before it goes to the dead-letter queue.")
+    ] = 5
     conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
 
 
@@ -586,6 +602,8 @@ def check(config: ShoalConfig) -> None:
         raise ConfigError(
             f"spanner.change_stream must be an identifier, got {spanner.change_stream!r}"
         )
+    if config.spark.dead_letter and config.spark.path != "embedded":
+        raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
     if kafka.bootstrap_servers is not None:
         try:
             kafka_config(config, kafka.bootstrap_servers)

@@ -275,6 +275,8 @@ async def load_dlq(
     producer = make_producer(config)
     await producer.start()
     try:
+        for topic in (queue.rq, queue.dlq):
+            await check_partitions(producer, topic)
         loaded = await load_log(
             config,
             producer,
@@ -360,6 +362,8 @@ class RetryQueue:
         self._waiters: dict[str, list[_Batch]] = {}
         self._doomed: dict[str, str] = {}  # record id -> error of a failure that happened already
         self._pending_keys: Counter[str] = Counter()  # keys of Deliver events not handled yet
+        self._replay_pending: set[str] = set()  # ReplayDlq events not handled yet
+        self._replay_keys: dict[str, str] = {}  # replayed record id -> its key
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._room = asyncio.Event()  # set while fewer than max_unsettled are unsettled
         self._room.set()
@@ -583,9 +587,11 @@ class RetryQueue:
     def replay_dlq(self, record_ids: Iterable[str] | None = None) -> list[str]:
         """Put DLQ records (all, or those named) back into the RQ; return their ids."""
         self.check_alive()
-        held = {e.record_id for e in self.core.dlq_records()}
-        chosen = sorted(held if record_ids is None else set(record_ids) & held)
+        held = {e.record_id: e.key for e in self.core.dlq_records()}
+        chosen = sorted(held if record_ids is None else set(record_ids) & set(held))
         for rid in chosen:
+            self._replay_pending.add(rid)
+            self._replay_keys[rid] = held[rid]
             self._queue.put_nowait(ReplayDlq(rid))
         if chosen:
             self._idle.clear()
@@ -600,13 +606,24 @@ class RetryQueue:
         return chosen
 
     async def wait_replayed(self, record_ids: Sequence[str]) -> None:
-        """Wait until each of ``record_ids`` was delivered or dead-lettered again."""
+        """Wait until each of ``record_ids`` (from :meth:`replay_dlq`) was delivered together
+        with the records of its key parked behind it, or was dead-lettered again."""
         while True:
             self.check_alive()
-            dead = {e.record_id for e in self.core.dlq_records()}
-            if not any(self.core.holds(rid) and rid not in dead for rid in record_ids):
+            if all(self._replay_done(rid) for rid in record_ids):
                 return
             await asyncio.sleep(0.05)
+
+    def _replay_done(self, record_id: str) -> bool:
+        if record_id in self._replay_pending:
+            return False
+        key = self._replay_keys.get(record_id)
+        if key is None:
+            return True
+        g = self.core.group_state(key)
+        if g.in_flight is not None or g.waiting:
+            return False
+        return not g.rq or (self.core.policy.dlq_blocks and bool(g.dlq))
 
     # -- the driver ------------------------------------------------------------------------
 
@@ -659,6 +676,8 @@ class RetryQueue:
         elif isinstance(event, DeliveryFailed):
             self._n.failures += 1
         cmds = self.core.handle(event, self._clock())
+        if isinstance(event, ReplayDlq):
+            self._replay_pending.discard(event.record_id)
         if isinstance(event, Deliver):
             self._pending_keys[event.key] -= 1
             if self._pending_keys[event.key] <= 0:

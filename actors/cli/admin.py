@@ -1,5 +1,5 @@
 """The ``status`` and ``dlq`` subcommands: read-only views of a running connector, and the
-dead-letter queue of the Kafka output sink.
+dead-letter queue of the Kafka output sink or of the Spark bridge (``--spark-dead-letter``).
 
 ``status`` replays the connector's sync topic (from its latest checkpoint) into a CIM, exactly
 as a joining task does, and prints the epoch, the leader, every task with its partitions, and
@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
 from protocol import messages
 from protocol.cim import Cim
 from runtime.config import ConfigError, ShoalConfig, kafka_config
+
+if TYPE_CHECKING:
+    from runtime.kafka import KafkaConfig
 
 
 def _need_kafka(config: ShoalConfig, command: str) -> str:
@@ -136,18 +139,66 @@ async def status(config: ShoalConfig, out: TextIO, *, as_json: bool = False) -> 
     return 0
 
 
-async def dlq(config: ShoalConfig, action: str, ids: list[str], out: TextIO) -> int:
+async def dlq(
+    config: ShoalConfig, action: str, ids: list[str], out: TextIO, *, spark: Any = None
+) -> int:
+    """``dlq list|replay``: the dead-letter queue of the sink ``--sink`` names (the same options
+    as the run): the Kafka output sink's, or the Spark bridge's (``--spark-dead-letter``).
+    Replay delivers through a sink over the same topics (for Spark: a bridge, on ``spark`` if
+    given, else a session it starts); the regular owner must be stopped meanwhile."""
+    kafka = kafka_config(config, _need_kafka(config, "dlq"))
+    match config.run.sink:
+        case "kafka":
+            return await _kafka_dlq(config, kafka, action, ids, out)
+        case "spark":
+            return await _spark_dlq(config, kafka, action, ids, out, spark)
+        case "files":
+            raise ConfigError(
+                "dlq: --sink files has no dead-letter queue "
+                "(--sink kafka, or --sink spark with --spark-dead-letter, have one)"
+            )
+
+
+async def _kafka_dlq(
+    config: ShoalConfig, kafka: KafkaConfig, action: str, ids: list[str], out: TextIO
+) -> int:
     from runtime.kafka_sink import KafkaSinkConfig, list_dlq, replay_dlq
 
-    kafka = kafka_config(config, _need_kafka(config, "dlq"))
     name = config.kafka.output_topic or f"{config.run.connector}_output"
     sink = KafkaSinkConfig(name=name, partitions=config.kafka.output_partitions)
     if action == "list":
         records = await list_dlq(kafka, sink)
-        out.write(f"{len(records)} record(s) in the DLQ of {name!r}\n")
-        for r in records:
-            out.write(f"{r.record_id}  key={r.key}  attempts={r.attempts}  error={r.error}\n")
+        _print_dlq(out, name, [(r.record_id, r.key, r.attempts, r.error) for r in records])
         return 0
     replayed = await replay_dlq(kafka, sink, ids or None)
     out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r}\n")
     return 0
+
+
+async def _spark_dlq(
+    config: ShoalConfig, kafka: KafkaConfig, action: str, ids: list[str], out: TextIO, spark: Any
+) -> int:
+    from actors.cli.sinks import spark_config
+    from runtime.spark import dead_letter
+
+    if not config.spark.dead_letter:
+        raise ConfigError(
+            "dlq: the Spark bridge's dead-letter queue is off: give --spark-dead-letter (and "
+            "--spark-dead-letter-topic, as the run did), or --sink kafka for the Kafka sink's"
+        )
+    settings = spark_config(config, kafka)
+    assert settings.dead_letter is not None
+    name = settings.dead_letter.name
+    if action == "list":
+        records = await dead_letter.list_dlq(settings.dead_letter)
+        _print_dlq(out, name, [(r.record_id, r.key, r.attempts, r.error) for r in records])
+        return 0
+    replayed = await dead_letter.replay_dlq(settings, ids or None, spark=spark)
+    out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r}\n")
+    return 0
+
+
+def _print_dlq(out: TextIO, name: str, records: list[tuple[str, str, int, str]]) -> None:
+    out.write(f"{len(records)} record(s) in the DLQ of {name!r}\n")
+    for record_id, key, attempts, error in records:
+        out.write(f"{record_id}  key={key}  attempts={attempts}  error={error}\n")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from actors.cli.embed import GatedSource, drain_node
 from actors.cli.sinks import CountingSink, FileSink
+from actors.cli.sinks import spark_config as build_spark_config
 from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
 from protocol.records import DataChange
@@ -407,7 +408,7 @@ class Pipeline:
                 self._file_sink = FileSink(self.output_dir / "data")
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
-                inner = await self._spark_sink(stack)
+                inner = await self._spark_sink(stack, kafka)
             case "kafka":
                 from runtime.kafka_sink import KafkaSink, KafkaSinkConfig
 
@@ -418,7 +419,7 @@ class Pipeline:
         self._ledger = Ledger(inner, keep_ids=self._bounded)
         return self._ledger
 
-    async def _spark_sink(self, stack: AsyncExitStack) -> Sink:
+    async def _spark_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
         try:
             spark_module: Any = importlib.import_module("runtime.spark")
         except ImportError as exc:
@@ -432,23 +433,14 @@ class Pipeline:
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         if sc.remote is None and sc.master.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        kwargs: dict[str, Any] = {
-            "master": sc.master,
-            "remote": sc.remote,
-            "app_name": sc.app_name,
-            "conf": dict(sc.conf),
-            "output_dir": str(self.output_dir / "data"),
-            "checkpoint_dir": sc.checkpoint_dir,
-            "path": sc.path,
-        }
-        for name in ("max_rows", "max_age_s", "max_inflight_batches"):
-            value = getattr(sc, name)
-            if value is not None:
-                kwargs[name] = value
-        self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path)")
-        bridge: Any = await stack.enter_async_context(
-            spark_module.SparkBridge(spark_module.SparkConfig(**kwargs))
+        settings = build_spark_config(self.config, kafka)
+        where = (
+            f", retry/dead-letter queues {settings.dead_letter.name}_rq/_dlq"
+            if settings.dead_letter is not None
+            else ""
         )
+        self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path{where})")
+        bridge: Any = await stack.enter_async_context(spark_module.SparkBridge(settings))
         self._bridge = bridge
         return cast(Sink, bridge)
 

@@ -16,6 +16,9 @@ wrote. Batches of one partition are written in order, so that is enough, in O(pa
 
 ``CountingSink`` wraps the shared sink for one task and counts records handed over and
 committed, so the progress display and the metrics can show them per task.
+
+``spark_config`` turns the options into the Spark bridge's ``SparkConfig`` (with its retry and
+dead-letter queues when ``spark.dead_letter`` is on); the run and the ``dlq`` command share it.
 """
 
 from __future__ import annotations
@@ -29,13 +32,18 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 
 from protocol.records import DataChange
 from runtime.kafka_sink import output_records
 from runtime.ports import Sink, SinkBatch
+
+if TYPE_CHECKING:
+    from runtime.config import ShoalConfig
+    from runtime.kafka import KafkaConfig
+    from runtime.spark import SparkConfig
 
 log = logging.getLogger("shoal.sink")
 
@@ -313,3 +321,36 @@ class CountingSink:
 
         future.add_done_callback(done)
         return future
+
+
+def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
+    """The Spark bridge's settings for ``config``: output under ``<output_dir>/data``; with
+    ``spark.dead_letter`` the RQ/DLQ topics ``<dead_letter_topic>_rq``/``_dlq`` on ``kafka``.
+    Importing the bridge may fail (no pyspark): the caller reports it."""
+    from protocol.retry import RetryPolicy
+    from runtime.spark import SparkConfig
+    from runtime.spark.dead_letter import DeadLetterConfig
+
+    sc = config.spark
+    kwargs: dict[str, Any] = {
+        "master": sc.master,
+        "remote": sc.remote,
+        "app_name": sc.app_name,
+        "conf": dict(sc.conf),
+        "output_dir": str(Path(config.run.output_dir) / "data"),
+        "checkpoint_dir": sc.checkpoint_dir,
+        "path": sc.path,
+    }
+    for name in ("max_rows", "max_age_s", "max_inflight_batches"):
+        value = getattr(sc, name)
+        if value is not None:
+            kwargs[name] = value
+    if sc.dead_letter:
+        if kafka is None:
+            raise ValueError("spark.dead_letter needs a Kafka for its topics")
+        kwargs["dead_letter"] = DeadLetterConfig(
+            kafka=kafka,
+            name=sc.dead_letter_topic or f"{config.run.connector}_spark",
+            policy=RetryPolicy(max_attempts=sc.dead_letter_max_attempts),
+        )
+    return SparkConfig(**kwargs)

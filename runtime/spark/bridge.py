@@ -16,6 +16,21 @@ futures, so a crash anywhere loses nothing.
   so does everything cut or buffered after it (those were de-duplicated on the assumption that
   the failed one commits); a later batch of an affected partition is refused until its reader
   re-reads from its committed watermark.
+* Retry queue and dead-letter queue (design 003, opt-in: ``SparkConfig.dead_letter``, embedded
+  path only). A micro-batch that still fails after ``max_attempts`` is not failed back: the
+  bridge isolates the failing rows by **bisecting the micro-batch by ordering key** (table and
+  primary key; ``runtime.spark.keyed.halves``), each half run once as its own Spark batch with a
+  fresh batch id (so a ``foreach_batch`` idempotent per id never overwrites one half with the
+  other; it must write nothing when it raises), down to single keys; a ``foreach_batch`` that
+  raises ``RowsFailed(keys)`` names them at once. What succeeds is committed; the rows of keys
+  that fail alone go to the retry queue of ``runtime.retry_queue.RetryQueue`` (the Kafka sink's
+  shell and topic format, here ``<name>_rq`` / ``<name>_dlq``), retried with backoff as small
+  Spark batches (one row per key at a time), dead-lettered after ``policy.max_attempts``. **Per
+  key order**: every later row of a key the queue holds (``RetryQueue.blocks``) is taken out of
+  its micro-batch and parked behind, other keys flow on. A ``SinkBatch``'s future resolves once
+  each of its rows is committed in Spark or durably in the RQ/DLQ, so watermarks never pass a
+  lost row; the RQ/DLQ state lives in Kafka and a new bridge over the same topics resumes it.
+  Spark jobs (micro-batches, halves, retries) run one at a time.
 * The default output: parquet under ``output_dir``, partitioned by ``table`` and by ``batch``
   (``<run>-<batch id>``), one row per mod; ``read_output`` reads it back.
 """
@@ -29,7 +44,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -38,10 +53,29 @@ import msgspec
 
 from protocol.records import DataChange
 from runtime.ports import SinkBatch
+from runtime.retry_queue import PendingSend, RetryQueue, RetryQueueError
+from runtime.spark.dead_letter import DeadLetterConfig, SparkDlqRecord
+from runtime.spark.keyed import (
+    RowsFailed,
+    SparkRecord,
+    decode_record,
+    encode_record,
+    halves,
+    record_keys,
+    records_table,
+    spark_records,
+)
 from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
 from runtime.spark.session import SparkStartError, start_session, warm
 
-__all__ = ["BridgeError", "BridgeStats", "SparkBridge", "SparkConfig"]
+__all__ = [
+    "BridgeError",
+    "BridgeStats",
+    "DeadLetterConfig",
+    "RowsFailed",
+    "SparkBridge",
+    "SparkConfig",
+]
 
 log = logging.getLogger("shoal.spark")
 
@@ -67,6 +101,7 @@ class SparkConfig(msgspec.Struct, frozen=True):
     trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger
     ack_poll_s: float = 0.1  # streaming: how often Spark's checkpoint is read for commits
     resume_dedupe: bool = True  # on start, learn each partition's tail from the output
+    dead_letter: DeadLetterConfig | None = None  # RQ/DLQ for rows Spark keeps failing (opt-in)
 
 
 class BridgeStats(msgspec.Struct, frozen=True):
@@ -83,6 +118,12 @@ class BridgeStats(msgspec.Struct, frozen=True):
     buffered_rows: int
     last_commit_latency_s: float  # oldest put of the last micro-batch → its commit
     last_batch_id: int
+    # with dead_letter:
+    rows_parked: int = 0  # rows handed to the RQ (failing, or behind a key it holds)
+    rows_retried: int = 0  # rows committed from the RQ
+    isolation_runs: int = 0  # Spark batches run to isolate failing rows (halves, retries)
+    rq_held: int = 0  # rows the RQ/DLQ holds now
+    in_dlq: int = 0
 
 
 class BridgeError(RuntimeError):
@@ -107,6 +148,8 @@ class SparkBridge:
             raise ValueError("max_rows, max_age_s and max_inflight_batches must be positive")
         if config.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if config.dead_letter is not None and config.path != "embedded":
+            raise ValueError("dead_letter (the RQ/DLQ) works on the embedded path only")
         self.config = config
         self.foreach_batch = foreach_batch
         self.spark: Any = spark
@@ -140,6 +183,11 @@ class SparkBridge:
         self._inflight = 0
         self._local_dir: str | None = None
         self._streaming: Any = None
+        self._rq: RetryQueue | None = None
+        self._spark_lock = asyncio.Lock()  # one Spark job at a time
+        self._retry_sends: list[PendingSend] = []
+        self._retry_kick: asyncio.Event | None = None
+        self._rows_parked = self._rows_retried = self._isolation_runs = 0
         # counters
         self._puts = self._rows_in = self._rows_dedup = self._rows_committed = 0
         self._batches_committed = self._batches_failed = self._attempts_failed = 0
@@ -197,10 +245,26 @@ class SparkBridge:
         except BaseException:
             await self._stop_spark()
             raise
+        if cfg.dead_letter is not None:
+            rq = RetryQueue(
+                cfg.dead_letter.kafka,
+                cfg.dead_letter.queue_config(),
+                self._send_retry,
+                name=cfg.dead_letter.name,
+            )
+            try:
+                await rq.__aenter__()
+            except BaseException:
+                await self._stop_spark()
+                raise
+            self._rq = rq
+            self._retry_kick = asyncio.Event()
         self._group = asyncio.TaskGroup()
         await self._group.__aenter__()
         self._group.create_task(self._cut_loop(), name="spark-bridge-cut")
         self._group.create_task(self._commit_loop(), name="spark-bridge-commit")
+        if self._rq is not None:
+            self._group.create_task(self._retry_loop(), name="spark-bridge-retry")
         if self._streaming is not None:
             self._ack_kick = asyncio.Event()
             self._group.create_task(self._ack_loop(), name="spark-bridge-ack")
@@ -228,8 +292,21 @@ class SparkBridge:
                 log.exception("%r: in-flight batches did not commit in time; failing them", self)
                 self._fail_everything(BridgeError("the Spark bridge stopped before committing"))
         finally:
-            self._fail_everything(BridgeError("the Spark bridge stopped"))
-            await self._stop_spark()
+            try:
+                if self._rq is not None:
+                    await self._rq.__aexit__(None, None, None)
+            finally:
+                self._fail_everything(BridgeError("the Spark bridge stopped"))
+                await self._stop_spark()
+
+    async def abort(self) -> None:
+        """Die abruptly (for tests of a task's death): the RQ/DLQ writes nothing more and every
+        pending batch fails; what is in the RQ topic stays there for the next bridge. The
+        context manager still has to exit."""
+        self._broken = BridgeError(f"{self!r} was aborted")
+        if self._rq is not None:
+            await self._rq.abort()
+        self._fail_everything(self._broken)
 
     async def _stop_spark(self) -> None:
         if self._streaming is not None:
@@ -251,6 +328,12 @@ class SparkBridge:
         if self._broken is not None:
             self._puts_refused += 1
             raise self._broken
+        if self._rq is not None:
+            try:
+                self._rq.check_alive()
+            except RetryQueueError as exc:
+                self._puts_refused += 1
+                raise BridgeError(f"{self!r}: the retry queue failed: {exc}") from exc
         if not _is_sink_batch(batch):
             self._puts_refused += 1
             raise TypeError(f"SparkBridge.put takes a SinkBatch of DataChange, got {batch!r:.200}")
@@ -309,6 +392,11 @@ class SparkBridge:
             buffered_rows=self._batcher.rows,
             last_commit_latency_s=self._last_latency,
             last_batch_id=self._last_batch_id,
+            rows_parked=self._rows_parked,
+            rows_retried=self._rows_retried,
+            isolation_runs=self._isolation_runs,
+            rq_held=0 if self._rq is None else self._rq.core.held_count(),
+            in_dlq=0 if self._rq is None else len(self._rq.core.dlq_records()),
         )
 
     # --- the cutter -----------------------------------------------------------------------
@@ -422,19 +510,43 @@ class SparkBridge:
     async def _commit(
         self, cut: Cut, table: Any, fresh: list[tuple[str, list[DataChange]]], rows: int
     ) -> None:
+        if self._rq is not None:
+            try:
+                await self._commit_keyed(self._rq, cut, table, fresh, rows)
+            except RetryQueueError as exc:
+                self._broken = BridgeError(f"the retry queue failed: {exc}")
+                self._fail_permanently([cut], self._broken)
+            return
+        error = None
+        if rows or self.foreach_batch is not None:
+            error = await self._attempts(cut.batch_id, table, rows)
+        if error is not None:
+            self._fail_permanently(
+                [cut],
+                BridgeError(
+                    f"Spark micro-batch {cut.batch_id} failed after {self.config.max_attempts} "
+                    f"attempts: {error!r}"
+                ),
+            )
+            return
+        self._succeed(cut, fresh, rows)
+
+    async def _attempts(self, batch_id: int, table: Any, rows: int) -> Exception | None:
+        """Run one micro-batch up to ``max_attempts`` times (with backoff); the last error, or
+        None once it committed."""
         cfg = self.config
-        error: BaseException | None = None
+        error: Exception | None = None
         for attempt in range(1, cfg.max_attempts + 1):
             try:
-                if rows or self.foreach_batch is not None:
-                    await asyncio.to_thread(self._run_batch, cut.batch_id, table)
+                async with self._spark_lock:
+                    await asyncio.to_thread(self._run_batch, batch_id, table)
             except Exception as exc:
                 error = exc
                 self._attempts_failed += 1
                 log.warning(
                     "%r: micro-batch %d (%d rows) failed, attempt %d/%d: %r",
                     self,
-                    cut.batch_id,
+                    batch_id,
                     rows,
                     attempt,
                     cfg.max_attempts,
@@ -443,18 +555,189 @@ class SparkBridge:
                 if attempt < cfg.max_attempts:
                     await asyncio.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
                 continue
-            error = None
-            break
+            return None
+        return error
+
+    # --- the retry queue and dead-letter queue (dead_letter) ------------------------------
+
+    async def _commit_keyed(
+        self,
+        rq: RetryQueue,
+        cut: Cut,
+        table: Any,
+        fresh: list[tuple[str, list[DataChange]]],
+        rows: int,
+    ) -> None:
+        """Commit ``cut`` with the RQ: rows of keys the RQ holds are parked behind them; if
+        Spark keeps failing the rest, the failing rows are isolated and parked."""
+        by_entry: list[list[SparkRecord]] | None = None
+        parked: dict[int, list[asyncio.Future[None]]] = {}
+        direct_rows = rows
+        if rows and rq.busy():
+            by_entry = await asyncio.to_thread(_records_by_entry, fresh)
+            keys = {r.key for records in by_entry for r in records}
+            blocked = {k for k in keys if rq.blocks(k)}
+            if blocked:
+                for i, records in enumerate(by_entry):
+                    behind = [r for r in records if r.key in blocked]
+                    if behind:
+                        parked.setdefault(i, []).append(await self._park(rq, behind, None))
+                    by_entry[i] = [r for r in records if r.key not in blocked]
+                direct = [r for records in by_entry for r in records]
+                direct_rows = len(direct)
+                table = await asyncio.to_thread(records_table, direct)
+        committed = direct_rows
+        error = None
+        if direct_rows or self.foreach_batch is not None:
+            error = await self._attempts(cut.batch_id, table, direct_rows)
         if error is not None:
-            self._fail_permanently(
-                [cut],
-                BridgeError(
-                    f"Spark micro-batch {cut.batch_id} failed after {cfg.max_attempts} "
-                    f"attempts: {error!r}"
-                ),
+            if by_entry is None:
+                by_entry = await asyncio.to_thread(_records_by_entry, fresh)
+            entry_of = {r.record_id: i for i, records in enumerate(by_entry) for r in records}
+            direct = [r for records in by_entry for r in records]
+            ok, failed = await self._write_isolating(direct, error)
+            committed = len(ok)
+            groups: dict[tuple[int, str], list[SparkRecord]] = {}
+            for record, text in failed:
+                groups.setdefault((entry_of[record.record_id], text), []).append(record)
+            for (i, text), records in groups.items():
+                parked.setdefault(i, []).append(await self._park(rq, records, text))
+            log.warning(
+                "%r: micro-batch %d failed %d times: %d rows committed in parts, %d parked in "
+                "the retry queue (%d keys)",
+                self,
+                cut.batch_id,
+                self.config.max_attempts,
+                len(ok),
+                len(failed),
+                len(record_keys(r for r, _ in failed)),
             )
-            return
-        self._succeed(cut, fresh, rows)
+        self._succeed(cut, fresh, committed, parked)
+
+    async def _park(
+        self, rq: RetryQueue, records: list[SparkRecord], failed: str | None
+    ) -> asyncio.Future[None]:
+        self._rows_parked += len(records)
+        return await rq.submit(
+            [(r.record_id, r.key, encode_record(r)) for r in records], failed=failed
+        )
+
+    async def _write_isolating(
+        self, records: list[SparkRecord], error: Exception | None
+    ) -> tuple[list[SparkRecord], list[tuple[SparkRecord, str]]]:
+        """Write ``records`` to Spark (they failed already with ``error``, if given), bisecting
+        by ordering key on failure: (committed, failed alone with their error)."""
+        committed: list[SparkRecord] = []
+        failed: list[tuple[SparkRecord, str]] = []
+        todo: list[tuple[list[SparkRecord], Exception | None]] = [(records, error)]
+        while todo:
+            group, err = todo.pop()
+            if not group:
+                continue
+            if err is None:
+                err = await self._write_once(group)
+                if err is None:
+                    committed += group
+                    continue
+            if isinstance(err, RowsFailed):
+                named = [r for r in group if r.key in err.keys]
+                if named:
+                    failed += [(r, _error_text(err)) for r in named]
+                    todo.append(([r for r in group if r.key not in err.keys], None))
+                    continue
+            if len(record_keys(group)) == 1:
+                failed += [(r, _error_text(err)) for r in group]
+                continue
+            left, right = halves(group)
+            todo += [(right, None), (left, None)]
+        return committed, failed
+
+    async def _write_once(self, records: list[SparkRecord]) -> Exception | None:
+        """One Spark batch of ``records`` under a fresh batch id: None, or why it failed."""
+        batch_id = self._batcher.take_id()
+        self._isolation_runs += 1
+        table = await asyncio.to_thread(records_table, records)
+        try:
+            async with self._spark_lock:
+                await asyncio.to_thread(self._run_batch, batch_id, table)
+        except Exception as exc:
+            self._attempts_failed += 1
+            log.info("%r: batch %d (%d rows) failed: %r", self, batch_id, len(records), exc)
+            return exc
+        return None
+
+    async def _send_retry(self, send: PendingSend) -> None:
+        """The RQ's delivery port: gather sends for the retry loop's next Spark batch."""
+        assert self._retry_kick is not None
+        self._retry_sends.append(send)
+        self._retry_kick.set()
+
+    async def _retry_loop(self) -> None:
+        """Deliver what the RQ sends (at most one row per key), one Spark batch at a time, and
+        answer each send; ends once the bridge closes and the RQ has nothing unsettled."""
+        rq, kick = self._rq, self._retry_kick
+        assert rq is not None
+        assert kick is not None
+        while True:
+            if self._closing and self._committer_done and rq.statistics().unsettled == 0:
+                return
+            if not self._retry_sends:
+                kick.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await kick.wait()
+                continue
+            sends, self._retry_sends = self._retry_sends, []
+            records: list[SparkRecord] = []
+            for send in sends:
+                try:
+                    records.append(decode_record(send.payload))
+                except msgspec.DecodeError as exc:
+                    log.exception("%r: RQ payload of %s undecodable", self, send.record_id)
+                    rq.failed(send.record_id, f"undecodable payload: {exc}")
+            ok, failed = await self._write_isolating(records, None)
+            self._rows_retried += len(ok)
+            self._rows_committed += len(ok)
+            for record in ok:
+                rq.delivered(record.record_id)
+            for record, text in failed:
+                rq.failed(record.record_id, text)
+
+    # --- operator actions (dead_letter) ---------------------------------------------------
+
+    def _dead_letter(self) -> RetryQueue:
+        if self._rq is None:
+            raise BridgeError(f"{self!r} has no retry queue (SparkConfig.dead_letter)")
+        return self._rq
+
+    def dlq_records(self) -> list[SparkDlqRecord]:
+        """The rows in the DLQ."""
+        out = []
+        for e, raw in self._dead_letter().dlq_records():
+            record = None
+            if raw is not None:
+                try:
+                    record = decode_record(raw)
+                except msgspec.DecodeError:
+                    log.exception("%r: DLQ payload of %s undecodable", self, e.record_id)
+            out.append(SparkDlqRecord(e.record_id, e.key, e.attempts, e.error, record))
+        return out
+
+    def replay_dlq(self, record_ids: Iterable[str] | None = None) -> list[str]:
+        """Put DLQ rows (all, or those named) back into the RQ, due now; return their ids."""
+        return self._dead_letter().replay_dlq(record_ids)
+
+    def discard_dlq(self, record_ids: Iterable[str]) -> list[str]:
+        return self._dead_letter().discard_dlq(record_ids)
+
+    async def wait_replayed(self, record_ids: Sequence[str]) -> None:
+        """Wait until each of ``record_ids`` was committed or dead-lettered again."""
+        await self._dead_letter().wait_replayed(record_ids)
+
+    async def wait_retries_idle(self) -> None:
+        """Wait until nothing is unsettled, in flight or due in the RQ (only DLQ rows, and rows
+        parked behind them, remain)."""
+        await self._dead_letter().wait_idle()
 
     def _fail_permanently(self, cuts: list[Cut], failure: BridgeError) -> None:
         """``cuts`` will never commit: fail them, and everything after them (it was
@@ -473,7 +756,15 @@ class SparkBridge:
             self._gate.open_gap(entry.token, entry.records)
             self._resolve(entry, failure)
 
-    def _succeed(self, cut: Cut, fresh: list[tuple[str, list[DataChange]]], rows: int) -> None:
+    def _succeed(
+        self,
+        cut: Cut,
+        fresh: list[tuple[str, list[DataChange]]],
+        rows: int,
+        parked: dict[int, list[asyncio.Future[None]]] | None = None,
+    ) -> None:
+        """``cut``'s rows are committed, or (``parked``: entry index → RQ futures) handed to
+        the RQ; an entry with parked rows resolves once the RQ settled them all."""
         for token, records in fresh:
             for change in records:
                 self._committed.accept(token, change)
@@ -482,8 +773,31 @@ class SparkBridge:
         self._last_batch_id = cut.batch_id
         now = time.monotonic()
         self._last_latency = now - cut.first_put
-        for entry in cut.entries:
-            self._resolve(entry, None, now)
+        for i, entry in enumerate(cut.entries):
+            waits = (parked or {}).get(i)
+            if waits:
+                self._resolve_after(entry, waits)
+            else:
+                self._resolve(entry, None, now)
+
+    def _resolve_after(self, entry: SinkBatch, waits: list[asyncio.Future[None]]) -> None:
+        left = len(waits)
+
+        def done(_: asyncio.Future[None]) -> None:
+            nonlocal left
+            left -= 1
+            if left:
+                return
+            error: BaseException | None = None
+            for f in waits:
+                if f.cancelled():
+                    error = BridgeError("parking rows in the retry queue was cancelled")
+                elif f.exception() is not None:
+                    error = BridgeError(f"parking rows in the retry queue failed: {f.exception()}")
+            self._resolve(entry, error, time.monotonic())
+
+        for f in waits:
+            f.add_done_callback(done)
 
     # --- the streaming path ---------------------------------------------------------------
 
@@ -598,6 +912,16 @@ class SparkBridge:
                 _fail(future, error)
         self._futures.clear()
         self._put_at.clear()
+
+
+def _records_by_entry(fresh: list[tuple[str, list[DataChange]]]) -> list[list[SparkRecord]]:
+    return [spark_records(token, records) for token, records in fresh]
+
+
+def _error_text(exc: BaseException) -> str:
+    """An error for the RQ/DLQ entry: Spark's messages carry whole JVM stack traces."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 2000 else text[:2000] + "..."
 
 
 def _acked(seq: int | None, committed: int) -> bool:

@@ -252,6 +252,13 @@ class Batcher:
         self._entries, self._rows, self._first = [], 0, None
         return cut
 
+    def take_id(self) -> int:
+        """A batch id for a Spark batch that is not a cut (the bridge's halves and retries):
+        every distinct set of rows a run writes gets its own id."""
+        batch_id = self.next_batch_id
+        self.next_batch_id += 1
+        return batch_id
+
     def take_all(self) -> list[SinkBatch]:
         """Empty the buffer without cutting (its entries are being failed)."""
         entries, self._entries, self._rows, self._first = self._entries, [], 0, None
