@@ -600,7 +600,8 @@ class SparkBridge:
             groups: dict[tuple[int, str], list[SparkRecord]] = {}
             for record, text in failed:
                 groups.setdefault((entry_of[record.record_id], text), []).append(record)
-            for (i, text), records in groups.items():
+            # entry order: a key's rows are in one group per entry, and must reach the RQ in order
+            for (i, text), records in sorted(groups.items(), key=lambda g: g[0][0]):
                 parked.setdefault(i, []).append(await self._park(rq, records, text))
             log.warning(
                 "%r: micro-batch %d failed %d times: %d rows committed in parts, %d parked in "
