@@ -574,10 +574,10 @@ class SparkBridge:
         parked: dict[int, list[asyncio.Future[None]]] = {}
         direct_rows = rows
         if rows and rq.busy():
-            by_entry = await asyncio.to_thread(_records_by_entry, fresh)
-            keys = {r.key for records in by_entry for r in records}
-            blocked = {k for k in keys if rq.blocks(k)}
+            keys = await asyncio.to_thread(_ordering_keys, fresh)
+            blocked = {k for k in keys if rq.blocks(k)}  # on the loop: consistent with the RQ
             if blocked:
+                by_entry = await asyncio.to_thread(_records_by_entry, fresh)
                 for i, records in enumerate(by_entry):
                     behind = [r for r in records if r.key in blocked]
                     if behind:
@@ -917,6 +917,11 @@ class SparkBridge:
 
 def _records_by_entry(fresh: list[tuple[str, list[DataChange]]]) -> list[list[SparkRecord]]:
     return [spark_records(token, records) for token, records in fresh]
+
+
+def _ordering_keys(fresh: list[tuple[str, list[DataChange]]]) -> set[str]:
+    """The ordering keys of the rows (as ``SparkRecord.key``), without building the rows."""
+    return {f"{c.table}:{m.keys}" for _, records in fresh for c in records for m in c.mods}
 
 
 def _error_text(exc: BaseException) -> str:
