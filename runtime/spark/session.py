@@ -1,17 +1,35 @@
 """Starting a Spark session the bridge can rely on: local (``master``) or Spark Connect
 (``remote``), with the environment Spark needs on this machine, warmed before traffic, and a
-clear ``SparkStartError`` instead of a hang when Java is missing or Spark does not come up."""
+clear ``SparkStartError`` instead of a hang when Java is missing or Spark does not come up.
+
+Spark Connect (``remote="sc://host:port"``) differs from a local session in what the client may
+decide: the server's JVM, its ``spark.local.dir``, UI and other static settings were fixed when
+the server started, so only runtime SQL settings (``spark.sql.*``) of ``DEFAULT_CONF`` are sent,
+and a user ``conf`` the server refuses is an error naming the key. The client would retry an
+unreachable server for about ten minutes; instead the server's port is probed first and the
+settings are sent under a short retry policy, so a wrong URL fails in seconds. Paths (the
+output directory, a checkpoint) are paths on the server's side. A process holds one kind of
+session: pyspark marks the process as Connect (``SPARK_CONNECT_MODE_ENABLED``) once a Connect
+session exists, and its functions then build Connect columns."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SparkStartError", "java_executable", "prepare_environment", "start_session", "warm"]
+__all__ = [
+    "SparkStartError",
+    "connect_endpoint",
+    "java_executable",
+    "prepare_environment",
+    "start_session",
+    "warm",
+]
 
 
 class SparkStartError(RuntimeError):
@@ -28,6 +46,13 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.sql.parquet.compression.codec": "snappy",
     "spark.ui.showConsoleProgress": "false",
 }
+
+# Spark Connect: how long the server's port may take to accept a connection, and the retry
+# policy while the session's settings are sent (about 3 s of retries for a server that accepts
+# connections but does not answer as Spark Connect).
+CONNECT_PROBE_TIMEOUT_S = 10.0
+CONNECT_START_RETRIES = 4
+CONNECT_START_MAX_BACKOFF_MS = 2000
 
 
 def java_executable() -> str | None:
@@ -60,7 +85,8 @@ def prepare_environment(master: str, remote: str | None) -> None:
 def start_session(
     *, master: str, remote: str | None, app_name: str, conf: Mapping[str, str], local_dir: str
 ) -> Any:
-    """Build (or join) the session; blocking, so call it off the event loop."""
+    """Build (or join) the session; blocking, so call it off the event loop. With ``remote``,
+    a new Spark Connect session (``app_name`` and ``local_dir`` are the server's business)."""
     if remote is None and java_executable() is None:
         raise SparkStartError(
             "Java was not found (JAVA_HOME unset and no java on PATH); local Spark needs a JDK "
@@ -71,27 +97,109 @@ def start_session(
         from pyspark.sql import SparkSession
     except ImportError as exc:  # pragma: no cover - pyspark is a dependency
         raise SparkStartError(f"pyspark is not importable: {exc}") from exc
-    builder: Any = SparkSession.builder.appName(app_name)
-    builder = builder.remote(remote) if remote is not None else builder.master(master)
+    if remote is not None:
+        return _start_connect(remote, conf)
+    builder: Any = SparkSession.builder.appName(app_name).master(master)
     settings = dict(DEFAULT_CONF)
-    if remote is None:
-        settings["spark.local.dir"] = local_dir
-        settings["spark.driver.bindAddress"] = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
+    settings["spark.local.dir"] = local_dir
+    settings["spark.driver.bindAddress"] = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
     settings.update(conf)
     for key, value in settings.items():
         builder = builder.config(key, value)
     try:
         return builder.getOrCreate()
     except Exception as exc:
-        where = remote if remote is not None else master
-        raise SparkStartError(f"Spark failed to start ({where}): {exc}") from exc
+        raise SparkStartError(f"Spark failed to start ({master}): {exc}") from exc
+
+
+def connect_endpoint(remote: str) -> tuple[str, int]:
+    """The (host, port) of a Spark Connect URL (``sc://host:port/;param=value``), checked as
+    the client checks it."""
+    try:
+        from pyspark.sql.connect.client import DefaultChannelBuilder
+    except ImportError as exc:
+        raise SparkStartError(
+            f"the Spark Connect client is not installed ({exc}); install pyspark[connect]"
+        ) from exc
+    try:
+        channel = DefaultChannelBuilder(remote)
+    except Exception as exc:
+        raise SparkStartError(f"bad Spark Connect URL {remote!r}: {_first_line(exc)}") from exc
+    host, _, port = channel.endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _start_connect(remote: str, conf: Mapping[str, str]) -> Any:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    host, port = connect_endpoint(remote)
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise SparkStartError(
+            f"no Spark Connect server at {remote} ({host}:{port}: {exc}); start one "
+            "(pyspark's sbin/start-connect-server.sh) or fix the URL"
+        ) from exc
+    try:
+        # No options on the builder: the client would send them at once, under its default
+        # retry policy (minutes), and silently drop those the server refuses.
+        session: Any = SparkSession.builder.remote(remote).create()
+    except Exception as exc:
+        raise SparkStartError(f"Spark Connect session failed ({remote}): {exc}") from exc
+    client = session.client
+    policies = client.get_retry_policies()
+    client.set_retry_policies(
+        [DefaultPolicy(max_retries=CONNECT_START_RETRIES, max_backoff=CONNECT_START_MAX_BACKOFF_MS)]
+    )
+    settings = {k: v for k, v in DEFAULT_CONF.items() if k.startswith("spark.sql.")}
+    settings.update(conf)
+    try:
+        for key, value in settings.items():
+            try:
+                session.conf.set(key, value)
+            except Exception as exc:
+                if _is_rpc_error(exc):
+                    raise SparkStartError(
+                        f"the Spark Connect server at {remote} does not answer: {_first_line(exc)}"
+                    ) from exc
+                raise SparkStartError(
+                    f"the Spark Connect server at {remote} refused the setting {key}={value!r}: "
+                    f"{_first_line(exc)} (static and JVM settings, e.g. spark.ui.*, "
+                    "spark.local.dir, spark.driver.*, spark.executor.*, belong to the server's "
+                    "own start)"
+                ) from exc
+    except BaseException:
+        session.stop()
+        raise
+    client.set_retry_policies(policies)
+    return session
+
+
+def _is_rpc_error(exc: BaseException) -> bool:
+    """The server did not answer (as opposed to answering with an error)."""
+    import grpc
+
+    if isinstance(exc, grpc.RpcError):
+        return True
+    status = getattr(exc, "getGrpcStatusCode", None)
+    return callable(status) and status() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def warm(spark: Any) -> None:
-    """Run the first job now (the first one costs seconds) through the path batches take."""
-    from runtime.spark.rows import to_arrow
+    """Run the first job now (the first one costs seconds) through the path batches take (one
+    made-up row: Spark Connect cannot build a DataFrame from an empty table without a schema)."""
+    from runtime.spark.rows import warm_table
 
     try:
-        spark.createDataFrame(to_arrow([])).count()
+        spark.createDataFrame(warm_table()).count()
     except Exception as exc:
         raise SparkStartError(f"Spark started but cannot run a job: {exc}") from exc
