@@ -1,0 +1,276 @@
+"""The Spark bridge's embedded path against a remote Spark through Spark Connect: a real
+``SparkConnectServer`` process on 127.0.0.1 (one per module), the bridge built with
+``SparkConfig(remote="sc://...")`` and no session of its own. The default parquet sink's output
+equals exactly the records handed in, readers' watermarks never pass what is on disk, a user
+``foreach_batch`` gets Connect DataFrames, a restart does not write twice; and an unreachable
+server or a setting the server refuses is a quick ``SparkStartError``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections import Counter
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.errors import AnalysisException
+
+from protocol.records import DataChange
+from runtime.ports import SinkBatch
+from runtime.simstream import StreamModel, StreamParams
+from runtime.spark import BridgeError, SparkBridge, SparkConfig, SparkStartError, read_output
+from runtime.spark.bridge import write_default
+from runtime.spark.session import start_session
+from tests.fixtures.spark import Cluster, Row, expected_rows, output_rows, wait_for
+from tests.fixtures.spark_connect import ConnectServer, connect_mode, connect_server, free_port
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+__all__ = ["connect_mode", "connect_server"]  # module-scoped fixtures
+
+# The bridge, at start, reads the output back to resume de-duplication. Over Connect it cannot
+# look for the directory first, and a fresh output directory fails the start (see the xfail
+# below); tests that start on a fresh directory turn the lookup off.
+FRESH = {"resume_dedupe": False}
+
+
+def _config(server: ConnectServer, out: Path, **kwargs: Any) -> SparkConfig:
+    return SparkConfig(
+        remote=server.url, output_dir=str(out), max_rows=20_000, max_age_s=0.5, **kwargs
+    )
+
+
+def _records(seed: int, roots: int = 2, seconds: float = 2.0) -> dict[str, list[DataChange]]:
+    """Per root token, its data records over ``seconds`` of a simulated stream."""
+    model = StreamModel(StreamParams(seed=seed, roots=roots, records_per_s=60, split_p=0.0))
+    start = model.params.start_ts
+    out: dict[str, list[DataChange]] = {}
+    for child in model.root_record().children:
+        stream = model.records(child.token, start, start + int(seconds * 1e6))
+        out[child.token] = [r for r in stream if isinstance(r, DataChange)]
+    assert all(len(records) > 20 for records in out.values())
+    return out
+
+
+def _keys(rows: list[Row]) -> list[Row]:
+    return [row[:4] for row in rows]
+
+
+async def _put_in_parts(
+    bridge: SparkBridge, records: dict[str, list[DataChange]], parts: int = 3
+) -> list[tuple[SinkBatch, asyncio.Future[None]]]:
+    puts = []
+    for token, changes in records.items():
+        size = -(-len(changes) // parts)
+        for i in range(0, len(changes), size):
+            part = tuple(changes[i : i + size])
+            batch = SinkBatch(token, part, part[-1].commit_ts)
+            puts.append((batch, await bridge.put(batch)))
+    return puts
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("connect_mode")
+async def test_three_tasks_over_connect_output_equals_the_stream(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    breaches: list[str] = []
+    checks = 0
+
+    async def watch(cluster: Cluster) -> None:
+        """Every published (committed) watermark is covered by the output already on disk."""
+        nonlocal checks
+        reference = StreamModel(cluster.params)
+        start = cluster.params.start_ts
+        while True:
+            committed = cluster.committed()
+            try:
+                table = await asyncio.to_thread(read_output, str(out))
+                on_disk = set(_keys(output_rows(table)))
+            except (KeyError, OSError, ValueError):  # caught Spark mid-write: look again
+                await asyncio.sleep(0.05)
+                continue
+            for token, watermark in committed.items():
+                if watermark <= start:
+                    continue
+                before = [
+                    r
+                    for r in reference.records(token, start, watermark - 1)
+                    if isinstance(r, DataChange)
+                ]
+                missing = set(_keys(expected_rows(iter(before)))) - on_disk
+                if missing:
+                    breaches.append(f"{token} watermark {watermark}: {len(missing)} rows missing")
+            checks += 1
+            await asyncio.sleep(0.3)
+
+    async with SparkBridge(_config(connect_server, out, **FRESH)) as bridge:
+        assert type(bridge.spark).__module__.startswith("pyspark.sql.connect")
+        cluster = Cluster(bridge, seed=21, seconds=8.0)
+        async with AsyncExitStack() as stack:
+            await cluster.start(stack)
+            watcher = asyncio.create_task(watch(cluster))
+            try:
+                total = len(cluster.expected())
+                await wait_for(lambda: bridge.stats().rows_committed >= total, 60, "all rows")
+                await asyncio.sleep(0.5)  # a last look after the final watermarks
+            finally:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+        stats = bridge.stats()
+    assert not breaches, breaches[:3]
+    assert checks >= 3
+    assert stats.batches_failed == 0
+    assert stats.attempts_failed == 0
+    assert stats.batches_committed >= 2
+    rows = output_rows(read_output(str(out), dedupe=False))
+    assert Counter(rows) == Counter(cluster.expected())
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+@pytest.mark.usefixtures("connect_mode")
+async def test_futures_resolve_only_after_the_rows_are_on_disk(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    records = _records(seed=22)
+    seen: list[bool] = []
+
+    def on_disk(batch: SinkBatch, _: asyncio.Future[None]) -> None:
+        rows = set(_keys(output_rows(read_output(str(out)))))
+        seen.append(set(_keys(expected_rows(iter(batch.records)))) <= rows)
+
+    async with SparkBridge(_config(connect_server, out, **FRESH)) as bridge:
+        puts = await _put_in_parts(bridge, records)
+        for batch, future in puts:
+            future.add_done_callback(functools.partial(on_disk, batch))
+        await asyncio.wait_for(asyncio.gather(*(f for _, f in puts)), 60)
+        # the bridge remembers each micro-batch's watermarks; the newest ones are the puts'
+        newest: dict[str, int] = {}
+        for marks in bridge.watermarks.values():
+            for token, mark in marks.items():
+                newest[token] = max(newest.get(token, mark), mark)
+        assert newest == {token: changes[-1].commit_ts for token, changes in records.items()}
+    assert seen == [True] * len(puts)
+    expected = expected_rows(r for changes in records.values() for r in changes)
+    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(expected)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+@pytest.mark.usefixtures("connect_mode")
+async def test_foreach_batch_gets_connect_dataframes(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    records = _records(seed=23)
+    calls: list[tuple[int, int, str]] = []
+
+    def foreach(df: Any, batch_id: int) -> None:
+        calls.append((batch_id, df.count(), type(df).__module__))
+        write_default(df, str(out), f"user-{batch_id:010d}")
+
+    async with SparkBridge(_config(connect_server, out), foreach_batch=foreach) as bridge:
+        puts = await _put_in_parts(bridge, records)
+        await asyncio.wait_for(asyncio.gather(*(f for _, f in puts)), 60)
+        stats = bridge.stats()
+    expected = expected_rows(r for changes in records.values() for r in changes)
+    assert sum(n for _, n, _ in calls) == len(expected) == stats.rows_committed
+    assert all(module.startswith("pyspark.sql.connect") for _, _, module in calls)
+    assert [b for b, _, _ in calls] == sorted({b for b, _, _ in calls})
+    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(expected)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+@pytest.mark.usefixtures("connect_mode")
+async def test_restart_over_connect_does_not_write_twice(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    """The second bridge learns, through Connect, what the first one wrote but never acked."""
+    out = tmp_path / "out"
+    token, records = next(iter(_records(seed=24, roots=1).items()))
+    first, replay = records[:30], records[20:]
+    for part, extra in ((first, FRESH), (replay, {})):
+        async with SparkBridge(_config(connect_server, out, **extra)) as bridge:
+            future = await bridge.put(SinkBatch(token, tuple(part), part[-1].commit_ts))
+            await asyncio.wait_for(future, 60)
+    assert bridge.stats().rows_deduplicated == sum(len(r.mods) for r in records[20:30])
+    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(
+        expected_rows(iter(records))
+    )
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("connect_mode")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AnalysisException,
+    reason="bridge.py _seed_tails: over Connect it reads the output without looking first, and "
+    "the collect() that fails on a missing directory is outside its try",
+)
+async def test_default_config_starts_on_a_fresh_output_dir(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    async with SparkBridge(_config(connect_server, tmp_path / "new")):
+        pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("connect_mode")
+@pytest.mark.xfail(
+    strict=True,
+    raises=BridgeError,
+    reason="bridge.py _run_batch: Spark Connect cannot build a DataFrame from an empty Arrow "
+    "table without a schema (CANNOT_INFER_EMPTY_SCHEMA); a foreach_batch gets empty batches",
+)
+async def test_foreach_batch_over_connect_takes_an_empty_micro_batch(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    def foreach(df: Any, batch_id: int) -> None:
+        pass
+
+    config = _config(connect_server, tmp_path / "out", max_attempts=1)
+    async with SparkBridge(config, foreach_batch=foreach) as bridge:
+        future = await bridge.put(SinkBatch("p", (), 1))  # a heartbeat: watermark, no records
+        await asyncio.wait_for(future, 30)
+
+
+@pytest.mark.usefixtures("connect_mode")
+def test_setting_the_server_refuses_is_a_clear_error(connect_server: ConnectServer) -> None:
+    with pytest.raises(SparkStartError, match=r"refused the setting spark\.executor\.memory"):
+        start_session(
+            master="local[2]",
+            remote=connect_server.url,
+            app_name="x",
+            conf={"spark.executor.memory": "2g"},
+            local_dir="unused",
+        )
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_nothing_listening_is_a_quick_start_error(tmp_path: Path) -> None:
+    """No Java needed: the client side alone notices there is no server."""
+    url = f"sc://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    with pytest.raises(SparkStartError, match="no Spark Connect server at"):
+        async with SparkBridge(SparkConfig(remote=url, output_dir=str(tmp_path / "out"))):
+            pass
+    assert time.monotonic() - began < 5
+
+
+def test_bad_connect_url_is_a_start_error() -> None:
+    with pytest.raises(SparkStartError, match="bad Spark Connect URL"):
+        start_session(
+            master="local[2]", remote="http://127.0.0.1:1", app_name="x", conf={}, local_dir="x"
+        )
