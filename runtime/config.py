@@ -222,10 +222,13 @@ class SpannerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     master: Annotated[str, _d("Spark master URL, e.g. local[2] or spark://host:7077.")] = "local[2]"
-    remote: Annotated[str | None, _d("Spark Connect URL sc://host:port (instead of master).")] = (
-        None
-    )
-    app_name: Annotated[str, _d("Spark application name.")] = "shoal"
+    remote: Annotated[
+        str | None,
+        _d("Spark Connect URL sc://host:port (instead of master); see docs/operations.md."),
+    ] = None
+    app_name: Annotated[
+        str, _d("Spark application name (local Spark; a Connect server names its own).")
+    ] = "shoal"
     path: Annotated[
         Literal["embedded", "streaming"],
         _d("embedded: createDataFrame per batch; streaming: Structured Streaming source."),
