@@ -4,7 +4,7 @@ Spark, no Kafka, no event loop).
 * :class:`SparkRecord` is one output row (one mod of one data change) with its record id (the
   row key ``commit_ts/server_transaction_id/record_sequence/mod_index``, as the Kafka sink's) and
   its ordering key ``<table>:<primary-key JSON>`` (:attr:`SparkRecord.key`). Its JSON is the
-  payload the bridge keeps in the RQ/DLQ topics; it carries every field of
+  payload the bridge keeps in the RQ/DLQ topics; it extends
   :class:`runtime.kafka_sink.OutputRecord`, so ``dlq list`` decodes both sinks' payloads alike.
 * :func:`records_table` turns records back into the Arrow table Spark takes in (the output
   schema of :mod:`runtime.spark.rows`).
@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from protocol.records import DataChange
+from runtime.kafka_sink import OutputRecord
 
 __all__ = [
     "RowsFailed",
@@ -36,28 +37,14 @@ __all__ = [
 ]
 
 
-class SparkRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One output row of the Spark bridge, as the RQ/DLQ payload (JSON)."""
+class SparkRecord(OutputRecord, frozen=True, kw_only=True):
+    """One output row of the Spark bridge, as the RQ/DLQ payload (JSON): the Kafka sink's
+    output record plus the columns only the Spark rows carry."""
 
-    record_id: str  # "<commit_ts>/<server_transaction_id>/<record_sequence>/<mod index>"
-    table: str
-    keys: str  # primary-key JSON text, as Spanner sends it
-    mod_type: str
-    commit_ts: int
-    server_transaction_id: str
-    record_sequence: str
-    mod_index: int
-    new_values: str
-    old_values: str
     partition_token: str
     transaction_tag: str = ""
     number_of_records_in_transaction: int = 0
     number_of_partitions_in_transaction: int = 0
-
-    @property
-    def key(self) -> str:
-        """The ordering key (``runtime.retry_queue.ordering_key``)."""
-        return f"{self.table}:{self.keys}"
 
 
 class RowsFailed(Exception):
