@@ -46,6 +46,7 @@ from protocol.task import (
     TaskConfig,
     TaskCore,
     Tick,
+    own_state_ts,
 )
 from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
 
@@ -167,7 +168,8 @@ class TaskActor(Actor[Event]):
                     offset = await self.sync_log.append(payload)
             except Exception as exc:
                 log.exception("task %s: sync append failed", self.core.me)
-                await self.tell(PublishFailed(f"{type(exc).__name__}: {exc}"))
+                failed = PublishFailed(f"{type(exc).__name__}: {exc}", own_state_ts(message))
+                await self.tell(failed)
                 continue
             if isinstance(message, CheckpointMessage):
                 try:

@@ -23,9 +23,12 @@ Incremental messages
   messages told the CIM. Ownership changes go out at once; watermark advances are coalesced for
   ``publish_interval``. Group commit: while one of its messages is on its way (appended, not yet
   read back) a task holds further changes, up to ``coalesce_wait``, and sends them as one message
-  once it is read back, so a hand-off of n partitions costs a few messages, not n. When the CIM ignores one of its messages (fenced by a newer epoch), or
-  when all its messages are read back and the CIM's view of it still differs from what it has,
-  the task re-sends the difference against what the CIM really holds.
+  once it is read back, so a hand-off of n partitions costs a few messages, not n. What is on
+  its way is tracked by state timestamp, so a copy read twice (a re-delivery, a producer's
+  retry) is not mistaken for a later message read back. When the CIM ignores one of its
+  messages (fenced by a newer epoch), or when all its messages are read back and the CIM's view
+  of it still differs from what it has, the task re-sends the difference against what the CIM
+  really holds.
 
 Sharing and hand-off (``protocol/share.py``, ``protocol/handoff.py``)
   A ``new`` offer addressed to the task is picked up into its own state. A ``move`` offer is
@@ -124,9 +127,20 @@ class PlanReady(msgspec.Struct, frozen=True):
 
 
 class PublishFailed(msgspec.Struct, frozen=True):
-    """A message this task sent never reached the sync topic."""
+    """A message this task sent never reached the sync topic. ``state_ts`` is
+    :func:`own_state_ts` of it: what the task no longer waits to read back."""
 
     error: str
+    state_ts: int = -1
+
+
+def own_state_ts(message: SyncMessage) -> int:
+    """The ``stateTimestamp`` of the sender's own state in a state or epoch message, else -1."""
+    if isinstance(message, StateMessage | EpochMessage):
+        for state in message.connector_state:
+            if state.task_id == message.task_id:
+                return state.state_timestamp
+    return -1
 
 
 class Drain(msgspec.Struct, frozen=True):
@@ -242,7 +256,9 @@ class TaskCore:
         self._last_negotiate = -(10**18)
         self._last_checkpoint = -(10**18)
         self._last_state_ts = -1
-        self._inflight = 0  # own messages published and not yet read back
+        # state timestamps of own messages published and not read back yet (exact: a duplicate
+        # delivery or a producer's retry copy is not a second read-back)
+        self._unread: set[int] = set()
         self._adopted = False  # the previous life's state taken over (at the first join)
         self.draining = False
         self._sync_failing_since = -1  # first failed append not followed by a read-back
@@ -280,7 +296,7 @@ class TaskCore:
                 out += self._on_plan(event.plan, now)
             case PublishFailed():
                 self.counters["publish_failed"] += 1
-                self._inflight = max(0, self._inflight - 1)  # it will not be read back
+                self._unread.discard(event.state_ts)  # it will not be read back
                 if self._sync_failing_since < 0:
                     self._sync_failing_since = now
                 self._resync()
@@ -315,14 +331,22 @@ class TaskCore:
         if message.task_id == self.me:
             self._sync_failing_since = -1  # an append of ours went through and was read back
         own = message.task_id == self.me and isinstance(message, StateMessage | EpochMessage)
+        awaited = False
         if own:
-            self._inflight = max(0, self._inflight - 1)
+            state_ts = own_state_ts(message)
+            awaited = state_ts in self._unread
+            self._unread.discard(state_ts)
+            # a previous life (maybe on a clock that ran ahead) wrote later timestamps: ours
+            # must be newer or the CIM ignores them as older state
+            self._last_state_ts = max(self._last_state_ts, state_ts)
         if ignored is not None:
             self.counters[f"sync_ignored.{ignored}"] += 1
-            if own:
+            if awaited:
+                # one of our messages was fenced (not a re-delivered or retried copy of one
+                # already read back: resending on those fed a storm of copies)
                 self._resync()
             return
-        if own and self._inflight == 0:
+        if own and not self._unread:
             view = self.cim.view(self.me)
             if view.partitions != self._sent_parts or view.share != self._sent_share:
                 # every message is read back, yet the log holds something other than what
@@ -395,6 +419,7 @@ class TaskCore:
         that), and so is a move it was offering that was not released yet."""
         self._adopted = True
         view = self.cim.view(self.me)
+        self._last_state_ts = max(self._last_state_ts, view.state_ts)
         for token, part in view.partitions.items():
             if part.status != "incoming":
                 self.mine[token] = part
@@ -497,7 +522,7 @@ class TaskCore:
         state = self._diff(now, force=True)
         assert state is not None
         self._mark_sent(state)
-        self._inflight += 1
+        self._unread.add(state.state_timestamp)
         return [
             Publish(
                 EpochMessage(
@@ -582,12 +607,13 @@ class TaskCore:
                 offer.kind == "new"
                 and self.config.rules.refuse_owned_offers
                 and any(
-                    t != self.me and t in live and p.status == "owned"
+                    t != self.me and t in live and self._claimed(t, p, live)
                     for t, p in self.cim.holders(token)
                 )
             ):
-                # a member of this epoch owns it: the offer came from a plan made before that
-                # member's claim was known (or one that never became the epoch)
+                # a member of this epoch owns it, or is taking it over from another member: the
+                # offer came from a plan made before that claim was known (or one that never
+                # became the epoch)
                 self.counters["offer_already_owned"] += 1
                 continue
             self.consumed.add(key)
@@ -648,6 +674,16 @@ class TaskCore:
                 else:
                     self._retarget(token)
                 self._urgent = True
+
+    def _claimed(self, task: str, part: Partition, live: set[str]) -> bool:
+        """``task`` owns ``part``, or takes it over in a hand-off from a member that offers it
+        to ``task`` (a correct plan never deals out a partition between two members)."""
+        if part.status == "owned":
+            return True
+        if part.status != "incoming" or part.source not in live:
+            return False
+        offer = self.cim.view(part.source).share.get(part.token)
+        return offer is not None and offer.kind == "move" and offer.target == task
 
     def _drop_offer(self, token: str) -> None:
         self.shares.pop(token, None)
@@ -799,7 +835,7 @@ class TaskCore:
         since = now - self._last_publish
         if not due and since < self.config.publish_interval:
             return None
-        if self._inflight > 0 and since < self.config.coalesce_wait:
+        if self._unread and since < self.config.coalesce_wait:
             return None  # group commit: goes out with whatever else changed, once read back
         state = self._diff(now, force=self._answer)
         self._urgent = False
@@ -808,7 +844,7 @@ class TaskCore:
             return None
         self._mark_sent(state)
         self._last_publish = now
-        self._inflight += 1
+        self._unread.add(state.state_timestamp)
         self.counters["messages_published"] += 1
         return StateMessage(
             task_id=self.me,

@@ -12,7 +12,9 @@ and a tick, and its commands are carried out. Invariants are checked after every
 * no two tasks that may read both own the same unfinished partition;
 * a partition starts being read only after every parent has finished (merges: all parents);
 * a watermark in the sync log never goes backwards;
-* every task's own invariants (``TaskCore.validate``).
+* every task's own invariants (``TaskCore.validate``);
+* no message storm: the tasks together append at most ``storm_limit`` messages per simulated
+  second (a feedback loop of re-sends otherwise only shows as a run that never ends).
 
 At the end, after a quiet period without faults and without partition churn:
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from random import Random
 
@@ -102,6 +104,7 @@ class SimParams(msgspec.Struct, frozen=True):
     broken_planner: bool = False
     refuse_owned_offers: bool = True
     adopt_own_state: bool = True
+    storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -185,6 +188,7 @@ class Simulation:
         self.rebalance_at = -1
         self.stats: Counter[str] = Counter()
         self.restarts: list[tuple[int, str]] = []  # (step, task id) of crashed tasks to restart
+        self.log_sizes: deque[int] = deque(maxlen=self.steps(1_000_000) + 1)
         self.rules = Rules(
             fence_epochs=params.fence_epochs,
             readable=(_first_parent if params.broken_readable else Rules().readable),
@@ -466,6 +470,11 @@ class Simulation:
 
     def check(self) -> None:
         now = self.now()
+        self.log_sizes.append(len(self.log))
+        if len(self.log_sizes) == self.log_sizes.maxlen:
+            rate = self.log_sizes[-1] - self.log_sizes[0]
+            if rate > self.p.storm_limit:
+                raise Violation(f"message storm: {rate} sync messages in one second")
         readers: dict[str, str] = {}
         owners: dict[str, str] = {}
         for node in self.nodes.values():
@@ -493,6 +502,13 @@ class Simulation:
         for node in self.nodes.values():
             if node.alive:
                 node.paused_until = -1
+        # What the paused tasks had sent waits for their old resume step; they resume now, so
+        # it lands now, before anything they send next (one producer's messages stay in order).
+        self.pending_log = [
+            (min(land, self.step), seq, producer, payload)
+            for land, seq, producer, payload in self.pending_log
+        ]
+        heapq.heapify(self.pending_log)
         # The quiet phase needs someone to read: at least one task, and with a cap enough
         # tasks for every partition. Design 001: the surplus over the caps waits for other
         # tasks; add them now (as an operator would) and check the waiting partitions are

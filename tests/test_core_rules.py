@@ -32,6 +32,7 @@ from protocol.task import (
     Lease,
     Publish,
     PublishFailed,
+    ReaderCommitted,
     ReaderStopped,
     StartReader,
     StopReader,
@@ -39,6 +40,7 @@ from protocol.task import (
     TaskConfig,
     TaskCore,
     Tick,
+    own_state_ts,
 )
 
 T0 = 1_700_000_000_000_000
@@ -359,3 +361,72 @@ def test_a_task_whose_sync_appends_keep_failing_stops_reading_until_one_is_read_
     c.handle(ReaderStopped("p1", T0 + 60), now=5_000_000)
     back = c.handle(SyncRead(2, state("a", 99, part("p1", 60))), now=5_000_001)
     assert [cmd.token for cmd in back if isinstance(cmd, StartReader)] == ["p1"]
+
+
+def _picking_up_p1(c: TaskCore) -> tuple[Publish, Publish]:
+    """``c`` joins generation 1 led by ``x``, reads the epoch offering it p1 and its own answer
+    to the rebalance back; returns (answer, pick-up), the pick-up not read back yet."""
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    (answer,) = c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    offer = Share(part("p1", 50), target="a", kind="new", since=4)
+    held = c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
+    assert not any(isinstance(cmd, Publish) for cmd in held)  # group commit: answer unread
+    assert isinstance(answer, Publish)
+    (pickup,) = [
+        cmd for cmd in c.handle(SyncRead(2, answer.message), now=6) if isinstance(cmd, Publish)
+    ]
+    return answer, pickup
+
+
+def test_a_redelivered_or_retried_copy_of_an_own_message_is_not_a_second_read_back() -> None:
+    # Regression (sim seed 731): each copy counted as a read-back, so the task thought nothing
+    # was on its way, saw the CIM lag behind what it had sent, and re-sent it; copies of the
+    # re-sends did the same, a storm that grew without bound.
+    c = core()
+    answer, pickup = _picking_up_p1(c)
+    assert c.handle(SyncRead(2, answer.message), now=7) == []  # the consumer re-delivers it
+    assert c.handle(SyncRead(3, answer.message), now=8) == []  # a producer retry wrote it twice
+    assert c.counters["resync"] == 0
+    assert c.handle(SyncRead(4, pickup.message), now=9) == []
+    assert c.cim.view("a").partitions == {"p1": part("p1", 50)}
+
+
+def test_a_failed_append_is_re_sent_at_once_and_no_longer_awaited() -> None:
+    c = core()
+    _, pickup = _picking_up_p1(c)
+    out = c.handle(PublishFailed("down", own_state_ts(pickup.message)), now=7)
+    again = [cmd.message for cmd in out if isinstance(cmd, Publish)]
+    assert [[p.token for p in m.connector_state[0].data] for m in again] == [["p1"]]  # type: ignore[union-attr]
+    # once the re-sent one is read back nothing is awaited: a watermark goes out on time
+    c.handle(SyncRead(3, again[0]), now=8)
+    later = c.handle(ReaderCommitted("p1", T0 + 60), now=7 + c.config.publish_interval)
+    (sent,) = [cmd.message for cmd in later if isinstance(cmd, Publish)]
+    assert [p.watermark - T0 for p in sent.connector_state[0].data] == [60]  # type: ignore[union-attr]
+
+
+def test_a_new_offer_for_a_partition_moving_between_members_is_refused() -> None:
+    # Defence in depth (the sim's teeth test with a planner that deals out survivors'
+    # partitions): b is taking p1 over from y in a hand-off, so a 'new' offer of p1 to a, from
+    # a plan made before the hand-off was known, is not picked up.
+    c = core()
+    members = ("a", "b", "x", "y")
+    c.handle(SyncRead(0, epoch("x", 0, members)), now=1)
+    move = Share(part("p1", 50), target="b", kind="move", released=True, since=2)
+    c.handle(
+        SyncRead(
+            1,
+            StateMessage(
+                task_id="y", epoch=0, connector_state=(TaskState("y", 2 * 10**9, share=(move,)),)
+            ),
+        ),
+        now=2,
+    )
+    incoming = msgspec.structs.replace(part("p1", 50), status="incoming", source="y")
+    c.handle(SyncRead(2, state("b", 1, incoming)), now=3)
+    c.handle(Lease(until=10**12), now=4)
+    c.handle(Joined(generation=1, leader="x", members=members), now=5)
+    bad = Share(part("p1", 50), target="a", kind="new", since=6)
+    c.handle(SyncRead(3, epoch("x", 1, members, bad)), now=7)
+    assert "p1" not in c.mine
+    assert c.counters["offer_already_owned"] >= 1

@@ -19,7 +19,10 @@ CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the lon
 # re-planned it (648), a dropped task's claim landing after the epoch that dropped it (653), a
 # frozen offerer's stale offer to a task that came back under its id, beside the leader's re-plan
 # of it (468, 1839), a parent removed on a dropped task's word that its child had finished
-# while the epoch dealt the child out again, unread (1959).
+# while the epoch dealt the child out again, unread (1959); from the 10,000-seed sweep: a paused
+# task's held messages landing after its newer ones when the quiet phase cut the pause short
+# (317, 8077; a simulator bug), and a storm of re-sends fed by counting a re-delivered copy of an
+# own message as a second read-back (731).
 REGRESSIONS = [
     0,
     6,
@@ -33,6 +36,7 @@ REGRESSIONS = [
     130,
     202,
     296,
+    317,
     336,
     348,
     369,
@@ -40,8 +44,10 @@ REGRESSIONS = [
     642,
     648,
     653,
+    731,
     1839,
     1959,
+    8077,
 ]
 
 
