@@ -170,14 +170,19 @@ class Actor(Generic[M]):
 
 
 class Supervisor:
-    """Roots actors and helper loops in one task group. Leaving the block stops every actor
-    (in reverse start order) and waits for all of them."""
+    """Roots actors and helper loops in one task group.
+
+    Leaving the block normally cancels the daemon loops, then stops the actors one at a time in
+    reverse start order, each after the one started after it has finished: an actor may still
+    tell the actors it was started after (its dependencies) while it handles what is left in its
+    mailbox. Leaving on an exception cancels everything at once, as a task group does."""
 
     def __init__(self, name: str = "shoal") -> None:
         self.name = name
         self._group = asyncio.TaskGroup()
         self._actors: list[Actor[Any]] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self._runs: dict[int, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> Self:
         await self._group.__aenter__()
@@ -189,16 +194,35 @@ class Supervisor:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        self.stop_all()
         for task in self._tasks:
             task.cancel()
+        if exc_type is None:
+            await self._stop_in_order()
+        else:
+            self.stop_all()
         await self._group.__aexit__(exc_type, exc, tb)
         return None
+
+    async def _stop_in_order(self) -> None:
+        stopped: set[int] = set()
+        while True:
+            # Re-read the list each time: an actor finishing its mailbox may spawn another.
+            rest = [a for a in self._actors if id(a) not in stopped]
+            if not rest:
+                return
+            actor = rest[-1]
+            stopped.add(id(actor))
+            actor.stop()
+            run = self._runs.get(id(actor))
+            if run is not None:
+                # Not raising here: a failed actor's error reaches the task group's exit.
+                await asyncio.wait({run})
 
     async def spawn(self, actor: Actor[Any]) -> Actor[Any]:
         """Start ``actor`` and wait until its ``on_start`` has run."""
         self._actors.append(actor)
         task = self._group.create_task(actor.run(), name=f"actor:{actor.name}")
+        self._runs[id(actor)] = task
         started = asyncio.ensure_future(actor.started.wait())
         try:
             await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
@@ -215,7 +239,8 @@ class Supervisor:
         supervisor exits; others are awaited."""
         task = self._group.create_task(coro, name=name)
         if daemon:
-            self._tasks.append(task)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return task
 
     def stop_all(self) -> None:

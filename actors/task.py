@@ -126,7 +126,10 @@ class TaskActor(Actor[Event]):
                     drain = command.reason in ("handoff", "shutdown")
                     reader.request_stop(command.reason, drain=drain)
             case RequestPlan():
-                if self.leader is not None:
+                if self.leader is not None and not self.leader.alive:
+                    # Only while the node shuts down: the leader actor stops before this one.
+                    log.warning("task %s: leader actor stopped, plan request dropped", self.core.me)
+                elif self.leader is not None:
                     snapshot = self.core.cim.checkpoint(self.core.me, self.clock())
                     self.leader.tell_nowait(PlanRequest(command, snapshot))
 

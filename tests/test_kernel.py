@@ -92,3 +92,50 @@ async def test_a_failure_reaches_the_asker_and_the_supervisor() -> None:
             await asyncio.sleep(1)  # the group cancels this block
     assert info.group_contains(ValueError)
     assert echo.stopped
+
+
+class Forwarder(Actor[object]):
+    """Tells every message on to ``target``, an actor started before it (its dependency)."""
+
+    def __init__(self, target: Echo) -> None:
+        super().__init__("forwarder", capacity=8)
+        self.target = target
+        self.gate = asyncio.Event()
+
+    async def receive(self, message: object) -> None:
+        await self.gate.wait()
+        await self.target.tell(message)
+
+
+@pytest.mark.asyncio
+async def test_leaving_stops_dependents_before_what_they_tell() -> None:
+    # The race of a node's shutdown: the negotiator still had a tick queued when every actor got
+    # its stop at once; the task actor finished first and the tick's tell raised ActorDead.
+    async with Supervisor() as sup:
+        echo = Echo(capacity=8)
+        await sup.spawn(echo)
+        forwarder = Forwarder(echo)
+        await sup.spawn(forwarder)
+        await forwarder.tell("queued")
+        asyncio.get_running_loop().call_later(0.05, forwarder.gate.set)
+    assert echo.seen == ["queued"]
+    assert not echo.alive
+    assert not forwarder.alive
+
+
+@pytest.mark.asyncio
+async def test_an_actor_spawned_while_leaving_is_stopped_too() -> None:
+    late: list[Echo] = []
+
+    class Spawner(Actor[object]):
+        async def receive(self, message: object) -> None:
+            child = Echo()
+            late.append(child)
+            await sup.spawn(child)
+
+    async with Supervisor() as sup:
+        spawner = Spawner("spawner")
+        await sup.spawn(spawner)
+        await spawner.tell("spawn one")  # handled after the stop is sent, before it is read
+    assert late
+    assert late[0].stopped
