@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pyspark.errors import AnalysisException
 
 from protocol.records import DataChange
 from runtime.ports import SinkBatch
 from runtime.simstream import StreamModel, StreamParams
-from runtime.spark import BridgeError, SparkBridge, SparkConfig, SparkStartError, read_output
+from runtime.spark import SparkBridge, SparkConfig, SparkStartError, read_output
 from runtime.spark.bridge import write_default
 from runtime.spark.session import start_session
 from tests.fixtures.spark import Cluster, Row, expected_rows, output_rows, wait_for
@@ -30,11 +29,6 @@ from tests.fixtures.spark_connect import ConnectServer, connect_mode, connect_se
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 __all__ = ["connect_mode", "connect_server"]  # module-scoped fixtures
-
-# The bridge, at start, reads the output back to resume de-duplication. Over Connect it cannot
-# look for the directory first, and a fresh output directory fails the start (see the xfail
-# below); tests that start on a fresh directory turn the lookup off.
-FRESH = {"resume_dedupe": False}
 
 
 def _config(server: ConnectServer, out: Path, **kwargs: Any) -> SparkConfig:
@@ -109,7 +103,7 @@ async def test_three_tasks_over_connect_output_equals_the_stream(
             checks += 1
             await asyncio.sleep(0.3)
 
-    async with SparkBridge(_config(connect_server, out, **FRESH)) as bridge:
+    async with SparkBridge(_config(connect_server, out)) as bridge:
         assert type(bridge.spark).__module__.startswith("pyspark.sql.connect")
         cluster = Cluster(bridge, seed=21, seconds=8.0)
         async with AsyncExitStack() as stack:
@@ -147,7 +141,7 @@ async def test_futures_resolve_only_after_the_rows_are_on_disk(
         rows = set(_keys(output_rows(read_output(str(out)))))
         seen.append(set(_keys(expected_rows(iter(batch.records)))) <= rows)
 
-    async with SparkBridge(_config(connect_server, out, **FRESH)) as bridge:
+    async with SparkBridge(_config(connect_server, out)) as bridge:
         puts = await _put_in_parts(bridge, records)
         for batch, future in puts:
             future.add_done_callback(functools.partial(on_disk, batch))
@@ -198,8 +192,8 @@ async def test_restart_over_connect_does_not_write_twice(
     out = tmp_path / "out"
     token, records = next(iter(_records(seed=24, roots=1).items()))
     first, replay = records[:30], records[20:]
-    for part, extra in ((first, FRESH), (replay, {})):
-        async with SparkBridge(_config(connect_server, out, **extra)) as bridge:
+    for part in (first, replay):
+        async with SparkBridge(_config(connect_server, out)) as bridge:
             future = await bridge.put(SinkBatch(token, tuple(part), part[-1].commit_ts))
             await asyncio.wait_for(future, 60)
     assert bridge.stats().rows_deduplicated == sum(len(r.mods) for r in records[20:30])
@@ -211,12 +205,6 @@ async def test_restart_over_connect_does_not_write_twice(
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("connect_mode")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AnalysisException,
-    reason="bridge.py _seed_tails: over Connect it reads the output without looking first, and "
-    "the collect() that fails on a missing directory is outside its try",
-)
 async def test_default_config_starts_on_a_fresh_output_dir(
     connect_server: ConnectServer, tmp_path: Path
 ) -> None:
@@ -227,12 +215,6 @@ async def test_default_config_starts_on_a_fresh_output_dir(
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("connect_mode")
-@pytest.mark.xfail(
-    strict=True,
-    raises=BridgeError,
-    reason="bridge.py _run_batch: Spark Connect cannot build a DataFrame from an empty Arrow "
-    "table without a schema (CANNOT_INFER_EMPTY_SCHEMA); a foreach_batch gets empty batches",
-)
 async def test_foreach_batch_over_connect_takes_an_empty_micro_batch(
     connect_server: ConnectServer, tmp_path: Path
 ) -> None:

@@ -454,15 +454,22 @@ class SparkBridge:
             return
         from pyspark.sql import functions as f
 
+        # Over Spark Connect the read is lazy: a missing directory fails at collect(), and the
+        # directory is the server's, so we cannot look first. Both steps are in the try.
         try:
             df = self.spark.read.parquet(str(out)).select(
                 "partition_token", "commit_ts", "server_transaction_id", "record_sequence"
             )
-        except Exception as exc:  # nothing there yet (remote Spark: we cannot look first)
-            log.info("%r: no earlier output to resume de-duplication from: %s", self, exc)
+            newest = df.groupBy("partition_token").agg(f.max("commit_ts").alias("commit_ts"))
+            rows = df.join(newest, ["partition_token", "commit_ts"]).distinct().collect()
+        except Exception as exc:
+            if not _no_output_yet(exc):
+                raise SparkStartError(
+                    f"cannot read the earlier output at {out} to resume de-duplication: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            log.info("%r: no earlier output at %s to resume de-duplication from", self, out)
             return
-        newest = df.groupBy("partition_token").agg(f.max("commit_ts").alias("commit_ts"))
-        rows = df.join(newest, ["partition_token", "commit_ts"]).distinct().collect()
         for row in rows:
             ts, txn, seq = row["commit_ts"], row["server_transaction_id"], row["record_sequence"]
             for tails in (self._tails, self._committed):
@@ -874,7 +881,14 @@ class SparkBridge:
 
     def _run_batch(self, batch_id: int, table: Any) -> None:
         """In a worker thread: one attempt of one micro-batch."""
-        df = self.spark.createDataFrame(table)
+        if table.num_rows == 0:
+            # Spark Connect cannot infer a schema from an empty table (CANNOT_INFER_EMPTY_SCHEMA);
+            # a foreach_batch still gets the micro-batch (a heartbeat moved a watermark).
+            from pyspark.sql.pandas.types import from_arrow_schema
+
+            df = self.spark.createDataFrame(table, schema=from_arrow_schema(table.schema))
+        else:
+            df = self.spark.createDataFrame(table)
         if self.foreach_batch is not None:
             self.foreach_batch(df, batch_id)
         else:
@@ -957,3 +971,17 @@ def write_default(df: Any, output_dir: str, batch: str) -> None:
         .partitionBy("table", "batch")
         .parquet(str(Path(output_dir)))
     )
+
+
+_NO_OUTPUT_CONDITIONS = frozenset({"PATH_NOT_FOUND", "UNABLE_TO_INFER_SCHEMA"})
+
+
+def _no_output_yet(exc: BaseException) -> bool:
+    """Whether reading the default output failed because there is none yet (a missing
+    directory, or one without parquet files), as opposed to Spark or the files being broken."""
+    from pyspark.errors import AnalysisException
+
+    if not isinstance(exc, AnalysisException):
+        return False
+    condition = exc.getCondition() if hasattr(exc, "getCondition") else exc.getErrorClass()
+    return condition in _NO_OUTPUT_CONDITIONS
