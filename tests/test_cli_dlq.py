@@ -104,7 +104,7 @@ def test_spark_dead_letter_options_build_the_bridge_settings() -> None:
     assert on.dead_letter.name == "orders_spark"
     assert on.dead_letter.policy.max_attempts == 7
     assert on.dead_letter.kafka == kafka
-    assert on.output_dir == str(Path("shoal-output") / "data")
+    assert on.output_dir == str(Path("shoal-output").resolve() / "data")
     named = spark_config(load("--spark-dead-letter", "--spark-dead-letter-topic", "x.y"), kafka)
     assert named.dead_letter is not None
     assert named.dead_letter.name == "x.y"

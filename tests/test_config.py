@@ -157,3 +157,19 @@ def test_configuration_reference_is_current() -> None:
         "docs/configuration.md is stale: run "
         "`.venv/bin/python -m actors.runtime config --reference > docs/configuration.md`"
     )
+
+
+def test_spark_gets_absolute_paths_and_urls_as_they_are() -> None:
+    # Over Spark Connect a relative path would be the server's working directory's.
+    from actors.cli.sinks import spark_config
+
+    local = spark_config(_load(["--output-dir", "out", "--spark-checkpoint-dir", "ck"]), None)
+    assert local.output_dir == str(Path("out").resolve() / "data")
+    assert local.checkpoint_dir == str(Path("ck").resolve())
+    remote = spark_config(
+        _load(["--output-dir", "s3a://bucket/run", "--spark-checkpoint-dir", "s3a://bucket/ck"]),
+        None,
+    )
+    assert remote.output_dir == "s3a://bucket/run/data"
+    assert remote.checkpoint_dir == "s3a://bucket/ck"
+    assert spark_config(_load([]), None).checkpoint_dir is None

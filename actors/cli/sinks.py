@@ -235,7 +235,9 @@ class FileSink:
             log.exception("%r: writing %d rows failed", self)
             for future, _ in waiting:
                 if not future.done():
-                    future.set_exception(SinkError(f"writing parquet failed: {exc!r}"))
+                    future.set_exception(
+                        SinkError(f"writing parquet failed: {type(exc).__name__}: {exc}")
+                    )
         else:
             if rows:
                 self._files += 1
@@ -337,8 +339,8 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "remote": sc.remote,
         "app_name": sc.app_name,
         "conf": dict(sc.conf),
-        "output_dir": str(Path(config.run.output_dir) / "data"),
-        "checkpoint_dir": sc.checkpoint_dir,
+        "output_dir": _absolute(config.run.output_dir, "data"),
+        "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),
         "path": sc.path,
     }
     for name in ("max_rows", "max_age_s", "max_inflight_batches"):
@@ -354,3 +356,12 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
             policy=RetryPolicy(max_attempts=sc.dead_letter_max_attempts),
         )
     return SparkConfig(**kwargs)
+
+
+def _absolute(path: str, child: str = "") -> str:
+    """``path`` (joined with ``child``) made absolute, so that Spark resolves it the same
+    wherever it runs (over Spark Connect a relative path would be relative to the server's
+    working directory); a URL (``s3a://``, ``hdfs://``, ``file:/``) is kept as a URL."""
+    if ":/" in path:
+        return f"{path.rstrip('/')}/{child}" if child else path
+    return str(Path(path, child).resolve())

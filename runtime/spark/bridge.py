@@ -823,7 +823,9 @@ class SparkBridge:
                 await asyncio.to_thread(spool_write, self._streaming.spool, seq, table)
             except Exception as exc:
                 self._attempts_failed += 1
-                self._fail_permanently([cut], BridgeError(f"writing spool file {seq}: {exc!r}"))
+                self._fail_permanently(
+                    [cut], BridgeError(f"writing spool file {seq}: {type(exc).__name__}: {exc}")
+                )
                 await self._done(cut)
                 return
             self._next_seq += 1
