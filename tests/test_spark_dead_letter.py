@@ -285,6 +285,76 @@ async def test_a_dead_bridge_leaves_its_rq_to_the_next_one(
     assert sorted(output_ids(out)) == sorted(everything)
 
 
+_CHILD = """
+import asyncio, sys
+from pathlib import Path
+from protocol.retry import RetryPolicy
+from runtime.kafka import KafkaConfig
+from runtime.spark import SparkBridge
+from tests.test_spark_dead_letter import Writer, _config, feed, workload
+
+async def main():
+    out, kafka, name = Path(sys.argv[1]), KafkaConfig.embedded(sys.argv[2]), sys.argv[3]
+    writer = Writer(out, lambda keys: keys & {1, 5}, name_keys=True)
+    slow = RetryPolicy(max_attempts=50, base_backoff=0.3, max_backoff=0.6, jitter=0.1)
+    async with SparkBridge(_config(out, kafka, name, slow), foreach_batch=writer) as bridge:
+        await feed(bridge, workload(keys=10, per_key=4), batch=10, pause=0.35)
+        print("settled", bridge.stats().rq_held, len(writer.committed), flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(240)
+async def test_a_sigkilled_bridge_process_leaves_its_rq_to_the_next_one(
+    spark: Any, kafka_broker: EmbeddedBroker, connector: str, tmp_path: Path
+) -> None:
+    """As above, but the first bridge is a process of its own (its own local Spark) killed with
+    SIGKILL while it retries: nothing of it runs its exit, and the RQ topic alone carries the
+    parked rows to the next bridge."""
+    out, name = tmp_path / "out", f"{connector}_spark"
+    env = {**_env(), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CHILD,
+        str(out),
+        kafka_broker.bootstrap,
+        name,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=REPO,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(150):
+            line = await proc.stdout.readline()
+        assert line.split() == [b"settled", b"8", b"32"]  # keys 1 and 5 parked, 32 rows written
+        await asyncio.sleep(1.0)  # retries under way when it dies
+    finally:
+        if proc.returncode is None:
+            proc.kill()  # SIGKILL
+        await proc.wait()
+
+    changes = workload(keys=10, per_key=4)
+    want = expected_ids(changes)
+    writer = Writer(out, lambda keys: set(), name_keys=True)
+    writer.run = 1
+    policy = RetryPolicy(max_attempts=50, base_backoff=0.3, max_backoff=0.6, jitter=0.1)
+    config = _config(out, KafkaConfig.embedded(kafka_broker.bootstrap), name, policy)
+    async with SparkBridge(config, foreach_batch=writer, spark=spark) as second:
+        assert second.stats().rq_held == 8  # resumed from the RQ topic
+        async with asyncio.timeout(60):
+            await second.wait_retries_idle()
+        assert second.stats().rows_retried == 8
+    assert {k for k, _ in writer.committed} == {1, 5}
+    assert_in_order(writer.committed, want)
+    everything = {rid for ids in want.values() for rid in ids}
+    assert sorted(output_ids(out)) == sorted(everything)  # each row once, none missing
+
+
 def test_records_round_trip_and_halves_keep_keys_together() -> None:
     from runtime.kafka_sink import decode_output
     from runtime.spark.bridge import _ordering_keys
