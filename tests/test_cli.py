@@ -96,13 +96,16 @@ def _ids(directory: Path) -> list[str]:
 @pytest.mark.timeout(240)
 def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
     """The embedded default (broker, simulated stream, 3 tasks, local Spark writing parquet),
-    bounded: it exits 0 and the output rows are exactly the rows the stream produced."""
+    bounded, with the Spark retry and dead-letter queues on (nothing fails, so they stay empty,
+    but they start, sit in the path of every batch and stop): it exits 0 and the output rows are
+    exactly the rows the stream produced."""
     out = tmp_path / "out"
     proc = _cli(
         [
             "--duration",
             "8",
             *SIM,
+            "--spark-dead-letter",
             "--output-dir",
             str(out),
             "--summary-json",
@@ -115,7 +118,7 @@ def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
     code = _finish(proc, tmp_path, "run", 200)
     logs = _logs(tmp_path, "run")
     assert code == 0, logs
-    assert "starting Spark (local[2]" in logs
+    assert "starting Spark (local[2], embedded path, retry/dead-letter queues" in logs
     assert "rebalance:" in logs
     assert "progress: delivered" in logs
     assert "shoal run summary (duration" in logs
