@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from random import Random
 from types import TracebackType
@@ -47,6 +48,7 @@ class NodeConfig(msgspec.Struct, frozen=True):
 class NodeStatus(msgspec.Struct, frozen=True):
     task_id: str
     member: bool
+    out_of_group_s: float  # since the task was last a member (0.0 while it is one)
     leader: str
     generation: int
     epoch: int
@@ -128,6 +130,8 @@ class TaskNode:
         negotiator = NegotiatorActor(task, self.membership, cfg.tick_interval)
         await sup.spawn(negotiator)
         sup.start_soon(negotiator.pace(), name=f"pace:{self.task_id}")
+        if not task.core.member:  # time out of the group counts from here, not from replay
+            task.out_of_group_since = time.monotonic()
         self.ready.set()
 
     async def _replay_start(self, task: TaskActor) -> int:
@@ -191,6 +195,11 @@ class TaskNode:
         return NodeStatus(
             task_id=core.me,
             member=core.member,
+            out_of_group_s=(
+                0.0
+                if self.task.out_of_group_since is None
+                else time.monotonic() - self.task.out_of_group_since
+            ),
             leader=core.leader,
             generation=core.generation,
             epoch=core.cim.epoch,

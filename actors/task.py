@@ -94,6 +94,8 @@ class TaskActor(Actor[Event]):
         self.last_offset = -1
         self.readers_idle = asyncio.Event()
         self.readers_idle.set()
+        # Monotonic time since which the task has not been a group member (None: it is one).
+        self.out_of_group_since: float | None = time.monotonic()
 
     # -- mailbox ------------------------------------------------------------------------------
     async def receive(self, message: Event) -> None:
@@ -105,6 +107,10 @@ class TaskActor(Actor[Event]):
                     seen.set()
         for command in self.core.handle(message, self.clock()):
             self.execute(command)
+        if self.core.member:
+            self.out_of_group_since = None
+        elif self.out_of_group_since is None:
+            self.out_of_group_since = time.monotonic()
 
     def report(self, event: Event) -> None:
         """For readers: queue an event without waiting (their mailboxes are tiny)."""

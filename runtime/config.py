@@ -144,6 +144,14 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ),
     ] = None
     metrics_host: Annotated[str, _d("Address the metrics server binds to.")] = "127.0.0.1"
+    health_out_of_group_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="/healthz fails once a ready task has been out of the heartbeat group "
+            "this many seconds (it cannot rejoin; restart the process).",
+        ),
+    ] = 120.0
     summary_json: Annotated[
         str | None, _d("Also write the end-of-run summary as JSON to this file.")
     ] = None

@@ -7,7 +7,9 @@ one asyncio HTTP listener inside the runtime's own event loop:
 * ``/metrics`` – the Prometheus text format of a private ``CollectorRegistry``: a collector
   turns the newest :class:`Sample` into metric families at scrape time (gauges and counters per
   task and per partition), plus a histogram of rebalance durations fed by :meth:`observe_rebalance`;
-* ``/healthz`` – 200 while the event loop answers and no component has failed, else 503;
+* ``/healthz`` – 200 while the event loop answers, no component has failed and no task that was
+  ready has been out of the heartbeat group longer than ``stuck_after_s`` (:func:`liveness`),
+  else 503: a process whose task cannot get back into the group should be restarted;
 * ``/readyz`` – 200 once every task of the process has joined, replayed the sync topic and
   holds an epoch that lists it; 503 with the reason otherwise (and while shutting down).
 
@@ -29,7 +31,7 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger("shoal.metrics")
 
-__all__ = ["MetricsServer", "Sample", "TaskSample", "build_registry"]
+__all__ = ["MetricsServer", "Sample", "TaskSample", "build_registry", "liveness", "readiness"]
 
 
 class TaskSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,6 +40,7 @@ class TaskSample(msgspec.Struct, frozen=True, kw_only=True):
     task_id: str
     ready: bool = False
     member: bool = False
+    out_of_group_s: float = 0.0  # since a ready task was last a member (0 while it is one)
     leader: str = ""
     generation: int = -1
     epoch: int = -1
@@ -103,6 +106,11 @@ class _SampleCollector(Collector):
             "shoal_is_leader", "1 when the task is the group leader", labels=t
         )
         member = GaugeMetricFamily("shoal_is_member", "1 while the task is a member", labels=t)
+        out_of_group = GaugeMetricFamily(
+            "shoal_out_of_group_seconds",
+            "Seconds since the (ready) task was last a group member; 0 while it is one",
+            labels=t,
+        )
         rebalances = CounterMetricFamily(
             "shoal_rebalances", "Rebalances of the heartbeat group seen by the task", labels=t
         )
@@ -131,6 +139,7 @@ class _SampleCollector(Collector):
             generation.add_metric(key, task.generation)
             leader.add_metric(key, 1.0 if task.leader == task.task_id else 0.0)
             member.add_metric(key, 1.0 if task.member else 0.0)
+            out_of_group.add_metric(key, task.out_of_group_s)
             rebalances.add_metric(key, task.rebalances)
             sync_messages.add_metric(key, task.sync_messages)
             sync_bytes.add_metric(key, task.sync_bytes)
@@ -164,6 +173,7 @@ class _SampleCollector(Collector):
             generation,
             leader,
             member,
+            out_of_group,
             rebalances,
             sync_messages,
             sync_bytes,
@@ -174,6 +184,20 @@ class _SampleCollector(Collector):
             latency,
             ready,
         )
+
+
+def liveness(sample: Sample, stuck_after_s: float) -> tuple[bool, str]:
+    """(alive, reason): nothing failed for good, and no task has been out of the heartbeat group
+    for longer than ``stuck_after_s`` (a rebalance takes seconds; a task that cannot rejoin, for
+    example because its Kafka client is wedged, holds no partitions and never will)."""
+    if sample.failed is not None:
+        return False, f"failed: {sample.failed}"
+    for task in sample.tasks:
+        if task.out_of_group_s > stuck_after_s:
+            return False, (
+                f"task {task.task_id} has been out of the group for {task.out_of_group_s:.0f}s"
+            )
+    return True, "ok"
 
 
 def readiness(sample: Sample) -> tuple[bool, str]:
@@ -214,8 +238,15 @@ class MetricsServer:
     ``async with MetricsServer(provider, host, port) as server:``; ``server.port`` is the bound
     port (useful with ``port=0``)."""
 
-    def __init__(self, provider: SampleProvider, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        provider: SampleProvider,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        stuck_after_s: float = 120.0,
+    ) -> None:
         self._provider = provider
+        self.stuck_after_s = stuck_after_s
         self._host = host
         self._port = port
         self.registry, self._rebalance = build_registry(provider)
@@ -283,10 +314,8 @@ class MetricsServer:
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
         if path == "/healthz":
-            sample = self._provider()
-            if sample.failed is not None:
-                return "503 Service Unavailable", text, f"failed: {sample.failed}\n".encode()
-            return "200 OK", text, b"ok\n"
+            ok, reason = liveness(self._provider(), self.stuck_after_s)
+            return ("200 OK" if ok else "503 Service Unavailable"), text, f"{reason}\n".encode()
         if path == "/readyz":
             ok, reason = readiness(self._provider())
             return ("200 OK" if ok else "503 Service Unavailable"), text, f"{reason}\n".encode()

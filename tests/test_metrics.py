@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
-from runtime.metrics import MetricsServer, Sample, TaskSample, readiness
+from runtime.metrics import MetricsServer, Sample, TaskSample, liveness, readiness
 
 
 def _sample(*, ready: bool = True, failed: str | None = None) -> Sample:
@@ -87,6 +88,28 @@ async def test_metrics_health_and_readiness() -> None:
         current = _sample(failed="sink died")
         assert (await _get(server.port, "/healthz"))[0] == 503
         assert (await _get(server.port, "/nope"))[0] == 404
+
+
+def test_liveness_fails_for_a_task_stuck_out_of_the_group() -> None:
+    def out(seconds: float) -> Sample:
+        task = msgspec.structs.replace(_sample().tasks[0], member=False, out_of_group_s=seconds)
+        return Sample(at=0.0, tasks=(task,))
+
+    assert liveness(_sample(), 60.0) == (True, "ok")
+    assert liveness(out(59.0), 60.0) == (True, "ok")  # a rebalance, a slow rejoin: still alive
+    assert liveness(out(61.0), 60.0) == (False, "task t0 has been out of the group for 61s")
+    assert liveness(_sample(failed="sink died"), 60.0) == (False, "failed: sink died")
+
+
+@pytest.mark.asyncio
+async def test_healthz_says_which_task_is_stuck() -> None:
+    task = msgspec.structs.replace(_sample().tasks[0], member=False, out_of_group_s=30.0)
+    current = Sample(at=0.0, tasks=(task,))
+    async with MetricsServer(lambda: current, port=0, stuck_after_s=10.0) as server:
+        status, body = await _get(server.port, "/healthz")
+        assert (status, body) == (503, "task t0 has been out of the group for 30s\n")
+        _, metrics = await _get(server.port, "/metrics")
+        assert 'shoal_out_of_group_seconds{task="t0"} 30.0' in metrics
 
 
 def test_readiness_reasons() -> None:

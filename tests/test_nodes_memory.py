@@ -93,6 +93,16 @@ async def test_three_nodes_share_and_hand_over() -> None:
         assert len(sink.rows) > 50
         assert any(n.status().counters.get("picked_up", 0) for n in survivors)
 
+        # n1 is expelled (a session timeout) and, in memory, never rejoins: its time out of
+        # the group grows (what the CLI's /healthz watches); n2 is back in at once.
+        assert all(n.status().out_of_group_s == 0.0 for n in survivors)
+        group.expel("n1")
+        await _wait_for(lambda: not nodes[1].status().member, 5)
+        first = nodes[1].status().out_of_group_s
+        await asyncio.sleep(0.3)
+        assert nodes[1].status().out_of_group_s >= first + 0.3
+        await _wait_for(lambda: nodes[2].status().out_of_group_s == 0.0, 5)
+
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)

@@ -184,6 +184,7 @@ class Pipeline:
                     task_id=t.task_id,
                     ready=node.ready.is_set(),
                     member=st.member,
+                    out_of_group_s=st.out_of_group_s if node.ready.is_set() else 0.0,
                     leader=st.leader,
                     generation=st.generation,
                     epoch=st.epoch,
@@ -258,7 +259,12 @@ class Pipeline:
             source = await self._start_source(stack)
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
-                    MetricsServer(self.sample, cfg.run.metrics_host, cfg.run.metrics_port)
+                    MetricsServer(
+                        self.sample,
+                        cfg.run.metrics_host,
+                        cfg.run.metrics_port,
+                        stuck_after_s=cfg.run.health_out_of_group_s,
+                    )
                 )
                 self._say(f"metrics: {self.metrics.url}/metrics (and /healthz, /readyz)")
             await self._make_tasks(stack, kafka, source, sink, first_log)
