@@ -34,6 +34,8 @@ from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
 
 log = logging.getLogger("shoal.node")
 
+_CHECKPOINT_SCAN = 1000  # messages read past the checkpoint pointer looking for the checkpoint
+
 MembershipFactory = Callable[[str], Awaitable[Membership]]
 
 
@@ -139,17 +141,28 @@ class TaskNode:
         offset = await self._sync_log.checkpoint_offset()
         if offset is None:
             return 0
-        async for at, payload in self._sync_log.read(offset):
-            try:
-                message = messages.decode(payload)
-            except messages.SyncDecodeError as exc:
-                log.warning("checkpoint at %d unreadable (%s): full replay", at, exc)
-                return 0
-            if isinstance(message, CheckpointMessage) and message.as_of >= 0:
-                await task.tell(SyncRead(at, message))
-                return message.as_of + 1
-            log.warning("offset %d is not a checkpoint: full replay", at)
-            return 0
+        # A checkpoint too big for one record is read whole at its last fragment's offset, and
+        # other tasks' messages may come first: they are read again from ``as_of + 1``.
+        skipped = 0
+        reader = self._sync_log.read(offset)
+        try:
+            async for at, payload in reader:
+                try:
+                    message = messages.decode(payload)
+                except messages.SyncDecodeError as exc:
+                    log.warning("sync message at %d unreadable (%s) before the checkpoint", at, exc)
+                    message = None
+                if isinstance(message, CheckpointMessage) and message.as_of >= 0:
+                    await task.tell(SyncRead(at, message))
+                    return message.as_of + 1
+                skipped += 1
+                if skipped >= _CHECKPOINT_SCAN:
+                    break
+        finally:
+            aclose = getattr(reader, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        log.warning("no checkpoint within %d messages of offset %d: full replay", skipped, offset)
         return 0
 
     async def __aexit__(

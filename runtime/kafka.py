@@ -52,6 +52,7 @@ from aiokafka.helpers import create_ssl_context
 from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.structs import TopicPartition
 
+from protocol import fragments
 from protocol.messages import MarkerMessage, encode
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost, SyncLog
 
@@ -315,6 +316,8 @@ class SyncLogStats(msgspec.Struct, frozen=True):
     appended_bytes: int
     readers_open: int
     checkpoints_recorded: int
+    fragmented: int = 0  # messages over max_message_bytes, appended in fragments
+    fragments_dropped: int = 0  # incomplete or orphaned fragmented messages readers skipped
 
 
 class KafkaSyncLog:
@@ -338,8 +341,13 @@ class KafkaSyncLog:
         send_timeout_s: float | None = None,
         fetch_max_wait_ms: int = 30,
         compression_type: str | None = None,
+        max_message_bytes: int = 512 * 1024,
     ) -> None:
         _check_connector(connector)
+        if not 1024 <= max_message_bytes <= 64 << 20:
+            raise ValueError(
+                f"max_message_bytes must be in [1 KiB, 64 MiB], got {max_message_bytes}"
+            )
         if retention_ms <= 0:
             raise ValueError(f"retention_ms must be positive, got {retention_ms}")
         if not 0 < fetch_max_wait_ms <= 10_000:
@@ -357,6 +365,7 @@ class KafkaSyncLog:
             raise ValueError(f"send_timeout_s must be positive, got {send_timeout_s}")
         self._fetch_max_wait_ms = fetch_max_wait_ms
         self._compression_type = compression_type
+        self.max_message_bytes = max_message_bytes
         self._producer: AIOKafkaProducer | None = None
         self._ckpt: AIOKafkaConsumer | None = None
         self._closed = False
@@ -365,6 +374,8 @@ class KafkaSyncLog:
         self._appended_bytes = 0
         self._readers_open = 0
         self._checkpoints = 0
+        self._fragmented = 0  # messages appended in fragments
+        self._fragments_dropped = 0  # incomplete or orphaned fragments readers gave up on
 
     def __repr__(self) -> str:
         return f"KafkaSyncLog(topic={self.topic!r}, config={self._config!r})"
@@ -376,6 +387,8 @@ class KafkaSyncLog:
             appended_bytes=self._appended_bytes,
             readers_open=self._readers_open,
             checkpoints_recorded=self._checkpoints,
+            fragmented=self._fragmented,
+            fragments_dropped=self._fragments_dropped,
         )
 
     async def start(self) -> None:
@@ -472,7 +485,28 @@ class KafkaSyncLog:
 
     async def append(self, payload: bytes) -> int:
         """Append ``payload`` (acks=all); return its offset. Raises :class:`SyncLogError` if the
-        broker did not acknowledge it within ``send_timeout_s``."""
+        broker did not acknowledge it within ``send_timeout_s``.
+
+        A payload over ``max_message_bytes`` is appended as fragments (:mod:`protocol.fragments`)
+        that :meth:`read` puts back together; the offset returned is then the first fragment's
+        (where a reader must start to read the message whole)."""
+        if len(payload) <= self.max_message_bytes:
+            offset = await self._send(payload)
+        else:
+            pieces = fragments.cut(payload, self.max_message_bytes)
+            fid, first = fragments.new_id(), -1
+            for index, piece in enumerate(pieces):
+                fragment = fragments.Fragment(fid, index, len(pieces), first, piece)
+                at = await self._send(fragments.encode_fragment(fragment))
+                if index == 0:
+                    first = at
+            offset = first
+            self._fragmented += 1
+        self._appends += 1
+        self._appended_bytes += len(payload)
+        return offset
+
+    async def _send(self, payload: bytes) -> int:
         producer = self._started_producer()
         try:
             # The producer fails the batch after send_timeout; this outer bound is a backstop.
@@ -487,8 +521,6 @@ class KafkaSyncLog:
         except KafkaError as exc:
             self._append_failures += 1
             raise SyncLogError(f"append to {self.topic!r} failed: {exc!r}") from exc
-        self._appends += 1
-        self._appended_bytes += len(payload)
         offset: int = metadata.offset
         return offset
 
@@ -524,6 +556,7 @@ class KafkaSyncLog:
                 ) from exc
             consumer.assign([self._tp])
             consumer.seek(self._tp, start)
+            whole = fragments.Reassembler(start)
             while True:
                 try:
                     batches = await consumer.getmany(self._tp, timeout_ms=1000)
@@ -536,7 +569,16 @@ class KafkaSyncLog:
                     raise SyncLogError(f"reading {self.topic!r} failed: {exc!r}") from exc
                 for record in batches.get(self._tp, ()):
                     value = record.value
-                    yield record.offset, value if value is not None else b""
+                    step = whole.feed(record.offset, value if value is not None else b"")
+                    for reason in whole.dropped:
+                        self._fragments_dropped += 1
+                        log.warning("%s: sync message dropped: %s", self.topic, reason)
+                    whole.dropped.clear()
+                    if isinstance(step, fragments.Complete):
+                        yield step.offset, step.payload
+                    elif isinstance(step, fragments.Rewind):
+                        consumer.seek(self._tp, step.offset)
+                        break  # the rest of this fetch is read again after the rewind
         finally:
             self._readers_open -= 1
             await consumer.stop()

@@ -275,6 +275,32 @@ async def test_whole_connector_restart_with_the_same_task_ids(
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_sync_messages_over_the_record_limit_are_cut_and_read_whole(
+    kafka_config: KafkaConfig, connector: str, observer: SyncObserver
+) -> None:
+    """With a 1 KiB record limit every state, epoch and checkpoint message here is cut into
+    fragments that other tasks' messages fall between: the tasks still agree, a restarted task
+    replays its way back (from the checkpoint when there is one), and the observer's CIM,
+    built from the same topic, matches theirs."""
+    async with Cluster(kafka_config, connector, max_message_bytes=1024) as nodes:
+        await nodes.start_node("n0")
+        await nodes.start_node("n1")
+        await nodes.wait_settled({"n0", "n1"}, TOKENS, timeout=30)
+        await asyncio.sleep(6)  # a checkpoint (every 5 s) is written
+        await nodes.stop_node("n0")
+        await nodes.wait_settled({"n1"}, TOKENS, timeout=30)
+        await nodes.start_node("n0")
+        await nodes.wait_settled({"n0", "n1"}, TOKENS, timeout=30)
+        await observer_caught_up(nodes, observer)
+        assert_clean(nodes, observer)
+        stats = [log.statistics() for log in nodes.sync_logs.values()]
+        assert sum(s.fragmented for s in stats) > 0
+        assert sum(s.fragments_dropped for s in stats) == 0
+
+
+@pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_group_epochs_stay_above_what_members_know(
     kafka_config: KafkaConfig, connector: str

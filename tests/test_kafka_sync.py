@@ -159,6 +159,49 @@ async def test_payloads_are_opaque_bytes(kafka_config: KafkaConfig, connector: s
 
 @pytest.mark.kafka
 @pytest.mark.asyncio
+async def test_a_message_over_the_record_limit_is_read_whole(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """A 3 MB sync message (a 30,000-partition checkpoint is about that) is appended as fragments
+    while another task appends small messages between them; a reader from its first offset, or
+    from inside it, gets it whole, once, at its last fragment's offset."""
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB
+    async with (
+        KafkaSyncLog(kafka_config, connector) as writer,
+        KafkaSyncLog(kafka_config, connector) as other,
+    ):
+        small_done = asyncio.Event()
+
+        async def chatter() -> list[int]:
+            offsets = []
+            for i in range(40):
+                offsets.append(await other.append(f"small-{i}".encode()))
+                if i == 5:
+                    small_done.set()
+            return offsets
+
+        chat = asyncio.ensure_future(chatter())
+        await small_done.wait()
+        first = await writer.append(big)  # the default limit: 512 KiB per record
+        smalls = await chat
+        assert writer.statistics().fragmented == 1
+        assert writer.statistics().appended_bytes == len(big)
+        everything = await _take(writer, 0, 41)
+        payloads = [payload for _, payload in everything]
+        assert payloads.count(big) == 1
+        assert [p for p in payloads if p != big] == [f"small-{i}".encode() for i in range(40)]
+        at_big = next(at for at, payload in everything if payload == big)
+        assert at_big > first  # read at its last fragment
+        assert any(first < at < at_big for at in smalls)  # the other task wrote in between
+        assert [at for at, p in everything if p != big] == smalls  # the others where they are
+        # From inside the message (a reader starting after its first fragment): rewound.
+        inside = await _take(writer, first + 2, sum(1 for at in smalls if at > first + 2) + 1)
+        assert [p for _, p in inside].count(big) == 1
+        assert writer.statistics().fragments_dropped == 0
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
 async def test_replay_until_marker(kafka_config: KafkaConfig, connector: str) -> None:
     async with (
         KafkaSyncLog(kafka_config, connector) as log,
