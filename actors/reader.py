@@ -84,6 +84,7 @@ class PartitionReader(Actor[Stop]):
         self._dups = 0
         self._wake = asyncio.Event()
         self._sink_error: BaseException | None = None
+        self._end: ReaderStopped | ReaderFinished | None = None  # how the read loop ended
 
     def request_stop(self, reason: str, drain: bool) -> None:
         if self.alive:
@@ -98,6 +99,10 @@ class PartitionReader(Actor[Stop]):
         )
 
     async def run(self) -> None:
+        """Read until the partition finishes, the lease lapses or a stop arrives; then report
+        that end **once, as the last thing, when this reader is no longer alive** (the core may
+        start a new reader for the partition as soon as it hears of it)."""
+        end: Event | None = None
         try:
             async with asyncio.TaskGroup() as group:
                 reading = group.create_task(self._read_loop(), name=f"read:{self.token}")
@@ -109,11 +114,15 @@ class PartitionReader(Actor[Stop]):
                 await asyncio.wait({reading, committing})
                 if stop is not None and stop.drain:
                     await self._drain()
-            if stop is not None:
-                self._report(ReaderStopped(self.token, self.committed))
+            if isinstance(self._end, ReaderFinished):
+                end = self._end
+            elif stop is not None or self._end is not None:  # stopped, or the lease lapsed
+                end = ReaderStopped(self.token, self.committed)
         finally:
             self._dead = True
             self._fail_pending()
+            if end is not None:
+                self._report(end)
 
     async def _next_stop(self, reading: asyncio.Task[None]) -> Stop | None:
         getter = asyncio.ensure_future(self._queue.get())
@@ -177,7 +186,7 @@ class PartitionReader(Actor[Stop]):
                 children, child_start = await self._read_once()
             except NotPermitted:
                 log.warning("reader %s: lease expired, stopping", self.token)
-                self._report(ReaderStopped(self.token, self.committed))
+                self._end = ReaderStopped(self.token, self.committed)
                 return
             except Exception as exc:
                 self._restarts += 1
@@ -200,7 +209,7 @@ class PartitionReader(Actor[Stop]):
             if self._sink_error is not None:
                 self._sink_error = None
                 continue
-            self._report(ReaderFinished(self.token, self.committed, children, child_start))
+            self._end = ReaderFinished(self.token, self.committed, children, child_start)
             return
 
     async def _read_once(self) -> tuple[tuple[ChildPartition, ...], int]:

@@ -86,6 +86,7 @@ class TaskActor(Actor[Event]):
         self.clock = clock
         self.stream_start = stream_start
         self.readers: dict[str, PartitionReader] = {}
+        self._reader_runs: dict[str, asyncio.Task[None]] = {}
         self.leader: LeaderActor | None = None
         self.lease_until_mono = 0.0
         self._outbox: asyncio.Queue[SyncMessage] = asyncio.Queue(10_000)
@@ -143,7 +144,16 @@ class TaskActor(Actor[Event]):
         token = command.token
         old = self.readers.get(token)
         if old is not None and old.alive:
-            log.error("task %s: reader for %s still running", self.core.me, token)
+            # Readers report their end only once dead, so this should not happen; if it does,
+            # start the new reader when the old one is gone rather than never.
+            log.error(
+                "task %s: reader for %s still running; starting after it", self.core.me, token
+            )
+            self.supervisor.start_soon(
+                self._start_after(self._reader_runs[token], command),
+                name=f"restart:{token}",
+                daemon=True,
+            )
             return
         reader = PartitionReader(
             token,
@@ -155,7 +165,14 @@ class TaskActor(Actor[Event]):
         )
         self.readers[token] = reader
         self.readers_idle.clear()
-        self.supervisor.start_soon(self._run_reader(reader), name=reader.name, daemon=True)
+        self._reader_runs[token] = self.supervisor.start_soon(
+            self._run_reader(reader), name=reader.name, daemon=True
+        )
+
+    async def _start_after(self, old: asyncio.Task[None], command: StartReader) -> None:
+        await asyncio.wait({old})
+        if self.alive and self.core.reading.get(command.token) == command.start_ts:
+            self._start_reader(command)
 
     async def _run_reader(self, reader: PartitionReader) -> None:
         try:
@@ -163,6 +180,7 @@ class TaskActor(Actor[Event]):
         finally:
             if self.readers.get(reader.token) is reader:
                 del self.readers[reader.token]
+                self._reader_runs.pop(reader.token, None)
             if not self.readers:
                 self.readers_idle.set()
 

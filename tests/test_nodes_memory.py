@@ -12,7 +12,7 @@ import pytest
 from actors.node import NodeConfig, TaskNode
 from protocol.records import DataChange
 from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
+from runtime.memory import MemoryGroup, MemoryMembership, MemorySink, MemorySyncLog
 from runtime.ports import Membership
 from runtime.simsource import SimulatedSource
 from runtime.simstream import StreamModel, StreamParams
@@ -138,3 +138,45 @@ async def test_drain_stops_reading_for_good_and_publishes_the_final_watermarks()
         records = model.records(token, params.start_ts, watermark - 1)
         expected = {r.identity for r in records if isinstance(r, DataChange)}
         assert expected <= delivered, token
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_readers_stopped_by_a_lapsed_lease_start_again_when_it_is_renewed() -> None:
+    """The lease lapses (heartbeats late) without the task leaving the group: every reader stops
+    at once; once heartbeats come back every partition is read again. (A reader used to report
+    its stop while it was still alive; the restart the core asked for was then dropped as
+    'still running' and the partition was never read again.)"""
+    params = StreamParams(seed=5, roots=12, split_p=0.0, merge_p=0.0, move_p=0.0, records_per_s=20)
+    model = StreamModel(params)
+    source = SimulatedSource(model, speedup=4.0, heartbeat_ms=250)
+    log = MemorySyncLog()
+    group = MemoryGroup(rebalance_delay=0.1, session_timeout=1.0)
+    sink = MemorySink(commit_delay=0.01)
+    memberships: list[MemoryMembership] = []
+
+    async def join(task_id: str) -> Membership:
+        membership = group.join(task_id)
+        memberships.append(membership)
+        return membership
+
+    config = NodeConfig(
+        task=TaskConfig(task_id="solo", answer_timeout=300_000, publish_interval=200_000),
+        stream_start=params.start_ts,
+        tick_interval=0.05,
+    )
+    async with TaskNode(config, sync_log=log, join=join, source=source, sink=sink) as node:
+        assert node.task is not None
+        task = node.task
+        await _wait_for(lambda: node.status().reading == 12, 10)
+        for lapse in range(5):
+            memberships[0].heartbeats = False
+            # The first readers see the lease expired; renewed at once, while others stop.
+            await _wait_for(lambda: len(task.readers) < 12, 5)
+            memberships[0].heartbeats = True
+            await _wait_for(lambda: node.status().reading == 12 and len(task.readers) == 12, 5)
+            assert node.status().member, lapse
+        before = dict(node.status().watermarks)
+        await asyncio.sleep(1.5)
+        after = node.status().watermarks
+        assert all(after[token] > before[token] for token in before)  # every one is read

@@ -81,3 +81,46 @@ async def test_a_drain_whose_batch_the_sink_fails_stops_at_the_committed_waterma
     assert len(stopped) == 1
     # the two committed batches, and nothing the sink failed
     assert stopped[0].watermark == T0 + 2000
+
+
+class SteadySink:
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+@pytest.mark.asyncio
+async def test_a_lapsed_lease_and_a_stop_together_report_one_stop_once_the_reader_is_dead() -> None:
+    """The lease lapses while the task also asks the reader to stop. The reader must report
+    its end once, and only when it is no longer alive: the core restarts a stopped partition
+    at once, and a reader that still looked alive made the task drop that restart."""
+    events: list[tuple[Event, bool]] = []
+    permitted = [True]
+    reader: PartitionReader
+
+    def permit() -> bool:
+        if not permitted[0]:
+            reader.request_stop("not-permitted", drain=False)  # the core's stop, at once
+        return permitted[0]
+
+    async with Supervisor("test") as sup:
+        reader = PartitionReader(
+            "p1",
+            T0,
+            source=SteadySource(),
+            sink=SteadySink(),
+            report=lambda e: events.append((e, reader.alive)),
+            permit=permit,
+        )
+        await sup.spawn(reader)
+        await asyncio.sleep(0.1)
+        permitted[0] = False
+        async with asyncio.timeout(5):
+            while reader.alive:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+    stops = [(e, alive) for e, alive in events if isinstance(e, ReaderStopped)]
+    assert len(stops) == 1, stops
+    assert stops[0][1] is False  # reported once dead
+    assert stops[0][0].watermark > T0
