@@ -197,7 +197,14 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         if exc_type is None:
-            await self._stop_in_order()
+            try:
+                await self._stop_in_order()
+            except asyncio.CancelledError as cancelled:
+                # A child failed (the task group cancels its parent: us) or we were cancelled:
+                # stop the rest at once and let the group's exit raise what happened.
+                self.stop_all()
+                await self._group.__aexit__(type(cancelled), cancelled, cancelled.__traceback__)
+                return None
         else:
             self.stop_all()
         await self._group.__aexit__(exc_type, exc, tb)

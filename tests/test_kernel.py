@@ -139,3 +139,22 @@ async def test_an_actor_spawned_while_leaving_is_stopped_too() -> None:
         await spawner.tell("spawn one")  # handled after the stop is sent, before it is read
     assert late
     assert late[0].stopped
+
+
+@pytest.mark.asyncio
+async def test_a_failure_while_leaving_in_order_reaches_the_caller() -> None:
+    # While the supervisor waits for one actor to stop, another fails: the task group cancels
+    # the waiting exit; the failure must come out of it, not a bare CancelledError.
+    class Slow(Actor[object]):
+        async def receive(self, message: object) -> None:
+            await asyncio.sleep(0.2)
+
+    with pytest.raises(ExceptionGroup) as info:
+        async with Supervisor() as sup:
+            echo = Echo(capacity=8)
+            await sup.spawn(echo)
+            slow = Slow("slow")
+            await sup.spawn(slow)
+            await slow.tell("busy")  # stopping waits for this
+            await echo.tell("boom")  # fails while the exit waits for `slow`
+    assert info.group_contains(ValueError)
