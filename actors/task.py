@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from random import Random
 
 import msgspec
 
-from actors.kernel import Actor, Supervisor
+from actors.kernel import Actor, MailboxFull, Supervisor
 from actors.reader import PartitionReader
 from protocol import messages, planner
 from protocol.cim import Cim
@@ -38,6 +39,8 @@ from protocol.task import (
     Lease,
     Publish,
     PublishFailed,
+    ReaderCommitted,
+    ReadersCommitted,
     RequestPlan,
     StartReader,
     StopReader,
@@ -62,7 +65,11 @@ class PlanRequest(msgspec.Struct, frozen=True):
     snapshot: CheckpointMessage
 
 
-class TaskActor(Actor[Event]):
+class FlushReports(msgspec.Struct, frozen=True):
+    """Mailbox wake-up: readers reported something (see :meth:`TaskActor.report`)."""
+
+
+class TaskActor(Actor[Event | FlushReports]):
     def __init__(
         self,
         config: TaskConfig,
@@ -95,11 +102,29 @@ class TaskActor(Actor[Event]):
         self.last_offset = -1
         self.readers_idle = asyncio.Event()
         self.readers_idle.set()
+        self._commits: dict[str, int] = {}  # readers' newest committed watermarks, not handed over
+        self._overflow: deque[Event] = deque()  # readers' other reports, not handed over
+        self._flush_queued = False
         # Monotonic time since which the task has not been a group member (None: it is one).
         self.out_of_group_since: float | None = time.monotonic()
 
     # -- mailbox ------------------------------------------------------------------------------
-    async def receive(self, message: Event) -> None:
+    async def receive(self, message: Event | FlushReports) -> None:
+        if not isinstance(message, FlushReports):
+            self._apply(message)
+        self._flush_reports()
+
+    def _flush_reports(self) -> None:
+        """Hand the core what readers reported outside the mailbox: their terminal events in
+        order, then every partition's newest committed watermark in one event."""
+        while self._overflow:
+            self._apply(self._overflow.popleft())
+        self._flush_queued = False
+        if self._commits:
+            commits, self._commits = self._commits, {}
+            self._apply(ReadersCommitted(tuple(commits.items())))
+
+    def _apply(self, message: Event) -> None:
         if isinstance(message, SyncRead):
             self.last_offset = message.offset
             if isinstance(message.message, MarkerMessage):
@@ -114,9 +139,24 @@ class TaskActor(Actor[Event]):
             self.out_of_group_since = time.monotonic()
 
     def report(self, event: Event) -> None:
-        """For readers: queue an event without waiting (their mailboxes are tiny)."""
-        if self.alive:
-            self.tell_nowait(event)
+        """For readers, without waiting. A committed watermark supersedes the partition's older
+        one, so commits are merged per partition and handed over in one event; other reports
+        queue in order. Neither takes a mailbox slot per report: with thousands of readers a
+        busy task's mailbox would fill (it did, at 10,000 partitions) and a report must not be
+        lost. Both are bounded by the readers (one watermark and a few reports each)."""
+        if not self.alive:
+            return
+        if isinstance(event, ReaderCommitted):
+            if event.watermark > self._commits.get(event.token, -1):
+                self._commits[event.token] = event.watermark
+        else:
+            self._overflow.append(event)
+        if not self._flush_queued:
+            try:
+                self.tell_nowait(FlushReports())
+                self._flush_queued = True
+            except MailboxFull:
+                pass  # the task is busy: it flushes after the message it handles now
 
     def permit(self) -> bool:
         return time.monotonic() < self.lease_until_mono and self.core.member

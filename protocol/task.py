@@ -105,6 +105,13 @@ class ReaderCommitted(msgspec.Struct, frozen=True):
     watermark: int
 
 
+class ReadersCommitted(msgspec.Struct, frozen=True):
+    """Many readers' committed watermarks at once (the shell coalesces reports: a newer
+    watermark of a partition supersedes an older one)."""
+
+    watermarks: tuple[tuple[str, int], ...]
+
+
 class ReaderFinished(msgspec.Struct, frozen=True):
     token: str
     watermark: int
@@ -157,6 +164,7 @@ Event = (
     | Lease
     | Tick
     | ReaderCommitted
+    | ReadersCommitted
     | ReaderFinished
     | ReaderStopped
     | ReaderFailed
@@ -285,7 +293,10 @@ class TaskCore:
             case Tick():
                 pass
             case ReaderCommitted():
-                self._on_committed(event)
+                self._on_committed(event.token, event.watermark)
+            case ReadersCommitted():
+                for token, watermark in event.watermarks:
+                    self._on_committed(token, watermark)
             case ReaderFinished():
                 self._on_finished(event)
             case ReaderStopped():
@@ -451,10 +462,10 @@ class TaskCore:
         else:
             self._plan_deadline = -1
 
-    def _on_committed(self, event: ReaderCommitted) -> None:
-        part = self.mine.get(event.token)
-        if part is not None and part.status == "owned" and event.watermark > part.watermark:
-            self.mine[event.token] = msgspec.structs.replace(part, watermark=event.watermark)
+    def _on_committed(self, token: str, watermark: int) -> None:
+        part = self.mine.get(token)
+        if part is not None and part.status == "owned" and watermark > part.watermark:
+            self.mine[token] = msgspec.structs.replace(part, watermark=watermark)
 
     def _on_stopped(self, event: ReaderStopped) -> None:
         self.reading.pop(event.token, None)

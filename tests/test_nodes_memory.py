@@ -180,3 +180,36 @@ async def test_readers_stopped_by_a_lapsed_lease_start_again_when_it_is_renewed(
         await asyncio.sleep(1.5)
         after = node.status().watermarks
         assert all(after[token] > before[token] for token in before)  # every one is read
+
+
+@pytest.mark.asyncio
+async def test_reader_reports_never_overflow_a_busy_task_mailbox() -> None:
+    """At 10,000 partitions the readers' commit reports filled the task's mailbox and a full
+    mailbox failed the reader (MailboxFull). Commits are now merged per partition outside the
+    mailbox and handed to the core in one event; other reports queue in order."""
+    from actors.kernel import Supervisor
+    from actors.task import FlushReports, TaskActor
+    from protocol.task import ReaderCommitted, ReaderStopped, Tick
+
+    model = StreamModel(StreamParams(seed=1, roots=2))
+    task = TaskActor(
+        TaskConfig(task_id="t"),
+        sync_log=MemorySyncLog(),
+        source=SimulatedSource(model),
+        sink=MemorySink(),
+        supervisor=Supervisor(),
+        stream_start=model.params.start_ts,
+        mailbox=2,
+    )
+    task.tell_nowait(Tick())
+    task.tell_nowait(Tick())  # the mailbox is full: the task is busy
+    for n in range(1, 5001):
+        task.report(ReaderCommitted(f"p{n % 1000}", n))
+    task.report(ReaderStopped("p7", 5000))
+    assert task.statistics().depth == 2  # no slot taken per report
+    await task.receive(Tick())  # the task handles a message, then what readers reported
+    handled = [name for _, name in task.core.log]
+    assert handled == ["Tick", "ReaderStopped", "ReadersCommitted"]
+    task.report(ReaderCommitted("p1", 5001))  # an idle task is woken by one flush message
+    await task.receive(FlushReports())
+    assert [name for _, name in task.core.log][-1] == "ReadersCommitted"
