@@ -5,8 +5,10 @@ sync log whose bytes are counted), then:
 
 * **sync bytes per rebalance**: a 21st task joins and the partitions spread to it; the bytes
   written to the sync topic from the join until the spread is balanced again, and how many
-  partitions moved. It must grow with the partitions that moved, not with the total: the quick
-  run (1,000 partitions) prints the same figures for comparison.
+  partitions moved. Idle partitions' watermarks stand still meanwhile (their steady traffic,
+  with a heartbeat every 5 s, is reported apart), and the leader's periodic checkpoints (the
+  whole CIM on a timer) are counted apart. It must grow with the partitions that moved, not
+  with the total: compare the quick run (1,000 partitions) per moved partition.
 * **replay**: the sync topic so far is copied into a topic on the embedded Kafka-compatible
   broker and a fresh task's replay is timed the way a starting task does it: from the latest
   checkpoint to the end, decoded and folded into a CIM.
@@ -29,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, aclosing
 from random import Random
 
@@ -38,19 +41,41 @@ from protocol import messages
 from protocol.cim import Cim
 from protocol.messages import CheckpointMessage
 from protocol.planner import plan
+from protocol.records import ChangeRecord
 from runtime.memory import MemorySyncLog
 from runtime.simsource import SimulatedSource
 
 
+class QuietableSource:
+    """The simulated source; while ``quiet``, a partition's batches come back empty (no
+    heartbeat, no record), so idle partitions' watermarks stand still and the sync topic
+    carries only what a rebalance writes."""
+
+    def __init__(self, inner: SimulatedSource) -> None:
+        self.inner = inner
+        self.quiet = False
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncGenerator[list[ChangeRecord], None]:
+        async with aclosing(self.inner.query(token, start_ts, end_ts)) as batches:
+            async for batch in batches:
+                yield [] if self.quiet and token is not None else batch
+
+
 class CountingLog(MemorySyncLog):
-    """The in-memory sync log, counting bytes written."""
+    """The in-memory sync log, counting bytes written (and, apart, the leader's periodic
+    checkpoints: their size is the whole CIM's, on a timer, whatever moves)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes_written = 0
+        self.checkpoint_bytes = 0
 
     async def append(self, payload: bytes) -> int:
         self.bytes_written += len(payload)
+        if isinstance(messages.decode(payload), CheckpointMessage):
+            self.checkpoint_bytes += len(payload)
         return await super().append(payload)
 
 
@@ -96,7 +121,7 @@ async def replay_from_kafka(log: CountingLog) -> tuple[float, int, int]:
 
 async def measure(partitions: int, tasks: int) -> dict[str, object]:
     params = static_stream(5, partitions, records_per_s=0.01)
-    source = SimulatedSource.from_params(params, heartbeat_ms=5000, poll_s=1.0)
+    source = QuietableSource(SimulatedSource.from_params(params, heartbeat_ms=5000, poll_s=1.0))
     log = CountingLog()
     cluster = MemoryCluster(
         source,
@@ -139,16 +164,25 @@ async def measure(partitions: int, tasks: int) -> dict[str, object]:
         # Every task in this process holds the whole CIM: this counts it once per task.
         out["rss_cluster_per_partition_kb"] = round((rss_full - rss_before) * 1000 / partitions, 2)
 
-        # Steady state: watermark reports of idle partitions (heartbeats) cost bytes too; that
-        # rate is subtracted so the figure is what the rebalance itself wrote.
+        # Steady state: idle partitions' watermarks advance with heartbeats (every 5 s here)
+        # and each task publishes its changed watermarks: that traffic grows with the total.
         b0, s0 = log.bytes_written, time.perf_counter()
         await asyncio.sleep(5.0)
+        out["steady_sync_bytes_per_s"] = round(
+            (log.bytes_written - b0) / (time.perf_counter() - s0)
+        )
+        # For the rebalance, watermarks stand still (no heartbeats), so the bytes are the
+        # rebalance's own; what little is still written while quiet is subtracted.
+        source.quiet = True
+        await asyncio.sleep(3.0)
+        b0, s0 = log.bytes_written, time.perf_counter()
+        await asyncio.sleep(2.0)
         steady_rate = (log.bytes_written - b0) / (time.perf_counter() - s0)
-        out["steady_sync_bytes_per_s"] = round(steady_rate)
+        out["quiet_sync_bytes_per_s"] = round(steady_rate)
 
         # A task joins: bytes written until the spread is balanced again.
         before_owner = {t: n.task_id for n in nodes for t in n.status().watermarks}
-        bytes0, msgs0 = log.bytes_written, len(log.entries)
+        bytes0, msgs0, ckpt0 = log.bytes_written, len(log.entries), log.checkpoint_bytes
         t1 = time.perf_counter()
         extra = await stack.enter_async_context(node(f"t{tasks:02d}"))
         everyone = [*nodes, extra]
@@ -161,7 +195,11 @@ async def measure(partitions: int, tasks: int) -> dict[str, object]:
         out["moved"] = moved
         window = time.perf_counter() - t1
         out["sync_bytes_in_window"] = log.bytes_written - bytes0
-        rebalance_bytes = max(0, round(log.bytes_written - bytes0 - steady_rate * window))
+        checkpoints = log.checkpoint_bytes - ckpt0
+        out["checkpoint_bytes_in_window"] = checkpoints
+        rebalance_bytes = max(
+            0, round(log.bytes_written - bytes0 - checkpoints - steady_rate * window)
+        )
         out["sync_bytes_per_rebalance"] = rebalance_bytes
         out["sync_messages_per_rebalance"] = len(log.entries) - msgs0
         out["sync_bytes_per_moved_partition"] = round(rebalance_bytes / max(1, moved), 1)
@@ -169,7 +207,9 @@ async def measure(partitions: int, tasks: int) -> dict[str, object]:
         out["sync_topic_bytes"] = log.bytes_written
         leader = next(n for n in everyone if n.task and n.task.core.leader == n.task_id)
         assert leader.task is not None
-        cim = leader.task.core.cim
+        # A copy: leaving the block drains every task, and their final states change the CIM.
+        cim = Cim()
+        cim.apply(0, leader.task.core.cim.checkpoint(leader.task_id, 0))
 
     # The leader plans an epoch after a task died: its partitions are re-dealt.
     members = tuple(sorted(cim.members))
