@@ -179,6 +179,8 @@ class Pipeline:
                 st.member and st.epoch < st.generation
             )
             stats = t.sync_log.statistics() if t.sync_log is not None else None
+            if stats is not None and stats.fragments_dropped:
+                errors["sync_fragments_dropped"] = stats.fragments_dropped
             tasks.append(
                 TaskSample(
                     task_id=t.task_id,
