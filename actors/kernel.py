@@ -214,6 +214,11 @@ class Supervisor:
         stopped: set[int] = set()
         while True:
             # Re-read the list each time: an actor finishing its mailbox may spawn another.
+            for task in self._tasks:
+                # Daemon loops started since (an actor may still start one). Once only: a
+                # second cancel would cut short a loop's own clean-up (closing its clients).
+                if not task.cancelling():
+                    task.cancel()
             rest = [a for a in self._actors if id(a) not in stopped]
             if not rest:
                 return

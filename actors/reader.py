@@ -103,6 +103,7 @@ class PartitionReader(Actor[Stop]):
         that end **once, as the last thing, when this reader is no longer alive** (the core may
         start a new reader for the partition as soon as it hears of it)."""
         end: Event | None = None
+        cancelled = False  # shutdown: the task is going away too, nothing to tell it
         try:
             async with asyncio.TaskGroup() as group:
                 reading = group.create_task(self._read_loop(), name=f"read:{self.token}")
@@ -118,10 +119,24 @@ class PartitionReader(Actor[Stop]):
                 end = self._end
             elif stop is not None or self._end is not None:  # stopped, or the lease lapsed
                 end = ReaderStopped(self.token, self.committed)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             self._dead = True
             self._fail_pending()
+            if end is None and not cancelled:
+                # An exception (it propagates to whoever awaits us): the partition is not read
+                # any more, so say so, or the task would believe it still is.
+                end = ReaderStopped(self.token, self.committed)
             if end is not None:
+                log.info(
+                    "reader %s: %s at %d (%d records)",
+                    self.token,
+                    type(end).__name__,
+                    self.committed,
+                    self._records,
+                )
                 self._report(end)
 
     async def _next_stop(self, reading: asyncio.Task[None]) -> Stop | None:

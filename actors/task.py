@@ -203,6 +203,7 @@ class TaskActor(Actor[Event | FlushReports]):
             report=self.report,
             permit=self.permit,
         )
+        log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)
         self.readers[token] = reader
         self.readers_idle.clear()
         self._reader_runs[token] = self.supervisor.start_soon(

@@ -158,3 +158,25 @@ async def test_a_failure_while_leaving_in_order_reaches_the_caller() -> None:
             await slow.tell("busy")  # stopping waits for this
             await echo.tell("boom")  # fails while the exit waits for `slow`
     assert info.group_contains(ValueError)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(10)
+async def test_a_daemon_loop_started_while_leaving_is_cancelled() -> None:
+    # A task actor handling its last messages may start a reader loop: leaving must not wait
+    # for it forever.
+    started: list[asyncio.Task[None]] = []
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    class Starter(Actor[object]):
+        async def receive(self, message: object) -> None:
+            started.append(sup.start_soon(forever(), name="late loop", daemon=True))
+
+    async with Supervisor() as sup:
+        starter = Starter("starter")
+        await sup.spawn(starter)
+        await starter.tell("start one")  # handled while the supervisor stops it
+    assert started
+    assert started[0].cancelled()
