@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 
 from actors.kernel import Actor
-from protocol.records import ChildPartition, ChildPartitions, DataChange, Heartbeat
+from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
 from protocol.task import Event, ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped
 from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 
@@ -65,6 +65,7 @@ class PartitionReader(Actor[Stop]):
         max_backoff: float = 10.0,
         drain_timeout: float = 5.0,
         batch_records: int = 2000,
+        stall_timeout: float = 30.0,
     ) -> None:
         super().__init__(f"reader:{token}", capacity=4)
         self.token = token
@@ -85,6 +86,10 @@ class PartitionReader(Actor[Stop]):
         self._wake = asyncio.Event()
         self._sink_error: BaseException | None = None
         self._end: ReaderStopped | ReaderFinished | None = None  # how the read loop ended
+        # A partition query sends a heartbeat at least every few seconds: one that sends
+        # nothing for this long is stalled (the chaos run saw emulator streams silent for over
+        # 90 s) and is restarted from the committed watermark.
+        self.stall_timeout = stall_timeout
 
     def request_stop(self, reason: str, drain: bool) -> None:
         if self.alive:
@@ -234,7 +239,7 @@ class PartitionReader(Actor[Stop]):
         children: list[ChildPartition] = []
         child_start = start
         buffer: list[DataChange] = []
-        async for batch in self._source.query(self.token, start, None):
+        async for batch in _watched(self._source.query(self.token, start, None), self):
             if self._sink_error is not None:
                 raise _SinkFailed(self._sink_error)
             for record in batch:
@@ -281,3 +286,31 @@ class PartitionReader(Actor[Stop]):
 class _SinkFailed(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(f"sink failed a batch: {cause!r}")
+
+
+class QueryStalled(Exception):
+    """A partition query sent nothing (not even a heartbeat) for ``stall_timeout`` seconds."""
+
+
+async def _watched(
+    batches: AsyncIterator[Sequence[ChangeRecord]], reader: PartitionReader
+) -> AsyncIterator[Sequence[ChangeRecord]]:
+    """``batches``, failing with :class:`QueryStalled` when the next one takes longer than the
+    reader's ``stall_timeout`` (the read loop then restarts the query, like any failure)."""
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(reader.stall_timeout):
+                    batch = await anext(batches)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise QueryStalled(
+                    f"partition {reader.token}: nothing from the source for "
+                    f"{reader.stall_timeout:g}s (not even a heartbeat)"
+                ) from None
+            yield batch
+    finally:
+        aclose = getattr(batches, "aclose", None)
+        if aclose is not None:
+            await aclose()

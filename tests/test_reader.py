@@ -11,7 +11,7 @@ import pytest
 from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
-from protocol.task import Event, ReaderStopped
+from protocol.task import Event, ReaderFailed, ReaderStopped
 from runtime.ports import SinkBatch
 
 T0 = 1_700_000_000_000_000
@@ -124,3 +124,52 @@ async def test_a_lapsed_lease_and_a_stop_together_report_one_stop_once_the_reade
     assert len(stops) == 1, stops
     assert stops[0][1] is False  # reported once dead
     assert stops[0][0].watermark > T0
+
+
+class StallingSource:
+    """Each query sends one heartbeat, then nothing at all (a stalled stream)."""
+
+    def __init__(self) -> None:
+        self.queries: list[int] = []
+        self.closed = 0
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        self.queries.append(start_ts)
+        try:
+            yield [Heartbeat(start_ts + 1000)]
+            await asyncio.Event().wait()
+        finally:
+            self.closed += 1
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_query_is_restarted_from_the_committed_watermark() -> None:
+    """The full chaos run found emulator partition streams silent for over 90 s while their
+    readers waited: a query that sends nothing, not even a heartbeat, within ``stall_timeout``
+    is abandoned (its stream closed) and started again from the committed watermark."""
+    events: list[Event] = []
+    source = StallingSource()
+    async with Supervisor("test") as sup:
+        reader = PartitionReader(
+            "p1",
+            T0,
+            source=source,
+            sink=SteadySink(),
+            report=events.append,
+            permit=lambda: True,
+            stall_timeout=0.2,
+            max_backoff=0.05,
+        )
+        await sup.spawn(reader)
+        async with asyncio.timeout(5):
+            while len(source.queries) < 3:
+                await asyncio.sleep(0.02)
+        reader.request_stop("test", drain=False)
+    failures = [e for e in events if isinstance(e, ReaderFailed)]
+    assert len(failures) >= 2
+    assert "nothing from the source for 0.2s" in failures[0].error
+    assert source.queries[0] == T0
+    assert source.queries[1] == T0 + 1000  # from the heartbeat it had committed
+    assert source.closed >= 2  # the stalled streams were closed, not left open
