@@ -45,6 +45,9 @@ class NodeConfig(msgspec.Struct, frozen=True):
     tick_interval: float = 0.1
     replay_timeout: float = 60.0
     publish_timeout: float = 10.0
+    # an owned partition whose committed watermark stands still this long, though nothing
+    # should keep it from being read, is logged as stuck (checked every stuck_after / 4)
+    stuck_after: float = 60.0
 
 
 class NodeStatus(msgspec.Struct, frozen=True):
@@ -57,6 +60,7 @@ class NodeStatus(msgspec.Struct, frozen=True):
     owned: int
     reading: int
     offers: int
+    stuck: int  # owned partitions not read for stuck_after though they should be (last watch)
     watermarks: dict[str, int]
     counters: dict[str, int]
     mailboxes: list[MailboxStats]
@@ -116,6 +120,9 @@ class TaskNode:
         sup.start_soon(task.publish_loop(), name=f"publish:{self.task_id}")
         start = await self._replay_start(task)
         sup.start_soon(task.tail_loop(start), name=f"tail:{self.task_id}")
+        sup.start_soon(
+            task.watch_loop(cfg.stuck_after / 4, cfg.stuck_after), name=f"watch:{self.task_id}"
+        )
         await task.marker(cfg.replay_timeout)
         log.info("task %s replayed the sync topic to offset %d", self.task_id, task.last_offset)
         self.membership = await self._join(self.task_id)
@@ -219,6 +226,7 @@ class TaskNode:
             owned=sum(1 for _ in core.owned_unfinished()),
             reading=len(core.reading),
             offers=len(core.shares),
+            stuck=self.task.stuck,
             watermarks={t: p.watermark for t, p in core.mine.items() if p.status == "owned"},
             counters=dict(core.counters),
             mailboxes=self._supervisor.statistics(),

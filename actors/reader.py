@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -46,6 +47,18 @@ class ReaderStats(msgspec.Struct, frozen=True):
     restarts: int
     duplicates_dropped: int
     committed: int
+
+
+class ReaderProgress(msgspec.Struct, frozen=True):
+    """Where a running reader is, for the task's stuck-partition watch (monotonic seconds)."""
+
+    committed: int
+    committed_at: float  # when the committed watermark last advanced (or the reader started)
+    position: int  # the newest timestamp read from the source
+    source_at: float  # when the source last sent anything (a batch of records or heartbeats)
+    source_kind: str  # what that was: the last record's kind
+    pending: int  # batches handed to the sink, not yet committed
+    restarts: int
 
 
 class NotPermitted(Exception):
@@ -90,6 +103,11 @@ class PartitionReader(Actor[Stop]):
         # nothing for this long is stalled (the chaos run saw emulator streams silent for over
         # 90 s) and is restarted from the committed watermark.
         self.stall_timeout = stall_timeout
+        started = time.monotonic()
+        self._committed_at = started
+        self._position = start_ts
+        self._source_at = started
+        self._source_kind = "none"
 
     def request_stop(self, reason: str, drain: bool) -> None:
         if self.alive:
@@ -101,6 +119,17 @@ class PartitionReader(Actor[Stop]):
     def statistics_reader(self) -> ReaderStats:
         return ReaderStats(
             self.token, self._records, self._batches, self._restarts, self._dups, self.committed
+        )
+
+    def progress(self) -> ReaderProgress:
+        return ReaderProgress(
+            self.committed,
+            self._committed_at,
+            self._position,
+            self._source_at,
+            self._source_kind,
+            len(self._pending),
+            self._restarts,
         )
 
     async def run(self) -> None:
@@ -180,6 +209,7 @@ class PartitionReader(Actor[Stop]):
         if watermark > self.committed:
             self._at_watermark = {r.identity for r in records if r.commit_ts == watermark}
             self.committed = watermark
+            self._committed_at = time.monotonic()
         else:
             self._at_watermark |= {r.identity for r in records if r.commit_ts == watermark}
 
@@ -242,6 +272,9 @@ class PartitionReader(Actor[Stop]):
         async for batch in _watched(self._source.query(self.token, start, None), self):
             if self._sink_error is not None:
                 raise _SinkFailed(self._sink_error)
+            self._source_at = time.monotonic()
+            if batch:
+                self._source_kind = type(batch[-1]).__name__
             for record in batch:
                 match record:
                     case DataChange():
@@ -261,6 +294,7 @@ class PartitionReader(Actor[Stop]):
                         # query must see this record again, and a start past the end is
                         # refused (the emulator accepts [start, end] and says OUT_OF_RANGE).
                         position = max(position, record.start_ts - 1)
+            self._position = position
             await self._put(buffer, position)
             buffer = []
         if self._sink_error is not None:

@@ -105,6 +105,8 @@ class TaskActor(Actor[Event | FlushReports]):
         self._commits: dict[str, int] = {}  # readers' newest committed watermarks, not handed over
         self._overflow: deque[Event] = deque()  # readers' other reports, not handed over
         self._flush_queued = False
+        self._still: dict[str, tuple[int, float]] = {}  # token -> (watermark, unchanged since)
+        self.stuck = 0  # owned partitions whose watermark stood still too long (last watch)
         # Monotonic time since which the task has not been a group member (None: it is one).
         self.out_of_group_since: float | None = time.monotonic()
 
@@ -224,6 +226,61 @@ class TaskActor(Actor[Event | FlushReports]):
                 self._reader_runs.pop(reader.token, None)
             if not self.readers:
                 self.readers_idle.set()
+
+    # -- the stuck-partition watch -------------------------------------------------------------
+    def watch(self, now: float, stuck_after: float) -> tuple[list[str], int]:
+        """Owned partitions whose committed watermark has not moved for ``stuck_after`` seconds
+        although they should be read (a partition's query sends a heartbeat every few seconds,
+        so one that is read moves): each with where its reader is or why it has none. Also
+        returns how many others stand still for an expected reason (parents, the cap, a
+        hand-off, no lease). Sets :attr:`stuck` to the first count."""
+        stuck: list[str] = []
+        waiting = 0
+        owned = {t: p for t, p in self.core.mine.items() if p.status == "owned"}
+        for token in [t for t in self._still if t not in owned]:
+            del self._still[token]
+        for token, part in owned.items():
+            still = self._still.get(token)
+            if still is None or still[0] != part.watermark:
+                self._still[token] = (part.watermark, now)
+                continue
+            if now - still[1] < stuck_after:
+                continue
+            head = f"{token[:16]} at {part.resume_ts()} for {now - still[1]:.0f}s"
+            reader = self.readers.get(token)
+            if reader is None:
+                expected, why = self.core.why_unread(token, self.clock())
+                if expected:
+                    waiting += 1
+                else:
+                    stuck.append(f"{head}: {why}")
+                continue
+            p = reader.progress()
+            stuck.append(
+                f"{head}: reader at {p.position} (committed {p.committed}, "
+                f"{now - p.committed_at:.0f}s ago), last from source {p.source_kind} "
+                f"{now - p.source_at:.0f}s ago, {p.pending} batches in the sink, "
+                f"{p.restarts} restarts"
+            )
+        self.stuck = len(stuck)
+        return stuck, waiting
+
+    async def watch_loop(self, interval: float = 15.0, stuck_after: float = 60.0) -> None:
+        """Every ``interval`` seconds, log the partitions :meth:`watch` finds stuck (the first
+        few, as a warning)."""
+        while True:
+            await asyncio.sleep(interval)
+            stuck, waiting = self.watch(time.monotonic(), stuck_after)
+            if stuck:
+                log.warning(
+                    "task %s: %d owned partitions not read for %.0fs+ (%d more waiting as "
+                    "expected): %s",
+                    self.core.me,
+                    len(stuck),
+                    stuck_after,
+                    waiting,
+                    "; ".join(stuck[:5]),
+                )
 
     # -- publishing ---------------------------------------------------------------------------
     async def publish_loop(self) -> None:

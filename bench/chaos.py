@@ -229,6 +229,7 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "--progress", "off",
                 "--log-level", args.task_log_level,
                 "--drain-timeout", "20",
+                "--stuck-after-s", "20",
             ]  # fmt: skip
             tasks = [TaskProcess(f"c{i}", task_args, logs) for i in range(args.tasks)]
             observer = Observer()

@@ -935,6 +935,35 @@ class TaskCore:
         """Owned but not readable yet (see :meth:`Cim.waits`): it does not count against the cap."""
         return not self.config.rules.readable(part, self._lookup)
 
+    def why_unread(self, token: str, now: int) -> tuple[bool, str]:
+        """Why an owned partition has no reader: (expected, in words). Expected: it waits for
+        its parents, for room under the cap, for the new owner of a hand-off, or for the task
+        to be allowed to read; anything else is a fault (the task's stuck-partition watch)."""
+        part = self.mine.get(token)
+        if part is None or part.status != "owned":
+            return True, f"not owned here ({'unknown' if part is None else part.status})"
+        if token in self.reading:
+            return False, "stopping" if token in self.stopping else "a reader is starting"
+        if token in self.releasing:
+            return True, "handed off, waiting for the new owner"
+        if not self.may_read(now):
+            return True, (
+                f"reading not permitted (member={self.member}, lease in "
+                f"{(self.lease_until - now) / 1e6:.1f}s, epoch {self.cim.epoch}, "
+                f"draining={self.draining})"
+            )
+        waiting: list[str] = []
+        for parent in part.parents:
+            found = self._lookup(parent)
+            if found is None or found.status != "finished":
+                waiting.append(f"{parent[:12]}={'unknown' if found is None else found.status}")
+        if waiting:
+            return True, "waiting for parents " + ", ".join(waiting)
+        running = len([t for t in self.reading if t not in self.stopping])
+        if 0 < self.config.cap <= running:
+            return True, f"waiting for room under the cap ({running}/{self.config.cap} reading)"
+        return False, "no reader, and nothing keeps one from starting"
+
     def owned_unfinished(self) -> Iterator[str]:
         for token, part in self.mine.items():
             if part.status == "owned":

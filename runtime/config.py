@@ -152,6 +152,15 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "this many seconds (it cannot rejoin; restart the process).",
         ),
     ] = 120.0
+    stuck_after_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Log (warning) and count (shoal_stuck_partitions) an owned partition "
+            "whose committed watermark stood still this many seconds though nothing should keep "
+            "it from being read.",
+        ),
+    ] = 60.0
     summary_json: Annotated[
         str | None, _d("Also write the end-of-run summary as JSON to this file.")
     ] = None

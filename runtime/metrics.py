@@ -46,6 +46,7 @@ class TaskSample(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = -1
     owned: int = 0
     reading: int = 0
+    stuck: int = 0  # owned partitions not read for a while though they should be
     records_read: int = 0
     records_delivered: int = 0
     lag_us: dict[str, int] = {}  # partition token -> now minus its committed watermark
@@ -111,6 +112,12 @@ class _SampleCollector(Collector):
             "Seconds since the (ready) task was last a group member; 0 while it is one",
             labels=t,
         )
+        stuck = GaugeMetricFamily(
+            "shoal_stuck_partitions",
+            "Owned partitions whose watermark stood still too long though nothing should keep "
+            "them from being read (details in the task's log)",
+            labels=t,
+        )
         rebalances = CounterMetricFamily(
             "shoal_rebalances", "Rebalances of the heartbeat group seen by the task", labels=t
         )
@@ -140,6 +147,7 @@ class _SampleCollector(Collector):
             leader.add_metric(key, 1.0 if task.leader == task.task_id else 0.0)
             member.add_metric(key, 1.0 if task.member else 0.0)
             out_of_group.add_metric(key, task.out_of_group_s)
+            stuck.add_metric(key, task.stuck)
             rebalances.add_metric(key, task.rebalances)
             sync_messages.add_metric(key, task.sync_messages)
             sync_bytes.add_metric(key, task.sync_bytes)
@@ -174,6 +182,7 @@ class _SampleCollector(Collector):
             leader,
             member,
             out_of_group,
+            stuck,
             rebalances,
             sync_messages,
             sync_bytes,

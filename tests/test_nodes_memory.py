@@ -4,13 +4,14 @@ partitions spread, every record reaches the sink, a node that leaves hands its p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 
 import pytest
 
 from actors.node import NodeConfig, TaskNode
-from protocol.records import DataChange
+from protocol.records import ChangeRecord, DataChange, Heartbeat
 from protocol.task import TaskConfig
 from runtime.memory import MemoryGroup, MemoryMembership, MemorySink, MemorySyncLog
 from runtime.ports import Membership
@@ -213,3 +214,59 @@ async def test_reader_reports_never_overflow_a_busy_task_mailbox() -> None:
     task.report(ReaderCommitted("p1", 5001))  # an idle task is woken by one flush message
     await task.receive(FlushReports())
     assert [name for _, name in task.core.log][-1] == "ReadersCommitted"
+
+
+class FrozenHeartbeats:
+    """The simulated stream, except that ``frozen``'s query sends heartbeats that never
+    advance (the source talks, the partition is not read)."""
+
+    def __init__(self, inner: SimulatedSource, frozen: str) -> None:
+        self.inner = inner
+        self.frozen = frozen
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        if token != self.frozen:
+            async for batch in self.inner.query(token, start_ts, end_ts):
+                yield batch
+            return
+        while True:
+            yield [Heartbeat(start_ts)]
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_partition_that_talks_but_does_not_advance_is_reported_stuck(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The task's watch names an owned partition whose committed watermark stands still
+    although its reader runs, with what the reader last heard from the source; the partitions
+    that advance are not named."""
+    params = StreamParams(seed=3, roots=3, records_per_s=20)
+    model = StreamModel(params)
+    roots = [c.token for c in model.root_record().children]
+    source = FrozenHeartbeats(SimulatedSource(model, speedup=4.0, heartbeat_ms=100), roots[0])
+    group = MemoryGroup(rebalance_delay=0.05, session_timeout=2.0)
+
+    async def join(task_id: str) -> Membership:
+        return group.join(task_id)
+
+    config = NodeConfig(
+        task=TaskConfig(task_id="n0", answer_timeout=200_000, publish_interval=50_000),
+        stream_start=params.start_ts,
+        tick_interval=0.05,
+        stuck_after=1.0,
+    )
+    caplog.set_level(logging.WARNING, logger="shoal")
+    node = TaskNode(config, sync_log=MemorySyncLog(), join=join, source=source, sink=MemorySink())
+    async with node:
+        await _wait_for(lambda: node.status().stuck > 0, 20)
+        await asyncio.sleep(0.6)  # a few more watches: the others keep advancing
+        assert node.status().stuck == 1
+    stuck = [r.getMessage() for r in caplog.records if "not read for" in r.getMessage()]
+    assert stuck, "the watch logged nothing"
+    assert f"{roots[0][:16]} at {params.start_ts}" in stuck[-1]
+    assert "last from source Heartbeat 0s ago" in stuck[-1]
+    assert all(t[:16] not in stuck[-1] for t in roots[1:])

@@ -70,3 +70,20 @@ def test_malformed_sync_message_is_counted_and_skipped() -> None:
     core = TaskCore(TaskConfig("a"))
     assert core.handle(SyncBad(3, "schema"), 0) == []
     assert core.counters["sync_bad.schema"] == 1
+
+
+def test_why_unread_tells_expected_waits_from_faults() -> None:
+    core, _ = _leader_with_epoch(cap=2)
+    assert core.why_unread("r1", 3) == (False, "a reader is starting")
+    assert core.why_unread("zz", 3) == (True, "not owned here (unknown)")
+    del core.reading["r2"]  # as if its reader had vanished without a word
+    assert core.why_unread("r2", 3) == (False, "no reader, and nothing keeps one from starting")
+    core.config = TaskConfig("a", cap=1)
+    assert core.why_unread("r2", 3) == (True, "waiting for room under the cap (1/1 reading)")
+    # a merged child waits for its parents (one owned, one unknown)
+    core.mine["m"] = Partition("m", 5, parents=("r1", "gone"))
+    assert core.why_unread("m", 3) == (True, "waiting for parents r1=owned, gone=unknown")
+    # the lease ran out: not permitted, as expected
+    expected, why = core.why_unread("r2", 10**9 + 1)
+    assert expected
+    assert why.startswith("reading not permitted (member=True, lease in -0.0s")
