@@ -348,7 +348,9 @@ async def inject_faults(
 
 async def catch_up(observer: Observer, last_commit: int, timeout: float) -> bool:
     """Until every unfinished partition the CIM knows is owned by a member (no offer waiting)
-    and its committed watermark is past the last commit."""
+    and its resume point (committed watermark, else its start) is past the last commit: a child
+    partition that started after the last commit holds none of the load, read or not (with
+    churn, new ones keep appearing; their watermark is 0 until their first commit)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         cim = observer.cim
@@ -357,12 +359,12 @@ async def catch_up(observer: Observer, last_commit: int, timeout: float) -> bool
         for task, view in cim.tasks.items():
             for token, part in view.partitions.items():
                 if part.status != "finished":
-                    unfinished[token] = max(unfinished.get(token, -1), part.watermark)
+                    unfinished[token] = max(unfinished.get(token, -1), part.resume_ts())
                     if part.status == "owned" and task in cim.members:
                         owned.add(token)
             for token, offer in view.share.items():
                 if cim.find(token) is None or cim.find(token).status != "finished":  # type: ignore[union-attr]
-                    unfinished.setdefault(token, offer.partition.watermark)
+                    unfinished.setdefault(token, offer.partition.resume_ts())
         if unfinished and set(unfinished) <= owned and min(unfinished.values()) > last_commit:
             return True
         await asyncio.sleep(1.0)
@@ -378,7 +380,7 @@ def describe(cim: Cim, last_commit: int) -> dict[str, Any]:
         "tasks": {
             task: {
                 "partitions": {
-                    t[:12]: [p.status, round((last_commit - p.watermark) / 1e6, 1)]
+                    t[:12]: [p.status, round((last_commit - p.resume_ts()) / 1e6, 1)]
                     for t, p in view.partitions.items()
                 },
                 "offers": {t[:12]: [o.target, o.kind, o.released] for t, o in view.share.items()},

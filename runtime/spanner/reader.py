@@ -143,6 +143,8 @@ class SpannerSource:
         self._records = 0
         self._decode_s = 0.0
         self._closed = False
+        # a first response slower than this is logged (info): where a query waited
+        self.slow_first_s = 3.0 * heartbeat_ms / 1000
 
     @classmethod
     async def connect(cls, config: SpannerConfig, *, max_batch: int = 1024) -> SpannerSource:
@@ -223,20 +225,50 @@ class SpannerSource:
         params, types = self._params(token, start_ts, end_ts)
         self._started += 1
         self._active += 1
+        t0 = time.monotonic()
+        t1 = t2 = -1.0
+        first = True
         try:
             async with self._db.snapshot() as snapshot:
+                t1 = time.monotonic()
                 rs = await snapshot.execute_sql(
                     self._sql, params=params, param_types=types, lazy_decode=True
                 )
+                t2 = time.monotonic()
                 try:
                     async with contextlib.aclosing(self.decode_result_set(rs)) as batches:
                         async for batch in batches:
+                            if first:
+                                first = False
+                                waited = time.monotonic() - t0
+                                if waited > self.slow_first_s:
+                                    log.info(
+                                        "query of %s from %d: first response after %.1fs "
+                                        "(snapshot %.1fs, execute_sql %.1fs)",
+                                        token,
+                                        start_ts,
+                                        waited,
+                                        t1 - t0,
+                                        t2 - t1,
+                                    )
                             yield batch
                 finally:
                     await _stop_stream(rs)
         except self._errors as exc:
             self._failed += 1
             raise PartitionQueryError(token, start_ts, f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            if first and time.monotonic() - t0 > self.slow_first_s:
+                log.info(
+                    "query of %s from %d: ended after %.1fs without any response (snapshot "
+                    "%s, execute_sql %s)",
+                    token,
+                    start_ts,
+                    time.monotonic() - t0,
+                    "pending" if t1 < 0 else f"{t1 - t0:.1f}s",
+                    "pending" if t2 < 0 else f"{t2 - t1:.1f}s",
+                )
+            raise
         except DecodeError as exc:
             self._failed += 1
             raise PartitionQueryError(token, start_ts, str(exc), retryable=False) from exc
