@@ -106,6 +106,12 @@ class DiscardDlq(Event, frozen=True, tag="discard"):
     record_id: str
 
 
+class Drive(Event, frozen=True, tag="drive"):
+    """Whether this core sends the RQ's records (it is the queue's driver) from now on."""
+
+    on: bool
+
+
 # --- commands --------------------------------------------------------------------------------
 
 
@@ -169,6 +175,14 @@ class Duplicate(Command, frozen=True, tag="duplicate"):
 LogEntry = ParkInRetry | Released | SendToDlq | Discarded
 """What the RQ and DLQ topics hold."""
 
+
+class Observe(Event, frozen=True, tag="observe"):
+    """An entry read from the RQ/DLQ topics: this owner's own (an echo, ignored) or another
+    owner's (folded in: the highest version of a record says where it is)."""
+
+    entry: LogEntry
+
+
 RQ_ENTRIES = (ParkInRetry, Released)
 DLQ_ENTRIES = (SendToDlq, Discarded)
 
@@ -201,6 +215,7 @@ class RetryStats(msgspec.Struct, frozen=True):
     discarded: int
     duplicates: int
     held: int  # records in flight, waiting, in the RQ or in the DLQ
+    observed: int = 0  # other owners' entries folded in
 
 
 # --- state -----------------------------------------------------------------------------------
@@ -250,6 +265,12 @@ class RetryCore:
             ("sent", "delivered", "failed", "parked", "dead_lettered", "replayed", "discarded"), 0
         )
         self._stats["duplicates"] = 0
+        self._stats["observed"] = 0
+        # Only the driver sends the RQ's records (several owners share one RQ); each owner
+        # sends its own new records directly and parks them when their key is blocked.
+        self.driving = True
+        self._versions: dict[str, int] = {}  # record id -> newest entry version known
+        self._deferred: dict[str, LogEntry] = {}  # foreign entries for records busy here
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -333,8 +354,14 @@ class RetryCore:
                 cmds = self._replay(rid, now)
             case DiscardDlq(record_id=rid):
                 cmds = self._discard(rid, now)
+            case Observe(entry=entry):
+                cmds = self._observe(entry, now)
+            case Drive(on=on):
+                cmds = self._drive(on, now)
             case _:
                 raise RetryProtocolError(f"unknown event {event!r}")
+        if self._deferred:
+            cmds += self._apply_deferred(now)
         self.log.append((now, event, tuple(cmds)))
         return cmds
 
@@ -342,11 +369,16 @@ class RetryCore:
         self._clock += 1
         return self._clock
 
+    def _stamp(self, rid: str) -> int:
+        """A new version for an entry of ``rid`` written by this core."""
+        v = self._versions[rid] = self._next()
+        return v
+
     def _blocked(self, ks: _Key) -> bool:
         return bool(ks.queue) or (self.policy.dlq_blocks and bool(ks.dlq))
 
     def _park(self, key: str, h: _Held, now: float) -> ParkInRetry:
-        h.version = self._next()
+        h.version = self._stamp(h.record_id)
         self._stats["parked"] += 1
         return ParkInRetry(h.record_id, key, h.seq, h.version, h.attempts, h.due, h.error)
 
@@ -394,7 +426,7 @@ class RetryCore:
         cmds: list[Command] = []
         if ks.from_queue:
             self._take_from_queue(ks, rid)
-            cmds.append(Released(rid, key, self._next()))
+            cmds.append(Released(rid, key, self._stamp(rid)))
         return cmds + self._advance(key, ks, now)
 
     def _failed(self, rid: str, error: str, now: float) -> list[Command]:
@@ -406,7 +438,7 @@ class RetryCore:
         h.error = error
         cmds: list[Command] = []
         if h.attempts >= self.policy.max_attempts:
-            h.version = self._next()
+            h.version = self._stamp(rid)
             bisect.insort(ks.dlq, h, key=lambda x: x.seq)
             self._stats["dead_lettered"] += 1
             cmds.append(SendToDlq(rid, key, h.seq, h.version, h.attempts, h.error))
@@ -424,6 +456,10 @@ class RetryCore:
         cmds: list[Command] = []
         while ks.waiting:
             rid, seq = ks.waiting.popleft()
+            if ks.queue and ks.queue[-1].seq > seq:
+                # another owner parked newer records of this key meanwhile (it read them too,
+                # during a hand-off): these go behind, in their own order
+                seq = self._next()
             h = _Held(rid, seq, due=now)
             ks.queue.append(h)
             cmds.append(self._park(key, h, now))
@@ -442,6 +478,9 @@ class RetryCore:
             ks.scheduled = None
             return []
         if ks.queue:
+            if not self.driving:
+                ks.scheduled = None  # the driver sends it
+                return []
             head = ks.queue[0]
             if head.due <= now:
                 ks.in_flight, ks.in_flight_seq, ks.from_queue = head.record_id, head.seq, True
@@ -494,7 +533,67 @@ class RetryCore:
         key, ks, _ = self._dlq_entry(rid)
         self._stats["discarded"] += 1
         del self._where[rid]
-        return [Discarded(rid, key, self._next()), *self._advance(key, ks, now)]
+        return [Discarded(rid, key, self._stamp(rid)), *self._advance(key, ks, now)]
+
+    def _observe(self, e: LogEntry, now: float) -> list[Command]:
+        # a Lamport clock: what this core writes next is newer than anything it has seen
+        self._clock = max(self._clock, e.version, getattr(e, "seq", 0))
+        rid = e.record_id
+        if e.version <= self._versions.get(rid, 0):
+            return []  # this core's own entry read back, or one already superseded
+        self._stats["observed"] += 1
+        if self._busy(rid):
+            old = self._deferred.get(rid)
+            if old is None or e.version > old.version:
+                self._deferred[rid] = e
+            return []
+        return self._apply_entry(e, now)
+
+    def _busy(self, rid: str) -> bool:
+        """In flight or waiting here: another owner's entry for it waits until it settles."""
+        key = self._where.get(rid)
+        ks = self._keys.get(key) if key is not None else None
+        return ks is not None and (ks.in_flight == rid or any(r == rid for r, _ in ks.waiting))
+
+    def _apply_entry(self, e: LogEntry, now: float) -> list[Command]:
+        rid, key = e.record_id, e.key
+        self._versions[rid] = e.version
+        ks = self._keys.setdefault(key, _Key())
+        if self._where.pop(rid, None) is not None:  # a record's key never changes
+            ks.queue = [h for h in ks.queue if h.record_id != rid]
+            ks.dlq = [h for h in ks.dlq if h.record_id != rid]
+        match e:
+            case ParkInRetry():
+                h = _Held(rid, e.seq, e.version, e.attempts, e.due, e.error)
+                bisect.insort(ks.queue, h, key=lambda x: x.seq)
+                self._where[rid] = key
+            case SendToDlq():
+                h = _Held(rid, e.seq, e.version, e.attempts, 0.0, e.error)
+                bisect.insort(ks.dlq, h, key=lambda x: x.seq)
+                self._where[rid] = key
+            case Released() | Discarded():
+                pass
+        return self._park_waiting(key, ks, now) + self._advance(key, ks, now)
+
+    def _apply_deferred(self, now: float) -> list[Command]:
+        cmds: list[Command] = []
+        for rid in [r for r in self._deferred if not self._busy(r)]:
+            e = self._deferred.pop(rid)
+            if e.version > self._versions.get(rid, 0):
+                cmds += self._apply_entry(e, now)
+        return cmds
+
+    def _drive(self, on: bool, now: float) -> list[Command]:
+        if on == self.driving:
+            return []
+        self.driving = on
+        cmds: list[Command] = []
+        for key, ks in list(self._keys.items()):
+            if on:
+                cmds += self._advance(key, ks, now)
+            else:
+                ks.scheduled = None
+        return cmds
 
     # -- invariants ------------------------------------------------------------------------
 
@@ -543,12 +642,15 @@ class RetryCore:
             ):
                 raise RetryInvariantError(f"key {key!r}: in flight ahead of the RQ head")
             if (
-                ks.in_flight is None
+                self.driving
+                and ks.in_flight is None
                 and ks.queue
                 and not (self.policy.dlq_blocks and ks.dlq)
                 and ks.scheduled != ks.queue[0].due
             ):
                 raise RetryInvariantError(f"key {key!r}: RQ head has no timer")
+            if not self.driving and ks.scheduled is not None:
+                raise RetryInvariantError(f"key {key!r}: a timer while not driving")
         flying = sum(ks.in_flight is not None for ks in self._keys.values())
         if flying != self._flying:
             raise RetryInvariantError(f"{self._flying} counted in flight, {flying} found")
@@ -573,6 +675,7 @@ def from_log(
         if cur is None or e.version > cur.version:
             latest[e.record_id] = e
     core._clock = top
+    core._versions = {rid: e.version for rid, e in latest.items()}
     for e in latest.values():
         match e:
             case ParkInRetry():

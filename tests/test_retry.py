@@ -16,10 +16,12 @@ from protocol.retry import (
     DeliveryOk,
     DiscardDlq,
     Discarded,
+    Drive,
     Duplicate,
     Event,
     GroupState,
     LogEntry,
+    Observe,
     ParkInRetry,
     Released,
     ReplayDlq,
@@ -430,3 +432,161 @@ def test_every_state_and_event(state: str, kind: str) -> None:
         with pytest.raises(RetryProtocolError):
             core.handle(event, 20)
     core.validate()
+
+
+# --- several owners over one RQ/DLQ ------------------------------------------------------------
+
+
+class SharedRetryMachine(RuleBasedStateMachine):
+    """Two owners share one RQ/DLQ log, each reading it with its own delay. Each key is read by
+    one owner at a time (its change-stream partition's owner) and moves between them with a
+    drained hand-off, after which the new reader has read the log to its end (the barrier). One
+    owner at a time drives the RQ; a switch waits until the old driver's RQ sends answered and
+    the new one has read the whole log. Whatever interleaving: per key, records arrive in
+    order, one in flight at a time over both owners, each exactly once."""
+
+    OWNERS = ("A", "B")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = RetryPolicy(max_attempts=3, base_backoff=1.0, max_backoff=4.0, jitter=0.0)
+        self.cores = {o: RetryCore(self.policy, seed=i) for i, o in enumerate(self.OWNERS)}
+        self.cores["B"].handle(Drive(False), 0.0)
+        self.driver = "A"
+        self.log: list[LogEntry] = []
+        self.read_to = dict.fromkeys(self.OWNERS, 0)
+        self.reader = dict.fromkeys(KEYS, "A")  # who reads each key's partition
+        self.in_flight: dict[str, tuple[str, str, bool]] = {}  # rid -> (owner, key, from rq)
+        self.arrival: dict[str, list[str]] = {k: [] for k in KEYS}
+        self.key_of: dict[str, str] = {}
+        self.delivered: list[str] = []
+        self.now = 0.0
+        self.n = 0
+
+    def run(self, owner: str, event: Event) -> None:
+        for c in self.cores[owner].handle(event, self.now):
+            match c:
+                case SendToSink(record_id=rid, key=key, attempts=attempts):
+                    busy = [r for r, (_, k, _) in self.in_flight.items() if k == key]
+                    assert not busy, f"{key}: {rid} sent by {owner} while {busy} in flight"
+                    self.in_flight[rid] = (owner, key, attempts > 0 or self._parked(rid))
+                case ParkInRetry() | SendToDlq() | Released() | Discarded():
+                    self.log.append(c)
+                case Duplicate():
+                    raise AssertionError(f"duplicate {c} at {owner}")
+
+    def _parked(self, rid: str) -> bool:
+        return any(isinstance(e, ParkInRetry) and e.record_id == rid for e in self.log)
+
+    def read_log(self, owner: str, upto: int | None = None) -> None:
+        end = len(self.log) if upto is None else min(upto, len(self.log))
+        while self.read_to[owner] < end:
+            entry = self.log[self.read_to[owner]]
+            self.read_to[owner] += 1
+            self.run(owner, Observe(entry))
+
+    @rule(key=st.sampled_from(KEYS))
+    def deliver(self, key: str) -> None:
+        rid = f"r{self.n}"
+        self.n += 1
+        self.arrival[key].append(rid)
+        self.key_of[rid] = key
+        self.run(self.reader[key], Deliver(rid, key))
+
+    @precondition(lambda self: bool(self.in_flight))
+    @rule(data=st.data(), ok=st.booleans())
+    def answer(self, data: st.DataObject, ok: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.in_flight)))
+        owner, _, _ = self.in_flight.pop(rid)
+        if ok:
+            self.delivered.append(rid)
+            self.run(owner, DeliveryOk(rid))
+        else:
+            self.run(owner, DeliveryFailed(rid, "injected"))
+
+    @rule(owner=st.sampled_from(OWNERS), steps=st.integers(1, 4))
+    def read(self, owner: str, steps: int) -> None:
+        self.read_log(owner, self.read_to[owner] + steps)
+
+    @rule(dt=st.sampled_from([0.0, 1.0, 4.0]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for owner in self.OWNERS:
+            self.run(owner, Tick())
+
+    @precondition(lambda self: bool(self.cores[self.driver].dlq_records()))
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        dlq = self.cores[self.driver].dlq_records()
+        rid = data.draw(st.sampled_from(sorted(e.record_id for e in dlq)))
+        self.run(self.driver, ReplayDlq(rid))
+
+    def _idle(self, owner: str, key: str | None = None) -> bool:
+        core = self.cores[owner]
+        keys = KEYS if key is None else (key,)
+        return all(
+            core.group_state(k).in_flight is None and not core.group_state(k).waiting for k in keys
+        )
+
+    @rule(key=st.sampled_from(KEYS))
+    def move(self, key: str) -> None:
+        """The key's partition moves to the other owner (a drained hand-off, then the barrier)."""
+        old = self.reader[key]
+        if not self._idle(old, key):
+            return
+        new = "B" if old == "A" else "A"
+        self.read_log(new)
+        self.reader[key] = new
+
+    @rule()
+    def switch_driver(self) -> None:
+        old = self.driver
+        if any(o == old and from_rq for o, _, from_rq in self.in_flight.values()):
+            return  # fencing: the old driver's RQ sends are answered first
+        new = "B" if old == "A" else "A"
+        self.run(old, Drive(False))
+        self.read_log(new)
+        self.run(new, Drive(True))
+        self.driver = new
+
+    @invariant()
+    def cores_are_valid(self) -> None:
+        for core in self.cores.values():
+            core.validate()
+
+    @invariant()
+    def per_key_order(self) -> None:
+        assert len(set(self.delivered)) == len(self.delivered), "a record delivered twice"
+        for key in KEYS:
+            got = [r for r in self.delivered if self.key_of[r] == key]
+            assert got == self.arrival[key][: len(got)], f"{key}: {got}"
+
+    def teardown(self) -> None:
+        for _ in range(10_000):
+            if self.in_flight:
+                rid = min(self.in_flight)
+                owner, _, _ = self.in_flight.pop(rid)
+                self.delivered.append(rid)
+                self.run(owner, DeliveryOk(rid))
+                continue
+            if any(self.read_to[o] < len(self.log) for o in self.OWNERS):
+                for owner in self.OWNERS:
+                    self.read_log(owner)
+                continue
+            dlq = self.cores[self.driver].dlq_records()
+            if dlq:
+                self.run(self.driver, ReplayDlq(dlq[0].record_id))
+                continue
+            deadline = self.cores[self.driver].next_deadline()
+            if deadline is None:
+                break
+            self.now = max(self.now, deadline)
+            self.run(self.driver, Tick())
+        self.per_key_order()
+        assert sorted(self.delivered) == sorted(self.key_of), "a record was lost"
+        for core in self.cores.values():
+            assert core.statistics().held == 0
+
+
+TestSharedRetryMachine = SharedRetryMachine.TestCase
+TestSharedRetryMachine.settings = settings(max_examples=300, stateful_step_count=80, deadline=None)
