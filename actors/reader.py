@@ -30,7 +30,7 @@ import msgspec
 from actors.kernel import Actor
 from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
 from protocol.task import Event, ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped
-from runtime.ports import ChangeStreamSource, Sink, SinkBatch
+from runtime.ports import ChangeStreamSource, Sink, SinkBatch, prepare_sink
 
 log = logging.getLogger("shoal.reader")
 
@@ -99,6 +99,7 @@ class PartitionReader(Actor[Stop]):
         self._wake = asyncio.Event()
         self._sink_error: BaseException | None = None
         self._end: ReaderStopped | ReaderFinished | None = None  # how the read loop ended
+        self._prepared = False  # the sink's prepare() done (once per reader)
         # A partition query sends a heartbeat at least every few seconds: one that sends
         # nothing for this long is stalled (the chaos run saw emulator streams silent for over
         # 90 s) and is restarted from the committed watermark.
@@ -263,6 +264,11 @@ class PartitionReader(Actor[Stop]):
             return
 
     async def _read_once(self) -> tuple[tuple[ChildPartition, ...], int]:
+        if not self._prepared:
+            # the sink catches up with what the partition's previous owner left (its retry
+            # queue), before this reader hands it anything
+            await prepare_sink(self._sink, self.token)
+            self._prepared = True
         self._sink_error = None
         start = self.committed
         position = start

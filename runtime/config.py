@@ -152,6 +152,15 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "this many seconds (it cannot rejoin; restart the process).",
         ),
     ] = 120.0
+    rq_takeover_grace_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Retry queue shared by the processes (--sink kafka, or spark with the "
+            "dead-letter queue): seconds a process that became the group leader waits before "
+            "it retries the queue's records (the previous leader's retries in flight end).",
+        ),
+    ] = 10.0
     stuck_after_s: Annotated[
         float,
         Meta(

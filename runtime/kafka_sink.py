@@ -279,7 +279,12 @@ class KafkaSink:
         *,
         inject: FailureInjector | None = None,
         clock: Callable[[], float] = time.time,
+        driver: Callable[[], bool] | None = None,
+        takeover_grace_s: float = 10.0,
     ) -> None:
+        """``driver``: several processes share this sink's RQ/DLQ, and this one may send the
+        RQ's records while ``driver()`` is true (see :class:`runtime.retry_queue.RetryQueue`);
+        None: this sink is the RQ/DLQ's only owner."""
         self._config = config
         self.sink_config = sink
         self.output = sink.output_topic()
@@ -294,6 +299,8 @@ class KafkaSink:
             also_topics=(self.output,),
             clock=clock,
             name=sink.name,
+            driver=driver,
+            takeover_grace_s=takeover_grace_s,
         )
 
     def __repr__(self) -> str:
@@ -324,6 +331,11 @@ class KafkaSink:
         await self._queue.abort()
 
     # -- the Sink port ---------------------------------------------------------------------
+
+    async def prepare(self, token: str) -> None:
+        """Before a reader of ``token`` hands over anything: fold in every RQ/DLQ entry written
+        so far (what the partition's previous owner parked keeps its keys blocked)."""
+        await self._queue.barrier()
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         """Accept a batch (waits while ``max_unsettled`` records are not yet settled); the future

@@ -90,9 +90,21 @@ class SinkBatch(msgspec.Struct, frozen=True):
 
 
 class Sink(Protocol):
-    """Where change records go (the Spark bridge, a Kafka output sink, a callback)."""
+    """Where change records go (the Spark bridge, a Kafka output sink, a callback).
+
+    A sink may also have ``async def prepare(token)``: a reader of partition ``token`` awaits
+    it before it hands over anything (:func:`prepare_sink`). Sinks with a shared retry queue
+    catch up with it there, so what the partition's previous owner parked keeps its keys
+    blocked."""
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         """Hand over a batch. Waits while too much is in flight (backpressure); the returned
         future resolves when the batch is durably committed, or fails if it never will be."""
         ...
+
+
+async def prepare_sink(sink: Sink, token: str) -> None:
+    """Call ``sink.prepare(token)`` if the sink has one (see :class:`Sink`)."""
+    prepare = getattr(sink, "prepare", None)
+    if prepare is not None:
+        await prepare(token)

@@ -23,9 +23,26 @@ sink (:mod:`runtime.kafka_sink`) and the Spark bridge (:mod:`runtime.spark.bridg
   most records on its own (the Spark bridge) sends those keys' records here to keep per-key order.
 
 Operators: :meth:`RetryQueue.dlq_records`, :meth:`RetryQueue.replay_dlq`,
-:meth:`RetryQueue.discard_dlq`, and :func:`load_dlq` (a read-only listing). One owner at a time
-per set of RQ/DLQ partitions: two queues over the same partitions would both number entries from
-the same log (fencing is not implemented).
+:meth:`RetryQueue.discard_dlq`, and :func:`load_dlq` (a read-only listing).
+
+**Several owners** (``driver=`` given: every shoal process over the same RQ/DLQ, each reading
+some change-stream partitions):
+
+* Each queue reads the RQ and DLQ topics from the beginning and **keeps reading** them, folding
+  every owner's entries into its core (``Observe``; versions are a Lamport clock, so what it
+  writes next is newer than what it has seen). So every owner knows which keys are blocked.
+* Every owner sends its own new records directly, and parks them when their key is blocked
+  (or their delivery fails). **Only the driver sends the RQ's records** (retries, and records
+  parked by anyone). ``driver()`` says whether this queue may drive; shoal passes "a task of
+  this process leads the heartbeat group with a valid lease". A queue stops driving as soon as
+  ``driver()`` says no; it starts only after ``takeover_grace_s`` (the old driver's sends in
+  flight end: a send slower than that may be delivered again, after its key's next record) and
+  a barrier.
+* :meth:`RetryQueue.barrier`: a marker round trip through every RQ/DLQ partition. A reader that
+  starts on a change-stream partition calls it (``Sink.prepare``) before it delivers anything,
+  so it sees what the partition's previous owner parked: those keys' records wait behind.
+* Markers stay in the topics (one per partition per barrier; barriers of one moment share one).
+* The DLQ replay subcommand runs its own driving queue: stop the processes first.
 
 Failures are not swallowed: a failed RQ/DLQ write kills the queue's driver (logged), every pending
 future fails with :class:`RetryQueueError`, and the exception leaves ``__aexit__``.
@@ -54,9 +71,11 @@ from protocol.retry import (
     DeliveryOk,
     DiscardDlq,
     Discarded,
+    Drive,
     Duplicate,
     Event,
     LogEntry,
+    Observe,
     ParkInRetry,
     Released,
     ReplayDlq,
@@ -318,7 +337,14 @@ class _Stop:
     pass
 
 
-_Item = Event | _Written | _WriteFailed | _Stop
+@dataclass
+class _BarrierDone:
+    """Every entry before a barrier's markers has been handed to the core (FIFO after them)."""
+
+    future: asyncio.Future[None]
+
+
+_Item = Event | _Written | _WriteFailed | _Stop | _BarrierDone
 
 
 @dataclass
@@ -331,6 +357,7 @@ class _Counters:
     dlq_writes: int = 0
     loaded: int = 0
     missing_payloads: int = 0
+    barriers: int = 0
 
 
 class RetryQueue:
@@ -348,8 +375,22 @@ class RetryQueue:
         also_topics: Sequence[CompositeTopic] = (),
         clock: Callable[[], float] = time.time,
         name: str = "retry-queue",
+        driver: Callable[[], bool] | None = None,
+        takeover_grace_s: float = 10.0,
+        steer_interval_s: float = 0.25,
     ) -> None:
         self._config = config
+        # Several owners over these topics (see "Several owners" in the module docstring):
+        # ``driver()`` says whether this one may drive the RQ now; None: the only owner.
+        self._is_driver = driver
+        self._shared = driver is not None
+        self._grace = takeover_grace_s
+        self._steer_interval = steer_interval_s
+        self._driving = not self._shared
+        self._tail_task: asyncio.Task[None] | None = None
+        self._helpers: list[asyncio.Task[None]] = []  # the tail and the steering loop
+        self._barriers: dict[str, tuple[set[tuple[str, int]], asyncio.Future[None]]] = {}
+        self._next_barrier: asyncio.Future[None] | None = None
         self.queue_config = queue
         self.rq = queue.rq
         self.dlq = queue.dlq
@@ -391,6 +432,31 @@ class RetryQueue:
         await tg.__aenter__()
         self._tg = tg
         self._driver = tg.create_task(self._drive(), name=f"retry-queue-{self.name}")
+        if self._shared:
+            self._tail_task = tg.create_task(self._tail(), name=f"retry-queue-tail-{self.name}")
+            self._helpers.append(self._tail_task)
+            try:
+                async with asyncio.timeout(self.queue_config.load_timeout_s):
+                    await self.barrier()  # everything written so far is folded in
+            except BaseException as exc:
+                self._driver.cancel()
+                self._tail_task.cancel()
+                try:
+                    await tg.__aexit__(type(exc), exc, exc.__traceback__)
+                finally:
+                    await self._stop_producer()
+                if isinstance(exc, TimeoutError):
+                    raise RetryQueueError(
+                        f"{self!r}: reading the RQ/DLQ did not finish within "
+                        f"{self.queue_config.load_timeout_s:.0f}s"
+                    ) from None
+                raise
+            held = self.core.held_count()
+            if held:
+                log.info("%r sees %d record(s) in the RQ/DLQ", self, held)
+            self._helpers.append(
+                tg.create_task(self._steer(), name=f"retry-queue-steer-{self.name}")
+            )
         return self
 
     async def __aexit__(
@@ -415,6 +481,8 @@ class RetryQueue:
             self._queue.put_nowait(_Stop())
         elif self._driver is not None:
             self._driver.cancel()
+        if self._tg is not None and self._shared:
+            self._tg.create_task(self._stop_helpers(), name=f"retry-queue-stop-{self.name}")
         try:
             if self._tg is not None:
                 await self._tg.__aexit__(exc_type, exc, tb)
@@ -441,6 +509,9 @@ class RetryQueue:
             await producer.start()
             for topic in topics:
                 await check_partitions(producer, topic)
+            if self._shared:
+                self.core.handle(Drive(False), self._clock())  # until driver() says so
+                return  # the tail reads the topics, the first barrier waits for it
             loaded = await load_log(
                 self._config,
                 producer,
@@ -625,6 +696,137 @@ class RetryQueue:
             return False
         return not g.rq or (self.core.policy.dlq_blocks and bool(g.dlq))
 
+    # -- several owners --------------------------------------------------------------------
+
+    async def barrier(self) -> None:
+        """Return once every RQ/DLQ entry written before this call, by any owner, has been
+        folded into this queue's core: a fresh marker is written to each partition this queue
+        reads and read back. Callers in the same moment share one round trip. A new reader of
+        a change-stream partition calls it (through its sink's ``prepare``) before it delivers
+        anything, so it sees the records the partition's previous owner parked (their keys stay
+        blocked). A single owner returns at once."""
+        if not self._shared:
+            return
+        self.check_alive()
+        future = self._next_barrier
+        if future is None:
+            future = self._next_barrier = asyncio.get_running_loop().create_future()
+            assert self._tg is not None
+            self._tg.create_task(self._run_barrier(future), name=f"retry-queue-barrier-{self.name}")
+        await asyncio.shield(future)
+
+    async def _run_barrier(self, future: asyncio.Future[None]) -> None:
+        await asyncio.sleep(0)  # callers of this same moment join it
+        if self._next_barrier is future:
+            self._next_barrier = None  # later callers need markers written after their call
+        marker = uuid.uuid4().hex
+        parts = self.queue_config.read_partitions()
+        self._barriers[marker] = ({(t, p) for t, p in parts}, future)
+        self._n.barriers += 1
+        raw = _int_encoder.encode(InternalMessage(marker=marker))
+        try:
+            acks = [await self.producer.send(t, raw, partition=p) for t, p in parts]
+            await asyncio.gather(*acks)
+        except Exception as exc:
+            self._barriers.pop(marker, None)
+            if not future.done():
+                future.set_exception(RetryQueueError(f"{self!r}: barrier failed: {exc!r}"))
+                future.exception()  # retrieved here: the callers get it through the shield
+
+    def _fail_barriers(self, error: BaseException) -> None:
+        futures = [f for _, f in self._barriers.values()]
+        if self._next_barrier is not None:
+            futures.append(self._next_barrier)
+        self._barriers.clear()
+        for f in futures:
+            if not f.done():
+                f.set_exception(error)
+                f.exception()
+
+    async def _tail(self) -> None:
+        """Read the RQ and DLQ partitions from the beginning, for as long as the queue runs:
+        every entry goes to the core (``Observe``), in order with this queue's other events."""
+        parts = [TopicPartition(t, p) for t, p in self.queue_config.read_partitions()]
+        consumer = AIOKafkaConsumer(
+            **self._config.client_kwargs(),
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=self.queue_config.fetch_max_wait_ms,
+        )
+        await consumer.start()
+        try:
+            consumer.assign(parts)
+            await consumer.seek_to_beginning(*parts)
+            while True:
+                batches = await consumer.getmany(*parts, timeout_ms=500)
+                for tp, msgs in batches.items():
+                    for m in msgs:
+                        if m.value is not None:
+                            self._tailed(tp, m.offset, m.value)
+        finally:
+            await consumer.stop()
+
+    def _tailed(self, tp: TopicPartition, offset: int, raw: bytes) -> None:
+        try:
+            msg = _int_decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            # skipping it could lose a parked record: stop the queue, loudly
+            raise RetryQueueError(
+                f"{self!r}: undecodable message in {tp.topic}[{tp.partition}] at offset "
+                f"{offset}: {exc}"
+            ) from exc
+        if msg.marker is not None:
+            waiting = self._barriers.get(msg.marker)
+            if waiting is not None:
+                waiting[0].discard((tp.topic, tp.partition))
+                if not waiting[0]:
+                    del self._barriers[msg.marker]
+                    self._queue.put_nowait(_BarrierDone(waiting[1]))
+            return
+        if msg.entry is None:
+            return
+        self._n.loaded += 1
+        if msg.payload is not None and msg.entry.record_id not in self._payloads:
+            self._payloads[msg.entry.record_id] = msg.payload
+        self._queue.put_nowait(Observe(msg.entry))
+
+    async def _steer(self) -> None:
+        """Follow ``driver()``: stop driving at once when it says no; when it says yes, wait
+        ``takeover_grace_s`` (the previous driver's sends in flight end), catch up with the
+        log (a barrier: its last entries are folded in), then drive."""
+        assert self._is_driver is not None
+        wanted_since: float | None = None
+        while True:
+            if not self._is_driver():
+                wanted_since = None
+                if self._driving:
+                    self._driving = False
+                    self._queue.put_nowait(Drive(False))
+                    log.info("%r: not driving the RQ any more", self)
+            elif not self._driving:
+                now = time.monotonic()
+                if wanted_since is None:
+                    wanted_since = now
+                if now - wanted_since >= self._grace:
+                    await self.barrier()
+                    if self._is_driver():
+                        self._driving = True
+                        self._queue.put_nowait(Drive(True))
+                        log.info("%r: driving the RQ", self)
+            await asyncio.sleep(self._steer_interval)
+
+    async def _stop_helpers(self) -> None:
+        if self._driver is not None:
+            await asyncio.wait([self._driver])
+        for task in self._helpers:
+            task.cancel()
+
+    @property
+    def driving(self) -> bool:
+        """Whether this queue sends the RQ's records (always, for a single owner)."""
+        return self._driving
+
     # -- the driver ------------------------------------------------------------------------
 
     async def _drive(self) -> None:
@@ -635,6 +837,7 @@ class RetryQueue:
             if not isinstance(exc, asyncio.CancelledError):
                 log.exception("%r: the retry-queue driver failed", self)
             self._fail_all(RetryQueueError(f"{self!r} failed: {exc!r}"))
+            self._fail_barriers(RetryQueueError(f"{self!r} failed: {exc!r}"))
             self._idle.set()
             self._room.set()
             raise
@@ -661,6 +864,9 @@ class RetryQueue:
                 case _Written(record_id=rid, settles=settles):
                     if settles:
                         self._settle(rid)
+                case _BarrierDone(future=future):
+                    if not future.done():
+                        future.set_result(None)
                 case Event():
                     await self._handle(item)
             if self._is_idle(include_rq=False):
@@ -704,6 +910,10 @@ class RetryQueue:
                     pass  # counted by the core; submit() settled it
         if isinstance(event, DeliveryOk):
             self._payloads.pop(event.record_id, None)
+        elif isinstance(event, Observe) and isinstance(event.entry, Released | Discarded):
+            rid = event.entry.record_id
+            if not self.core.holds(rid) and rid not in self._waiters:
+                self._payloads.pop(rid, None)
 
     async def _deliver(self, rid: str, key: str, attempts: int) -> None:
         doomed = self._doomed.pop(rid, None)

@@ -445,3 +445,68 @@ async def test_a_sigkilled_sink_process_loses_nothing_from_its_rq(
     assert set(firsts) == {rid for ids in want.values() for rid in ids}, "records lost"
     for k, ids in want.items():
         assert sorted(ids, key=lambda rid: firsts[rid]) == ids, f"key {k} out of order"
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_two_processes_share_the_rq_through_a_hand_off_and_a_death(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """Two sinks (two processes) over one output topic and one RQ/DLQ. A reads the partition
+    first; key 1 keeps failing and is parked. The partition moves to B, which catches up with
+    the RQ before it reads (prepare): key 1's next records wait behind A's. A drives the RQ
+    and dies with key 1 still parked; B becomes the driver and delivers everything: each
+    record once in the output, every key in commit order, no restart needed."""
+    cfg = KafkaSinkConfig(
+        name=connector,
+        partitions=4,
+        rq_partitions=2,
+        dlq_partitions=2,
+        policy=RetryPolicy(max_attempts=1000, base_backoff=0.02, max_backoff=0.1, jitter=0.0),
+    )
+    keys = 4
+    changes = workload(keys, 6)
+    first, second = changes[: keys * 3], changes[keys * 3 :]
+    healed = asyncio.Event()
+
+    def inject(rec: OutputRecord, attempts: int) -> str | None:
+        if key_of(rec) == 1 and not healed.is_set():
+            return "injected: key 1 is down"
+        return None
+
+    drivers = {"A": True, "B": False}
+    a = KafkaSink(
+        kafka_config, cfg, inject=inject, driver=lambda: drivers["A"], takeover_grace_s=0.2
+    )
+    b = KafkaSink(
+        kafka_config, cfg, inject=inject, driver=lambda: drivers["B"], takeover_grace_s=0.2
+    )
+    async with b:
+        await a.__aenter__()
+        try:
+            await a.prepare("p")
+            await put_all(a, first)  # key 1's records are parked by A
+            assert a._core.blocks(kname(1))
+            # the partition moves to B
+            await b.prepare("p")
+            assert b._core.blocks(kname(1))
+            await put_all(b, second)
+            assert b._core.group_state(kname(1)).rq  # key 1's later records parked behind
+            await a.abort()  # the driver dies with key 1 parked
+        finally:
+            await a.__aexit__(None, None, None)
+        drivers["A"], drivers["B"] = False, True
+        healed.set()
+        async with asyncio.timeout(30):
+            while b._core.held_count() or not b._queue.driving:
+                await asyncio.sleep(0.05)
+    want = expected_ids(changes)
+    out = await read_output(kafka_config, connector, 4, sum(len(v) for v in want.values()))
+    seen: dict[int, list[str]] = {}
+    for _, rec in out:
+        ids = seen.setdefault(key_of(rec), [])
+        if rec.record_id not in ids:
+            ids.append(rec.record_id)
+    assert seen == want
+    assert len({r.record_id for _, r in out}) == len(out), "a record delivered twice"

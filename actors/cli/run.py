@@ -43,7 +43,7 @@ from protocol.records import DataChange
 from protocol.task import TaskConfig
 from runtime.config import ConfigError, ShoalConfig, SimOptions, kafka_config, task_count
 from runtime.metrics import MetricsServer, Sample, TaskSample
-from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
+from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, prepare_sink
 from runtime.progress import PartitionEnd, Progress, RunSummary
 
 if TYPE_CHECKING:
@@ -69,6 +69,9 @@ class Ledger:
         self.rows = 0
         self.distinct_rows = 0  # rows of records committed for the first time (with keep_ids)
         self.duplicates = 0
+
+    async def prepare(self, token: str) -> None:
+        await prepare_sink(self.inner, token)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)
@@ -409,6 +412,15 @@ class Pipeline:
         stack.push_async_callback(source.close)
         return source
 
+    def _leads(self) -> bool:
+        """Whether a task of this process leads the heartbeat group now (with a valid lease):
+        its process drives the shared retry queue (one driver among the processes)."""
+        for t in self.tasks:
+            task = t.node.task
+            if task is not None and task.core.leader == task.core.me and task.permit():
+                return True
+        return False
+
     async def _start_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
         cfg = self.config
         inner: Sink
@@ -424,7 +436,14 @@ class Pipeline:
                 sink_config = KafkaSinkConfig(
                     name=self._output_topic(), partitions=cfg.kafka.output_partitions
                 )
-                inner = await stack.enter_async_context(KafkaSink(kafka, sink_config))
+                inner = await stack.enter_async_context(
+                    KafkaSink(
+                        kafka,
+                        sink_config,
+                        driver=self._leads,
+                        takeover_grace_s=cfg.run.rq_takeover_grace_s,
+                    )
+                )
         self._ledger = Ledger(inner, keep_ids=self._bounded)
         return self._ledger
 
@@ -449,7 +468,9 @@ class Pipeline:
             else ""
         )
         self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path{where})")
-        bridge: Any = await stack.enter_async_context(spark_module.SparkBridge(settings))
+        bridge: Any = await stack.enter_async_context(
+            spark_module.SparkBridge(settings, rq_driver=self._leads)
+        )
         self._bridge = bridge
         return cast(Sink, bridge)
 

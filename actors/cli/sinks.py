@@ -38,7 +38,7 @@ import msgspec
 
 from protocol.records import DataChange
 from runtime.kafka_sink import output_records
-from runtime.ports import Sink, SinkBatch
+from runtime.ports import Sink, SinkBatch, prepare_sink
 
 if TYPE_CHECKING:
     from runtime.config import ShoalConfig
@@ -308,6 +308,9 @@ class CountingSink:
             self.records_read, self.records_delivered, self.batches_failed, self.inflight
         )
 
+    async def prepare(self, token: str) -> None:
+        await prepare_sink(self.inner, token)
+
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)
         n = len(batch.records)
@@ -354,6 +357,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
             kafka=kafka,
             name=sc.dead_letter_topic or f"{config.run.connector}_spark",
             policy=RetryPolicy(max_attempts=sc.dead_letter_max_attempts),
+            takeover_grace_s=config.run.rq_takeover_grace_s,
         )
     return SparkConfig(**kwargs)
 

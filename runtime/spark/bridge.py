@@ -143,6 +143,7 @@ class SparkBridge:
         *,
         foreach_batch: ForeachBatch | None = None,
         spark: Any = None,
+        rq_driver: Callable[[], bool] | None = None,
     ) -> None:
         if config.max_rows < 1 or config.max_age_s <= 0 or config.max_inflight_batches < 1:
             raise ValueError("max_rows, max_age_s and max_inflight_batches must be positive")
@@ -151,6 +152,8 @@ class SparkBridge:
         if config.dead_letter is not None and config.path != "embedded":
             raise ValueError("dead_letter (the RQ/DLQ) works on the embedded path only")
         self.config = config
+        # several processes share the RQ/DLQ (dead_letter); this one drives it while true
+        self._rq_driver = rq_driver
         self.foreach_batch = foreach_batch
         self.spark: Any = spark
         self._owns_spark = spark is None
@@ -251,6 +254,8 @@ class SparkBridge:
                 cfg.dead_letter.queue_config(),
                 self._send_retry,
                 name=cfg.dead_letter.name,
+                driver=self._rq_driver,
+                takeover_grace_s=cfg.dead_letter.takeover_grace_s,
             )
             try:
                 await rq.__aenter__()
@@ -318,6 +323,13 @@ class SparkBridge:
             shutil.rmtree(self._local_dir, ignore_errors=True)
 
     # --- the Sink port --------------------------------------------------------------------
+
+    async def prepare(self, token: str) -> None:
+        """Before a reader of ``token`` hands over anything: with the RQ/DLQ, fold in every
+        entry written so far (what the partition's previous owner parked keeps its keys
+        blocked)."""
+        if self._rq is not None:
+            await self._rq.barrier()
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         """Hand over a batch; waits while the buffer is full and ``max_inflight_batches``

@@ -38,6 +38,9 @@ class DeadLetterConfig(msgspec.Struct, frozen=True, kw_only=True):
     load_timeout_s: float = 60.0
     close_timeout_s: float = 10.0
     seed: int = 0
+    # with several processes over these topics: how long a new driver of the RQ waits before
+    # it sends (the previous driver's sends in flight end first)
+    takeover_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -1,0 +1,175 @@
+"""Several owners of one RQ/DLQ (``RetryQueue(driver=...)``) against the embedded broker: every
+owner sends its own new records and parks them; only the driver sends the RQ's records; a new
+reader sees what the previous owner parked (the barrier); the driver role moves, also away from
+a queue that died; every record is delivered, each key in order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+
+import pytest
+
+from protocol.retry import RetryPolicy
+from runtime.kafka import KafkaConfig
+from runtime.retry_queue import (
+    PendingSend,
+    RetryQueue,
+    RetryQueueConfig,
+    internal_topic,
+    ordering_key,
+)
+from tests.fixtures.kafka import connector, kafka_broker, kafka_config
+
+__all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
+
+FAST = RetryPolicy(max_attempts=50, base_backoff=0.02, max_backoff=0.1, jitter=0.0)
+
+
+class Owner:
+    """One owner: its queue, whether it may drive, and what it sent (name, record, attempts)."""
+
+    def __init__(
+        self,
+        name: str,
+        kafka: KafkaConfig,
+        config: RetryQueueConfig,
+        sent: list[tuple[str, str, int]],
+        fails: Callable[[str, int], bool],
+    ) -> None:
+        self.name = name
+        self.drive = False
+        self.sent = sent
+        self.fails = fails
+        self.queue = RetryQueue(
+            kafka,
+            config,
+            self._send,
+            name=name,
+            driver=lambda: self.drive,
+            takeover_grace_s=0.2,
+            steer_interval_s=0.05,
+        )
+
+    async def _send(self, p: PendingSend) -> None:
+        self.sent.append((self.name, p.record_id, p.attempts))
+        loop = asyncio.get_running_loop()
+        if self.fails(p.key, p.attempts):
+            loop.call_soon(self.queue.failed, p.record_id, "injected")
+        else:
+            loop.call_soon(self.queue.delivered, p.record_id)
+
+
+def key(k: int) -> str:
+    return ordering_key("T", f'{{"id": "{k}"}}')
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+def delivered_order(sent: list[tuple[str, str, int]], failures: set[tuple[str, int]]) -> list[str]:
+    """Record ids in the order they were delivered (sends that did not fail), first copy only."""
+    out: list[str] = []
+    for _, rid, attempts in sent:
+        if (rid, attempts) not in failures and rid not in out:
+            out.append(rid)
+    return out
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_two_owners_share_one_rq_only_the_driver_retries_and_order_holds(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    config = RetryQueueConfig(
+        rq=internal_topic(f"{connector}_rq", 2),
+        dlq=internal_topic(f"{connector}_dlq", 2),
+        policy=FAST,
+    )
+    sent: list[tuple[str, str, int]] = []
+    failures: set[tuple[str, int]] = set()
+    bad = {key(1): 3}  # key 1 fails its first 3 attempts of each record
+
+    def fails(k: str, attempts: int) -> bool:
+        return attempts < bad.get(k, 0)
+
+    a = Owner("A", kafka_config, config, sent, fails)
+    b = Owner("B", kafka_config, config, sent, fails)
+
+    def note_failures() -> None:
+        for _, rid, attempts in sent:
+            if fails(key_of_rid[rid], attempts):
+                failures.add((rid, attempts))
+
+    key_of_rid: dict[str, str] = {}
+
+    def records(owner: str, n: int, keys: range) -> list[tuple[str, str, bytes]]:
+        out = []
+        for i in range(n):
+            for k in keys:
+                rid = f"{owner}-{k}-{i}"
+                key_of_rid[rid] = key(k)
+                out.append((rid, key(k), rid.encode()))
+        return out
+
+    async with AsyncExitStack() as stack:
+        a.drive = True
+        await stack.enter_async_context(a.queue)
+        await stack.enter_async_context(b.queue)
+        await until(lambda: a.queue.driving)
+        assert not b.queue.driving
+
+        # B reads keys 0..2: key 1 fails, B parks its records; A, the driver, retries them.
+        first = records("B", 3, range(3))
+        settled = await b.queue.submit(first)
+        await asyncio.wait_for(settled, 20)
+        await until(lambda: not a.queue.core.holds("B-1-2") and not b.queue.core.holds("B-1-2"))
+        retried_by = {name for name, rid, attempts in sent if attempts > 0}
+        assert retried_by == {"A"}, f"the RQ was sent by {retried_by}"
+        assert b.queue.statistics().records_delivered == 6  # keys 0 and 2, directly
+
+        # Key 1's partition moves to A while B still has its records parked (B drives: A's
+        # queue must not send key 1's new record before them, although A never saw them fail).
+        a.drive, b.drive = False, True
+        await until(lambda: b.queue.driving and not a.queue.driving)
+        bad[key(1)] = 100  # key 1 keeps failing: its records stay parked
+        key_of_rid["B-1-p0"] = key(1)
+        await asyncio.wait_for(await b.queue.submit([("B-1-p0", key(1), b"p0")]), 20)
+        await a.queue.barrier()  # what a new reader does before it delivers anything
+        assert a.queue.blocks(key(1))
+        later = [("A-1-later", key(1), b"later")]
+        key_of_rid["A-1-later"] = key(1)
+        await asyncio.wait_for(await a.queue.submit(later), 20)  # parked, not sent
+        assert not [s for s in sent if s[1] == "A-1-later"]
+        bad[key(1)] = 0
+        await until(lambda: any(s[1] == "A-1-later" for s in sent))
+
+        # The driver dies with records in the RQ: the other owner takes over and sends them.
+        bad[key(1)] = 100
+        more = records("A", 2, range(1, 2))
+        await asyncio.wait_for(await a.queue.submit(more), 20)
+        a.drive, b.drive = True, False
+        await until(lambda: a.queue.driving and not b.queue.driving)
+        await asyncio.sleep(0.3)  # A retries (and fails) a few times
+        await a.queue.abort()
+        bad[key(1)] = 0
+        b.drive = True
+        await until(lambda: all(any(s[1] == rid for s in sent) for rid, _, _ in more))
+        await until(lambda: not b.queue.core.holds(more[-1][0]))
+        note_failures()
+
+    order = delivered_order(sent, failures)
+    every = set(key_of_rid)
+    assert set(order) == every, f"not delivered: {every - set(order)}"
+    for k in (0, 2):
+        assert [rid for rid in order if key_of_rid[rid] == key(k)] == [
+            f"B-{k}-{i}" for i in range(3)
+        ]
+    # key 1, in the order the records were first handed to any queue
+    k1 = [rid for rid in order if key_of_rid[rid] == key(1)]
+    assert k1 == ["B-1-0", "B-1-1", "B-1-2", "B-1-p0", "A-1-later", "A-1-0", "A-1-1"]
