@@ -27,8 +27,9 @@ Delivery is at least once: a crash after a retried record reached the output but
 key).
 
 :func:`list_dlq` and :func:`replay_dlq` are the operator helpers (the CLI calls them). Replay runs
-a sink over the topics, so the regular owner must be stopped meanwhile (one owner at a time;
-fencing is not implemented).
+a sink over the topics that drives the RQ itself, so stop the shoal processes over those topics
+meanwhile (nothing fences a replay from the group leader's driving queue). Several shoal
+processes share one sink's RQ/DLQ through ``driver=`` (see :mod:`runtime.retry_queue`).
 
 For tests, ``inject`` is a failure injector: ``inject(record, attempts)`` returns an error text to
 fail that delivery (before anything is produced), or ``None``.
