@@ -156,6 +156,7 @@ async def _run(
     *,
     batch: int,
     label: str,
+    shared: bool = False,
 ) -> RunResult:
     name = f"bench-dlq-{label}-{uuid.uuid4().hex[:8]}"
     policy = RetryPolicy(max_attempts=5, base_backoff=0.05, max_backoff=0.4, jitter=0.2)
@@ -170,7 +171,10 @@ async def _run(
         return None
 
     healthy = sum(1 for c in changes if _key(output_records(c)[0]) not in failing)
-    async with KafkaSink(config, cfg, inject=inject) as sink:
+    driver = (lambda: True) if shared else None
+    async with KafkaSink(config, cfg, inject=inject, driver=driver, takeover_grace_s=0.0) as sink:
+        if shared:
+            await sink.prepare("bench")  # what a reader does first
         start = time.perf_counter()
         futures = [
             await sink.put(SinkBatch("bench", tuple(changes[i : i + batch]), watermark=i))
@@ -207,12 +211,27 @@ async def _main(args: argparse.Namespace) -> dict[str, object]:
     failing = set(rng.sample(range(args.keys), max(1, args.keys // 100)))
     async with EmbeddedBroker() as broker:
         config = KafkaConfig.embedded(broker.bootstrap)
-        await _run(config, changes[: args.records // 10], set(), batch=args.batch, label="warm-up")
+        await _run(
+            config,
+            changes[: args.records // 10],
+            set(),
+            batch=args.batch,
+            label="warm-up",
+            shared=args.shared,
+        )
         bases: list[RunResult] = []
         fails: list[RunResult] = []
         for _ in range(args.repeat):  # alternated, so drift in the broker hits both alike
-            bases.append(await _run(config, changes, set(), batch=args.batch, label="baseline"))
-            fails.append(await _run(config, changes, failing, batch=args.batch, label="failing"))
+            bases.append(
+                await _run(
+                    config, changes, set(), batch=args.batch, label="baseline", shared=args.shared
+                )
+            )
+            fails.append(
+                await _run(
+                    config, changes, failing, batch=args.batch, label="failing", shared=args.shared
+                )
+            )
     base = max(bases, key=lambda r: r.healthy_per_s)
     fail = max(fails, key=lambda r: r.healthy_per_s)
     runs = bases + fails
@@ -229,6 +248,7 @@ async def _main(args: argparse.Namespace) -> dict[str, object]:
         "failing_keys": len(failing),
         "injected_failures": fail.injected,
         "dlq_replayed": fail.dlq_replayed,
+        "shared": args.shared,
     }
 
 
@@ -239,6 +259,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keys", type=int, default=None)
     parser.add_argument("--batch", type=int, default=500, help="records per SinkBatch")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="the RQ/DLQ as several processes share it (tailed all along, one driver)",
+    )
     parser.add_argument("--repeat", type=int, default=None, help="runs of each kind (best kept)")
     args = parser.parse_args(argv)
     if args.records is None:

@@ -252,7 +252,14 @@ def _seqs(items: Iterable[_Held]) -> list[int]:
 class RetryCore:
     """The per-key ordering state of one sink (or one shard of it)."""
 
-    def __init__(self, policy: RetryPolicy | None = None, seed: int = 0, log_size: int = 1000):
+    def __init__(
+        self,
+        policy: RetryPolicy | None = None,
+        seed: int = 0,
+        log_size: int = 1000,
+        *,
+        shared: bool = False,
+    ):
         self.policy = policy or RetryPolicy()
         self._rng = random.Random(seed)
         self._keys: dict[str, _Key] = {}
@@ -269,7 +276,10 @@ class RetryCore:
         # Only the driver sends the RQ's records (several owners share one RQ); each owner
         # sends its own new records directly and parks them when their key is blocked.
         self.driving = True
-        self._versions: dict[str, int] = {}  # record id -> newest entry version known
+        # record id -> newest entry version known; kept only when other owners' entries are
+        # observed (``shared``), and forgotten for settled records (:meth:`forget_settled`)
+        self.shared = shared
+        self._versions: dict[str, int] = {}
         self._deferred: dict[str, LogEntry] = {}  # foreign entries for records busy here
 
     # -- queries ---------------------------------------------------------------------------
@@ -371,7 +381,9 @@ class RetryCore:
 
     def _stamp(self, rid: str) -> int:
         """A new version for an entry of ``rid`` written by this core."""
-        v = self._versions[rid] = self._next()
+        v = self._next()
+        if self.shared:
+            self._versions[rid] = v
         return v
 
     def _blocked(self, ks: _Key) -> bool:
@@ -433,6 +445,16 @@ class RetryCore:
         key, ks = self._in_flight(rid)
         self._stats["failed"] += 1
         ks.in_flight = None
+        settled = self._deferred.get(rid)
+        if isinstance(settled, Released | Discarded):
+            # another owner (the new driver) delivered or dropped it meanwhile: this late
+            # failure must not park it again, after the key's later records
+            if ks.from_queue:
+                self._take_from_queue(ks, rid)
+            del self._deferred[rid]
+            del self._where[rid]
+            self._versions[rid] = max(self._versions.get(rid, 0), settled.version)
+            return self._advance(key, ks, now)
         h = self._take_from_queue(ks, rid) if ks.from_queue else _Held(rid, ks.in_flight_seq)
         h.attempts += 1
         h.error = error
@@ -535,7 +557,23 @@ class RetryCore:
         del self._where[rid]
         return [Discarded(rid, key, self._stamp(rid)), *self._advance(key, ks, now)]
 
+    def forget_settled(self, upto: int) -> int:
+        """Forget the versions of records no longer held whose last version is ``upto`` or
+        older; returns how many. Call it once every entry written before this core's clock
+        was ``upto`` has been observed (a barrier begun then has completed): an older entry
+        of such a record cannot arrive any more."""
+        gone = [rid for rid, v in self._versions.items() if v <= upto and rid not in self._where]
+        for rid in gone:
+            del self._versions[rid]
+        return len(gone)
+
+    @property
+    def clock(self) -> int:
+        return self._clock
+
     def _observe(self, e: LogEntry, now: float) -> list[Command]:
+        if not self.shared:
+            raise RetryProtocolError("Observe needs a shared core (RetryCore(shared=True))")
         # a Lamport clock: what this core writes next is newer than anything it has seen
         self._clock = max(self._clock, e.version, getattr(e, "seq", 0))
         rid = e.record_id
@@ -661,12 +699,16 @@ class RetryCore:
 
 
 def from_log(
-    entries: Iterable[LogEntry], policy: RetryPolicy | None = None, seed: int = 0
+    entries: Iterable[LogEntry],
+    policy: RetryPolicy | None = None,
+    seed: int = 0,
+    *,
+    shared: bool = False,
 ) -> RetryCore:
     """Rebuild a core from the RQ and DLQ topics' entries (any order, duplicates allowed): the
     entry with the highest version decides where each record is. Nothing is in flight; call
     ``handle(Tick(), now)`` to start sending the due RQ heads."""
-    core = RetryCore(policy, seed)
+    core = RetryCore(policy, seed, shared=shared)
     latest: dict[str, LogEntry] = {}
     top = 0
     for e in entries:
@@ -675,7 +717,8 @@ def from_log(
         if cur is None or e.version > cur.version:
             latest[e.record_id] = e
     core._clock = top
-    core._versions = {rid: e.version for rid, e in latest.items()}
+    if core.shared:
+        core._versions = {rid: e.version for rid, e in latest.items()}
     for e in latest.values():
         match e:
             case ParkInRetry():

@@ -51,6 +51,7 @@ future fails with :class:`RetryQueueError`, and the exception leaves ``__aexit__
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -338,13 +339,21 @@ class _Stop:
 
 
 @dataclass
+class _Observed:
+    """An entry the tail read, with its record's payload (on ParkInRetry and SendToDlq)."""
+
+    entry: LogEntry
+    payload: bytes | None
+
+
+@dataclass
 class _BarrierDone:
     """Every entry before a barrier's markers has been handed to the core (FIFO after them)."""
 
     future: asyncio.Future[None]
 
 
-_Item = Event | _Written | _WriteFailed | _Stop | _BarrierDone
+_Item = Event | _Written | _WriteFailed | _Stop | _BarrierDone | _Observed
 
 
 @dataclass
@@ -398,7 +407,7 @@ class RetryQueue:
         self._also = tuple(also_topics)
         self._clock = clock
         self.name = name
-        self.core = RetryCore(queue.policy, queue.seed)
+        self.core = RetryCore(queue.policy, queue.seed, shared=driver is not None)
         self._payloads: dict[str, bytes] = {}
         self._waiters: dict[str, list[_Batch]] = {}
         self._doomed: dict[str, str] = {}  # record id -> error of a failure that happened already
@@ -436,20 +445,14 @@ class RetryQueue:
             self._tail_task = tg.create_task(self._tail(), name=f"retry-queue-tail-{self.name}")
             self._helpers.append(self._tail_task)
             try:
-                async with asyncio.timeout(self.queue_config.load_timeout_s):
-                    await self.barrier()  # everything written so far is folded in
-            except BaseException as exc:
+                await self.barrier()  # everything written so far is folded in
+            except BaseException:
                 self._driver.cancel()
                 self._tail_task.cancel()
                 try:
-                    await tg.__aexit__(type(exc), exc, exc.__traceback__)
+                    await tg.__aexit__(None, None, None)  # the tasks were cancelled: wait
                 finally:
                     await self._stop_producer()
-                if isinstance(exc, TimeoutError):
-                    raise RetryQueueError(
-                        f"{self!r}: reading the RQ/DLQ did not finish within "
-                        f"{self.queue_config.load_timeout_s:.0f}s"
-                    ) from None
                 raise
             held = self.core.held_count()
             if held:
@@ -481,22 +484,34 @@ class RetryQueue:
             self._queue.put_nowait(_Stop())
         elif self._driver is not None:
             self._driver.cancel()
-        if self._tg is not None and self._shared:
-            self._tg.create_task(self._stop_helpers(), name=f"retry-queue-stop-{self.name}")
         try:
-            if self._tg is not None:
-                await self._tg.__aexit__(exc_type, exc, tb)
+            if self._helpers and self._driver is not None:
+                try:
+                    await asyncio.wait([self._driver])  # it ends after _Stop (or was cancelled)
+                finally:
+                    for task in self._helpers:
+                        task.cancel()
         finally:
-            self._fail_all(RetryQueueError(f"{self!r} is closed"))
-            await self._stop_producer()
+            try:
+                if self._tg is not None:
+                    await self._tg.__aexit__(exc_type, exc, tb)
+            finally:
+                closed = RetryQueueError(f"{self!r} is closed")
+                self._fail_all(closed)
+                self._fail_barriers(closed)
+                await self._stop_producer()
 
     async def abort(self) -> None:
         """Die abruptly (for tests of a task's death): stop processing at once, write nothing
         more to the RQ/DLQ, fail every pending batch. The context manager still has to exit."""
-        if self._driver is not None:
-            self._driver.cancel()
-            await asyncio.wait([self._driver])  # returns when it ended; raises nothing
-        self._fail_all(RetryQueueError(f"{self!r} was aborted"))
+        tasks = [t for t in (self._driver, *self._helpers) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)  # returns when they ended; raises nothing
+        aborted = RetryQueueError(f"{self!r} was aborted")
+        self._fail_all(aborted)
+        self._fail_barriers(aborted)
 
     async def _start(self) -> None:
         topics = (*self._also, self.rq, self.dlq)
@@ -713,7 +728,14 @@ class RetryQueue:
             future = self._next_barrier = asyncio.get_running_loop().create_future()
             assert self._tg is not None
             self._tg.create_task(self._run_barrier(future), name=f"retry-queue-barrier-{self.name}")
-        await asyncio.shield(future)
+        try:
+            async with asyncio.timeout(self.queue_config.load_timeout_s):
+                await asyncio.shield(future)
+        except TimeoutError:
+            raise RetryQueueError(
+                f"{self!r}: reading the RQ/DLQ up to a fresh marker did not finish within "
+                f"{self.queue_config.load_timeout_s:.0f}s"
+            ) from None
 
     async def _run_barrier(self, future: asyncio.Future[None]) -> None:
         await asyncio.sleep(0)  # callers of this same moment join it
@@ -722,6 +744,8 @@ class RetryQueue:
         marker = uuid.uuid4().hex
         parts = self.queue_config.read_partitions()
         self._barriers[marker] = ({(t, p) for t, p in parts}, future)
+        # once it completes, settled records' versions up to here can be forgotten
+        future.add_done_callback(functools.partial(self._barrier_passed, upto=self.core.clock))
         self._n.barriers += 1
         raw = _int_encoder.encode(InternalMessage(marker=marker))
         try:
@@ -732,6 +756,10 @@ class RetryQueue:
             if not future.done():
                 future.set_exception(RetryQueueError(f"{self!r}: barrier failed: {exc!r}"))
                 future.exception()  # retrieved here: the callers get it through the shield
+
+    def _barrier_passed(self, future: asyncio.Future[None], *, upto: int) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.core.forget_settled(upto)
 
     def _fail_barriers(self, error: BaseException) -> None:
         futures = [f for _, f in self._barriers.values()]
@@ -754,18 +782,22 @@ class RetryQueue:
             auto_offset_reset="earliest",
             fetch_max_wait_ms=self.queue_config.fetch_max_wait_ms,
         )
-        await consumer.start()
         try:
-            consumer.assign(parts)
-            await consumer.seek_to_beginning(*parts)
-            while True:
-                batches = await consumer.getmany(*parts, timeout_ms=500)
-                for tp, msgs in batches.items():
-                    for m in msgs:
-                        if m.value is not None:
-                            self._tailed(tp, m.offset, m.value)
-        finally:
-            await consumer.stop()
+            await consumer.start()
+            try:
+                consumer.assign(parts)
+                await consumer.seek_to_beginning(*parts)
+                while True:
+                    batches = await consumer.getmany(*parts, timeout_ms=500)
+                    for tp, msgs in batches.items():
+                        for m in msgs:
+                            if m.value is not None:
+                                self._tailed(tp, m.offset, m.value)
+            finally:
+                await consumer.stop()
+        except Exception:
+            log.exception("%r: reading the RQ/DLQ failed; the queue stops", self)
+            raise
 
     def _tailed(self, tp: TopicPartition, offset: int, raw: bytes) -> None:
         try:
@@ -787,9 +819,7 @@ class RetryQueue:
         if msg.entry is None:
             return
         self._n.loaded += 1
-        if msg.payload is not None and msg.entry.record_id not in self._payloads:
-            self._payloads[msg.entry.record_id] = msg.payload
-        self._queue.put_nowait(Observe(msg.entry))
+        self._queue.put_nowait(_Observed(msg.entry, msg.payload))
 
     async def _steer(self) -> None:
         """Follow ``driver()``: stop driving at once when it says no; when it says yes, wait
@@ -809,18 +839,19 @@ class RetryQueue:
                 if wanted_since is None:
                     wanted_since = now
                 if now - wanted_since >= self._grace:
-                    await self.barrier()
+                    try:
+                        await self.barrier()
+                    except RetryQueueError as exc:
+                        if self._dead is not None or self._driver is None or self._driver.done():
+                            return  # the queue failed: its driver says why
+                        log.warning("%r: cannot take the RQ over yet: %s", self, exc)
+                        await asyncio.sleep(self._steer_interval)
+                        continue
                     if self._is_driver():
                         self._driving = True
                         self._queue.put_nowait(Drive(True))
                         log.info("%r: driving the RQ", self)
             await asyncio.sleep(self._steer_interval)
-
-    async def _stop_helpers(self) -> None:
-        if self._driver is not None:
-            await asyncio.wait([self._driver])
-        for task in self._helpers:
-            task.cancel()
 
     @property
     def driving(self) -> bool:
@@ -867,6 +898,13 @@ class RetryQueue:
                 case _BarrierDone(future=future):
                     if not future.done():
                         future.set_result(None)
+                case _Observed(entry=entry, payload=payload):
+                    rid = entry.record_id
+                    if payload is not None and rid not in self._payloads:
+                        self._payloads[rid] = payload
+                    await self._handle(Observe(entry))
+                    if not self.core.holds(rid) and rid not in self._waiters:
+                        self._payloads.pop(rid, None)
                 case Event():
                     await self._handle(item)
             if self._is_idle(include_rq=False):
@@ -908,12 +946,9 @@ class RetryQueue:
                         self._payloads.pop(cmd.record_id, None)
                 case Duplicate():
                     pass  # counted by the core; submit() settled it
-        if isinstance(event, DeliveryOk):
+        if isinstance(event, DeliveryOk) and not self.core.holds(event.record_id):
+            # (another owner's park of the same record, deferred meanwhile, may hold it again)
             self._payloads.pop(event.record_id, None)
-        elif isinstance(event, Observe) and isinstance(event.entry, Released | Discarded):
-            rid = event.entry.record_id
-            if not self.core.holds(rid) and rid not in self._waiters:
-                self._payloads.pop(rid, None)
 
     async def _deliver(self, rid: str, key: str, attempts: int) -> None:
         doomed = self._doomed.pop(rid, None)

@@ -450,7 +450,9 @@ class SharedRetryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.policy = RetryPolicy(max_attempts=3, base_backoff=1.0, max_backoff=4.0, jitter=0.0)
-        self.cores = {o: RetryCore(self.policy, seed=i) for i, o in enumerate(self.OWNERS)}
+        self.cores = {
+            o: RetryCore(self.policy, seed=i, shared=True) for i, o in enumerate(self.OWNERS)
+        }
         self.cores["B"].handle(Drive(False), 0.0)
         self.driver = "A"
         self.log: list[LogEntry] = []
@@ -507,6 +509,14 @@ class SharedRetryMachine(RuleBasedStateMachine):
     @rule(owner=st.sampled_from(OWNERS), steps=st.integers(1, 4))
     def read(self, owner: str, steps: int) -> None:
         self.read_log(owner, self.read_to[owner] + steps)
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def barrier_then_forget(self, owner: str) -> None:
+        """A barrier: read everything written so far; then settled records' versions from
+        before it are forgotten."""
+        before = self.cores[owner].clock
+        self.read_log(owner)
+        self.cores[owner].forget_settled(before)
 
     @rule(dt=st.sampled_from([0.0, 1.0, 4.0]))
     def tick(self, dt: float) -> None:
@@ -590,3 +600,46 @@ class SharedRetryMachine(RuleBasedStateMachine):
 
 TestSharedRetryMachine = SharedRetryMachine.TestCase
 TestSharedRetryMachine.settings = settings(max_examples=300, stateful_step_count=80, deadline=None)
+
+
+def test_a_late_failure_at_the_old_driver_does_not_park_what_the_new_one_delivered() -> None:
+    """The old driver's send outlived the take-over grace: the new driver delivered the record
+    (Released) meanwhile; the old send then fails. The record must not be parked again (it
+    would be delivered once more, after its key's later records)."""
+    a = RetryCore(FIXED, shared=True)
+    b = RetryCore(FIXED, shared=True)
+    b.handle(Drive(False), 0)
+    log: list[LogEntry] = []
+
+    def entries(cmds: list[Command]) -> list[LogEntry]:
+        out = [c for c in cmds if isinstance(c, ParkInRetry | Released | SendToDlq | Discarded)]
+        log.extend(out)
+        return out
+
+    a.handle(Deliver("r", "k"), 0)
+    entries(a.handle(DeliveryFailed("r", "e"), 0))  # parked by A
+    assert a.handle(Tick(), 1) == [SendToSink("r", "k", 1)]  # A sends it from the RQ ...
+    a.handle(Drive(False), 1)  # ... and loses the driver role while the send is in flight
+    for e in log:
+        b.handle(Observe(e), 1)
+    assert b.handle(Drive(True), 11) == [SendToSink("r", "k", 1)]
+    (released,) = entries(b.handle(DeliveryOk("r"), 11))
+    assert isinstance(released, Released)
+    assert a.handle(Observe(released), 11) == []  # deferred: A's send is still in flight
+    assert a.handle(DeliveryFailed("r", "late"), 12) == []  # nothing parked again
+    assert not a.holds("r")
+    a.validate()
+    assert a.handle(Observe(log[0]), 12) == []  # the old park read again changes nothing
+    assert not a.holds("r")
+
+
+def test_a_shared_core_forgets_settled_records_only_when_told() -> None:
+    core = RetryCore(FIXED, shared=True)
+    core.handle(Deliver("r", "k"), 0)
+    core.handle(DeliveryFailed("r", "e"), 0)
+    core.handle(Tick(), 1)
+    core.handle(DeliveryOk("r"), 1)
+    assert core.forget_settled(0) == 0  # settled after clock 0
+    assert core.forget_settled(core.clock) == 1
+    with pytest.raises(RetryProtocolError):
+        RetryCore(FIXED).handle(Observe(Released("r", "k", 9)), 0)

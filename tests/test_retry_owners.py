@@ -173,3 +173,94 @@ async def test_two_owners_share_one_rq_only_the_driver_retries_and_order_holds(
     # key 1, in the order the records were first handed to any queue
     k1 = [rid for rid in order if key_of_rid[rid] == key(1)]
     assert k1 == ["B-1-0", "B-1-1", "B-1-2", "B-1-p0", "A-1-later", "A-1-0", "A-1-1"]
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_queue_reading_park_release_park_of_one_record_keeps_its_payload(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """A record parked, delivered (Released), then handed over again and parked again behind
+    its key: a queue that starts later reads the three entries in one go. It must hold the
+    record with its payload (the payload of the first park was dropped with the Released) and
+    deliver it."""
+    config = RetryQueueConfig(
+        rq=internal_topic(f"{connector}_rq", 1),
+        dlq=internal_topic(f"{connector}_dlq", 1),
+        policy=FAST,
+    )
+    sent: list[tuple[str, str, int]] = []
+    down = {key(1)}
+
+    def fails(k: str, attempts: int) -> bool:
+        return k in down
+
+    a = Owner("A", kafka_config, config, sent, fails)
+    a.drive = True
+    async with a.queue:
+        await until(lambda: a.queue.driving)
+        await asyncio.wait_for(await a.queue.submit([("r", key(1), b"payload-r")]), 20)
+        down.clear()
+        await until(lambda: not a.queue.core.holds("r"))  # delivered from the RQ: Released
+        down.add(key(1))
+        await asyncio.wait_for(await a.queue.submit([("s", key(1), b"payload-s")]), 20)
+        await asyncio.wait_for(await a.queue.submit([("r", key(1), b"payload-r")]), 20)
+        assert a.queue.core.group_state(key(1)).rq == ("s", "r")  # r parked again, behind s
+        a.drive = False
+        await until(lambda: not a.queue.driving)
+    c_sent: list[tuple[str, str, int]] = []
+    c = Owner("C", kafka_config, config, c_sent, fails)
+    payloads: dict[str, bytes] = {}
+
+    async def send(p: PendingSend) -> None:
+        payloads[p.record_id] = p.payload
+        await Owner._send(c, p)
+
+    c.queue._send = send
+    down.clear()
+    c.drive = True
+    async with c.queue:
+        assert c.queue.core.group_state(key(1)).rq == ("s", "r")
+        await until(lambda: not c.queue.core.holds("r"))
+    assert [rid for _, rid, _ in c_sent] == ["s", "r"]
+    assert payloads == {"s": b"payload-s", "r": b"payload-r"}
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_an_undecodable_rq_message_stops_a_shared_queue_loudly(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """Skipping an RQ message could lose a parked record: the queue fails with an error that
+    names the topic and offset, and closes (no hang, no leaked task)."""
+    from runtime.retry_queue import make_producer
+
+    config = RetryQueueConfig(
+        rq=internal_topic(f"{connector}_rq", 1),
+        dlq=internal_topic(f"{connector}_dlq", 1),
+        policy=FAST,
+    )
+    owner = Owner("A", kafka_config, config, [], lambda k, a: False)
+    producer = make_producer(kafka_config)
+    await producer.start()
+    try:
+        # while it runs
+        with pytest.raises(BaseExceptionGroup) as running:
+            async with owner.queue:
+                await producer.send_and_wait(f"{connector}_rq", b"\xc1 junk", partition=0)
+                await asyncio.sleep(5)
+        assert "undecodable message in" in str(running.value.exceptions[0])
+        assert owner.queue._producer is None
+    finally:
+        await producer.stop()
+    # at start
+    again = Owner("B", kafka_config, config, [], lambda k, a: False)
+    with pytest.raises(BaseExceptionGroup) as caught:
+        async with again.queue:
+            await asyncio.sleep(5)
+    (error,) = caught.value.exceptions
+    assert "undecodable message in" in str(error)
+    assert f"{connector}_rq[0] at offset" in str(error)
+    assert again.queue._producer is None  # closed
