@@ -75,6 +75,12 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         parser.add_argument(
             "--id", dest="ids", action="append", default=[], help="replay only this record id"
         )
+        parser.add_argument(
+            "--via-leader",
+            action="store_true",
+            help="replay: hand the records to the running shoal processes (their leader "
+            "delivers them) instead of delivering them from here (which needs them stopped)",
+        )
     if command == "status":
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     if command == "config":
@@ -141,7 +147,9 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
         if command == "status":
             return await admin.status(config, sys.stdout, as_json=args.json)
         if command == "dlq":
-            return await admin.dlq(config, args.action, args.ids, sys.stdout)
+            return await admin.dlq(
+                config, args.action, args.ids, sys.stdout, via_leader=args.via_leader
+            )
         return await run(config)
     except ConfigError:
         raise

@@ -28,7 +28,8 @@ key).
 
 :func:`list_dlq` and :func:`replay_dlq` are the operator helpers (the CLI calls them). Replay runs
 a sink over the topics that drives the RQ itself, so stop the shoal processes over those topics
-meanwhile (nothing fences a replay from the group leader's driving queue). Several shoal
+meanwhile (nothing fences a replay from the group leader's driving queue), or use
+:func:`runtime.retry_queue.replay_via_driver` (``dlq replay --via-leader``). Several shoal
 processes share one sink's RQ/DLQ through ``driver=`` (see :mod:`runtime.retry_queue`).
 
 For tests, ``inject`` is a failure injector: ``inject(record, attempts)`` returns an error text to

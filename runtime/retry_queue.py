@@ -101,6 +101,7 @@ __all__ = [
     "internal_topic",
     "load_dlq",
     "ordering_key",
+    "replay_via_driver",
     "split_key",
 ]
 
@@ -308,6 +309,37 @@ async def load_dlq(
         await producer.stop()
     core = from_log(loaded.entries, queue.policy)
     return [(e, loaded.payloads.get(e.record_id)) for e in core.dlq_records()]
+
+
+async def replay_via_driver(
+    config: KafkaConfig,
+    queue: RetryQueueConfig,
+    record_ids: Iterable[str] | None = None,
+    *,
+    timeout_s: float = 60.0,
+) -> list[str]:
+    """Put DLQ records (all, or those named) back into the RQ **for the running driver** (the
+    shoal process that leads the group) to deliver, and wait until it did (or dead-lettered
+    them again). Nothing is sent from here, so the shoal processes keep running. Raises
+    :class:`RetryQueueError` when no driver delivered them within ``timeout_s``."""
+
+    async def never(p: PendingSend) -> None:
+        raise RetryQueueError(f"a replay helper does not send records ({p.record_id})")
+
+    timed_out = False
+    async with RetryQueue(config, queue, never, name="dlq-replay", driver=lambda: False) as rq:
+        chosen = rq.replay_dlq(record_ids)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await rq.wait_replayed(chosen)
+        except TimeoutError:
+            timed_out = True  # raised outside: an error in the body would come out grouped
+    if timed_out:
+        raise RetryQueueError(
+            f"{len(chosen)} replayed record(s) were not delivered within {timeout_s:g}s: "
+            "is a shoal process over these topics running (its leader delivers them)?"
+        )
+    return chosen
 
 
 # --- the shell -------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,6 +83,42 @@ async def test_dlq_list_and_replay_of_the_kafka_sink(
     empty = await shoal("dlq", "list", "--sink", "kafka", *where)
     assert empty.returncode == 0, empty.stderr
     assert empty.stdout.splitlines() == [f"0 record(s) in the DLQ of {name!r}"]
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_dlq_replay_via_the_leader_while_the_sink_runs(
+    kafka_broker: EmbeddedBroker, kafka_config: KafkaConfig, connector: str
+) -> None:
+    """``dlq replay --via-leader`` while the (shared, driving) sink keeps running: the running
+    sink delivers the replayed record, then the one parked behind it; nothing twice."""
+    name = f"{connector}_output"
+    cfg = KafkaSinkConfig(name=name, partitions=4, policy=FAST)
+    changes = workload(keys=6, per_key=3)
+    want = expected_ids(changes)
+    healed = asyncio.Event()
+
+    def inject(rec: Any, attempts: int) -> str | None:
+        return None if healed.is_set() else failing({2})(rec, attempts)
+
+    where = ["--kafka-bootstrap-servers", kafka_broker.bootstrap, "--connector", connector]
+    async with KafkaSink(
+        kafka_config, cfg, inject=inject, driver=lambda: True, takeover_grace_s=0.0
+    ) as sink:
+        await sink.prepare("p")
+        await put_all(sink, changes, batch=6)
+        async with asyncio.timeout(20):
+            while len(sink.dlq_records()) != 1:
+                await asyncio.sleep(0.05)
+        healed.set()
+        replayed = await shoal("dlq", "replay", "--via-leader", "--sink", "kafka", *where)
+        assert replayed.returncode == 0, replayed.stderr
+        assert f"replayed 1 record(s) from the DLQ of {name!r} via the leader" in replayed.stdout
+    got = await read_output(kafka_config, name, 4, want=len(changes))
+    ids = [r.record_id for _, r in got]
+    assert len(ids) == len(set(ids)) == len(changes), "a record delivered twice, or lost"
+    assert [r.record_id for _, r in got if key_of(r) == 2] == want[2]
 
 
 def test_spark_dead_letter_options_build_the_bridge_settings() -> None:

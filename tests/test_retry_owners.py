@@ -264,3 +264,48 @@ async def test_an_undecodable_rq_message_stops_a_shared_queue_loudly(
     assert "undecodable message in" in str(error)
     assert f"{connector}_rq[0] at offset" in str(error)
     assert again.queue._producer is None  # closed
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_dlq_replay_via_the_running_driver(kafka_config: KafkaConfig, connector: str) -> None:
+    """``dlq replay --via-leader``: the records go back to the RQ from a helper that sends
+    nothing; the running driver delivers them, with the records parked behind; the helper
+    returns once it has seen them delivered. With no driver it says so after its timeout."""
+    from runtime.retry_queue import RetryQueueError, replay_via_driver
+
+    config = RetryQueueConfig(
+        rq=internal_topic(f"{connector}_rq", 2),
+        dlq=internal_topic(f"{connector}_dlq", 2),
+        policy=RetryPolicy(max_attempts=2, base_backoff=0.02, max_backoff=0.05, jitter=0.0),
+    )
+    sent: list[tuple[str, str, int]] = []
+    down = {key(7)}
+    a = Owner("A", kafka_config, config, sent, lambda k, attempts: k in down)
+    a.drive = True
+    async with a.queue:
+        await until(lambda: a.queue.driving)
+        records = [("d1", key(7), b"1"), ("d2", key(7), b"2"), ("ok", key(8), b"3")]
+        await asyncio.wait_for(await a.queue.submit(records), 20)
+        await until(lambda: len(a.queue.core.dlq_records()) == 1)  # d1 dead, d2 behind it
+        assert a.queue.core.group_state(key(7)).rq == ("d2",)
+        a.drive = False
+        await until(lambda: not a.queue.driving)
+        with pytest.raises(RetryQueueError, match="is a shoal process over these topics"):
+            await replay_via_driver(kafka_config, config, timeout_s=1.5)  # nobody drives
+        down.clear()
+        a.drive = True
+        await until(lambda: a.queue.driving)
+        # the helper's replay of 1.5 s ago is in the RQ already: A delivers it
+        await until(lambda: not a.queue.core.holds("d2"))
+        assert [rid for _, rid, _ in sent if rid.startswith("d")][-2:] == ["d1", "d2"]
+        # one more round through the helper, while A drives
+        down.add(key(7))
+        await asyncio.wait_for(await a.queue.submit([("d3", key(7), b"4")]), 20)
+        await until(lambda: len(a.queue.core.dlq_records()) == 1)
+        down.clear()
+        replayed = await replay_via_driver(kafka_config, config, timeout_s=20)
+        assert replayed == ["d3"]
+        assert not a.queue.core.holds("d3")
+        assert sent[-1][1] == "d3"

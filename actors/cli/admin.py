@@ -140,23 +140,30 @@ async def status(config: ShoalConfig, out: TextIO, *, as_json: bool = False) -> 
 
 
 async def dlq(
-    config: ShoalConfig, action: str, ids: list[str], out: TextIO, *, spark: Any = None
+    config: ShoalConfig,
+    action: str,
+    ids: list[str],
+    out: TextIO,
+    *,
+    spark: Any = None,
+    via_leader: bool = False,
 ) -> int:
     """``dlq list|replay``: the dead-letter queue of the sink ``--sink`` names (the same options
     as the run): the Kafka output sink's, or the Spark bridge's (``--spark-dead-letter``).
     Replay delivers through a sink over the same topics (for Spark: a bridge, on ``spark`` if
-    given, else a session it starts); the regular owner must be stopped meanwhile."""
+    given, else a session it starts), so the shoal processes must be stopped meanwhile; with
+    ``via_leader`` it hands the records to the running processes' leader instead."""
     kafka = kafka_config(config, _need_kafka(config, "dlq"))
-    match config.run.sink:
-        case "kafka":
-            return await _kafka_dlq(config, kafka, action, ids, out)
-        case "spark":
-            return await _spark_dlq(config, kafka, action, ids, out, spark)
-        case "files":
-            raise ConfigError(
-                "dlq: --sink files has no dead-letter queue "
-                "(--sink kafka, or --sink spark with --spark-dead-letter, have one)"
-            )
+    if config.run.sink == "files":
+        raise ConfigError(
+            "dlq: --sink files has no dead-letter queue "
+            "(--sink kafka, or --sink spark with --spark-dead-letter, have one)"
+        )
+    if action == "replay" and via_leader:
+        return await _replay_via_leader(config, kafka, ids, out)
+    if config.run.sink == "kafka":
+        return await _kafka_dlq(config, kafka, action, ids, out)
+    return await _spark_dlq(config, kafka, action, ids, out, spark)
 
 
 async def _kafka_dlq(
@@ -195,6 +202,36 @@ async def _spark_dlq(
         return 0
     replayed = await dead_letter.replay_dlq(settings, ids or None, spark=spark)
     out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r}\n")
+    return 0
+
+
+async def _replay_via_leader(
+    config: ShoalConfig, kafka: KafkaConfig, ids: list[str], out: TextIO
+) -> int:
+    from runtime.retry_queue import replay_via_driver
+
+    match config.run.sink:
+        case "kafka":
+            from runtime.kafka_sink import KafkaSinkConfig
+
+            name = config.kafka.output_topic or f"{config.run.connector}_output"
+            queue = KafkaSinkConfig(
+                name=name, partitions=config.kafka.output_partitions
+            ).queue_config()
+        case _:  # "spark" (dlq() refused "files")
+            from actors.cli.sinks import spark_config
+
+            if not config.spark.dead_letter:
+                raise ConfigError(
+                    "dlq: the Spark bridge's dead-letter queue is off: give --spark-dead-letter "
+                    "(and --spark-dead-letter-topic, as the run did)"
+                )
+            settings = spark_config(config, kafka)
+            assert settings.dead_letter is not None
+            name = settings.dead_letter.name
+            queue = settings.dead_letter.queue_config()
+    replayed = await replay_via_driver(kafka, queue, ids or None)
+    out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r} via the leader\n")
     return 0
 
 
