@@ -61,6 +61,19 @@ class ReaderProgress(msgspec.Struct, frozen=True):
     restarts: int
 
 
+class _Seen:
+    """What a reader saw last (for :class:`ReaderProgress`), and whether the sink is prepared."""
+
+    __slots__ = ("committed_at", "position", "prepared", "source_at", "source_kind")
+
+    def __init__(self, position: int, now: float) -> None:
+        self.committed_at = now
+        self.position = position
+        self.source_at = now
+        self.source_kind = "none"
+        self.prepared = False
+
+
 class NotPermitted(Exception):
     """The task's lease ran out: stop reading at once."""
 
@@ -99,16 +112,13 @@ class PartitionReader(Actor[Stop]):
         self._wake = asyncio.Event()
         self._sink_error: BaseException | None = None
         self._end: ReaderStopped | ReaderFinished | None = None  # how the read loop ended
-        self._prepared = False  # the sink's prepare() done (once per reader)
         # A partition query sends a heartbeat at least every few seconds: one that sends
         # nothing for this long is stalled (the chaos run saw emulator streams silent for over
         # 90 s) and is restarted from the committed watermark.
         self.stall_timeout = stall_timeout
-        started = time.monotonic()
-        self._committed_at = started
-        self._position = start_ts
-        self._source_at = started
-        self._source_kind = "none"
+        # one attribute, not five: past 30 attributes an instance's dict is no longer shared
+        # with its class's (1.6 KB instead of 0.3 KB per reader, with thousands of readers)
+        self._seen = _Seen(start_ts, time.monotonic())
 
     def request_stop(self, reason: str, drain: bool) -> None:
         if self.alive:
@@ -123,12 +133,13 @@ class PartitionReader(Actor[Stop]):
         )
 
     def progress(self) -> ReaderProgress:
+        seen = self._seen
         return ReaderProgress(
             self.committed,
-            self._committed_at,
-            self._position,
-            self._source_at,
-            self._source_kind,
+            seen.committed_at,
+            seen.position,
+            seen.source_at,
+            seen.source_kind,
             len(self._pending),
             self._restarts,
         )
@@ -210,7 +221,7 @@ class PartitionReader(Actor[Stop]):
         if watermark > self.committed:
             self._at_watermark = {r.identity for r in records if r.commit_ts == watermark}
             self.committed = watermark
-            self._committed_at = time.monotonic()
+            self._seen.committed_at = time.monotonic()
         else:
             self._at_watermark |= {r.identity for r in records if r.commit_ts == watermark}
 
@@ -264,11 +275,11 @@ class PartitionReader(Actor[Stop]):
             return
 
     async def _read_once(self) -> tuple[tuple[ChildPartition, ...], int]:
-        if not self._prepared:
+        if not self._seen.prepared:
             # the sink catches up with what the partition's previous owner left (its retry
             # queue), before this reader hands it anything
             await prepare_sink(self._sink, self.token)
-            self._prepared = True
+            self._seen.prepared = True
         self._sink_error = None
         start = self.committed
         position = start
@@ -278,9 +289,9 @@ class PartitionReader(Actor[Stop]):
         async for batch in _watched(self._source.query(self.token, start, None), self):
             if self._sink_error is not None:
                 raise _SinkFailed(self._sink_error)
-            self._source_at = time.monotonic()
+            self._seen.source_at = time.monotonic()
             if batch:
-                self._source_kind = type(batch[-1]).__name__
+                self._seen.source_kind = type(batch[-1]).__name__
             for record in batch:
                 match record:
                     case DataChange():
@@ -300,7 +311,7 @@ class PartitionReader(Actor[Stop]):
                         # query must see this record again, and a start past the end is
                         # refused (the emulator accepts [start, end] and says OUT_OF_RANGE).
                         position = max(position, record.start_ts - 1)
-            self._position = position
+            self._seen.position = position
             await self._put(buffer, position)
             buffer = []
         if self._sink_error is not None:
