@@ -21,6 +21,8 @@ from typing import Any, Generic, Self, TypeVar
 
 import msgspec
 
+from actors.mailbox import Flag, Mailbox
+
 log = logging.getLogger("shoal.actors")
 
 M = TypeVar("M")
@@ -62,12 +64,12 @@ class Actor(Generic[M]):
 
     def __init__(self, name: str, capacity: int = 1024) -> None:
         self.name = name
-        self._queue: asyncio.Queue[object] = asyncio.Queue(capacity)
+        self._queue: Mailbox[object] = Mailbox(capacity)
         self._capacity = capacity
         self._dead = False
         self._received = 0
         self._failed = 0
-        self.started = asyncio.Event()
+        self.started = Flag()
 
     # -- hooks ------------------------------------------------------------------------------
     async def on_start(self) -> None:

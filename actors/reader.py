@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import msgspec
 
 from actors.kernel import Actor
+from actors.mailbox import Flag
 from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
 from protocol.task import Event, ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped
 from runtime.ports import ChangeStreamSource, Sink, SinkBatch, prepare_sink
@@ -109,7 +110,7 @@ class PartitionReader(Actor[Stop]):
         self._batches = 0
         self._restarts = 0
         self._dups = 0
-        self._wake = asyncio.Event()
+        self._wake = Flag()
         self._sink_error: BaseException | None = None
         self._end: ReaderStopped | ReaderFinished | None = None  # how the read loop ended
         # A partition query sends a heartbeat at least every few seconds: one that sends
