@@ -257,7 +257,11 @@ class SpannerSource:
         except self._errors as exc:
             self._failed += 1
             raise PartitionQueryError(token, start_ts, f"{type(exc).__name__}: {exc}") from exc
-        except BaseException:
+        except DecodeError as exc:
+            self._failed += 1
+            raise PartitionQueryError(token, start_ts, str(exc), retryable=False) from exc
+        finally:
+            self._active -= 1
             if first and time.monotonic() - t0 > self.slow_first_s:
                 log.info(
                     "query of %s from %d: ended after %.1fs without any response (snapshot "
@@ -268,12 +272,6 @@ class SpannerSource:
                     "pending" if t1 < 0 else f"{t1 - t0:.1f}s",
                     "pending" if t2 < 0 else f"{t2 - t1:.1f}s",
                 )
-            raise
-        except DecodeError as exc:
-            self._failed += 1
-            raise PartitionQueryError(token, start_ts, str(exc), retryable=False) from exc
-        finally:
-            self._active -= 1
 
     async def decode_result_set(self, rs: Any) -> AsyncGenerator[list[ChangeRecord], None]:
         """Batches of records from a change-stream ``StreamedResultSet`` opened with
