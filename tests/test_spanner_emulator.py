@@ -259,6 +259,43 @@ async def test_undecodable_stream_is_a_non_retryable_error(mock_spanner: MockSpa
     assert isinstance(caught.value.__cause__, DecodeError)
 
 
+@pytest.mark.asyncio
+async def test_a_slow_or_missing_first_answer_is_logged(
+    mock_spanner: MockSpanner, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a query waited: a first answer later than ``slow_first_s``, or none before the
+    query ended, is logged with the token, its start and the time spent."""
+    silent = threading.Event()
+
+    def script(request: Any, context: Any) -> Iterator[PartialResultSet]:
+        if silent.is_set():
+            time.sleep(0.5)
+            return
+        time.sleep(0.3)
+        yield partial(
+            [row_value(heartbeats=["2024-01-01T00:00:01Z"])], column_type=change_record_type()
+        )
+
+    mock_spanner.servicer.script = script
+    caplog.set_level("INFO", logger="runtime.spanner.reader")
+    async with await SpannerSource.connect(mock_spanner.config) as source:
+        source.slow_first_s = 0.1
+        async for _ in source.query("tok-slow", 7, None):
+            pass
+        silent.set()
+        async for _ in source.query("tok-silent", 8, None):
+            pass
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(
+        line.startswith("query of tok-slow from 7: first response after") for line in lines
+    ), lines
+    assert any(
+        line.startswith("query of tok-silent from 8: ended after")
+        and "without any response" in line
+        for line in lines
+    ), lines
+
+
 # -- the real emulator ---------------------------------------------------------------------------
 class RecordingSource:
     """Wraps a source and logs when each partition query starts and finishes."""
