@@ -455,8 +455,11 @@ class SharedRetryMachine(RuleBasedStateMachine):
         }
         self.cores["B"].handle(Drive(False), 0.0)
         self.driver = "A"
-        self.log: list[LogEntry] = []
-        self.read_to = dict.fromkeys(self.OWNERS, 0)
+        # the RQ topic (parks, releases) and the DLQ topic (dead letters, discards): each owner
+        # reads each at its own pace, so a record's entries may arrive out of version order
+        self.logs: dict[str, list[LogEntry]] = {"rq": [], "dlq": []}
+        self.read_to = {(o, t): 0 for o in self.OWNERS for t in self.logs}
+        self.barriers: dict[str, tuple[int, dict[str, int]]] = {}
         self.reader = dict.fromkeys(KEYS, "A")  # who reads each key's partition
         self.in_flight: dict[str, tuple[str, str, bool]] = {}  # rid -> (owner, key, from rq)
         self.arrival: dict[str, list[str]] = {k: [] for k in KEYS}
@@ -473,19 +476,23 @@ class SharedRetryMachine(RuleBasedStateMachine):
                     assert not busy, f"{key}: {rid} sent by {owner} while {busy} in flight"
                     self.in_flight[rid] = (owner, key, attempts > 0 or self._parked(rid))
                 case ParkInRetry() | SendToDlq() | Released() | Discarded():
-                    self.log.append(c)
+                    topic = "rq" if isinstance(c, ParkInRetry | Released) else "dlq"
+                    self.logs[topic].append(c)
                 case Duplicate():
                     raise AssertionError(f"duplicate {c} at {owner}")
 
     def _parked(self, rid: str) -> bool:
-        return any(isinstance(e, ParkInRetry) and e.record_id == rid for e in self.log)
+        return any(isinstance(e, ParkInRetry) and e.record_id == rid for e in self.logs["rq"])
 
-    def read_log(self, owner: str, upto: int | None = None) -> None:
-        end = len(self.log) if upto is None else min(upto, len(self.log))
-        while self.read_to[owner] < end:
-            entry = self.log[self.read_to[owner]]
-            self.read_to[owner] += 1
-            self.run(owner, Observe(entry))
+    def read_log(self, owner: str, steps: int | None = None, topic: str | None = None) -> None:
+        """Read ``steps`` more entries of one topic, or (a barrier) both topics to their end."""
+        for t in self.logs if topic is None else (topic,):
+            log = self.logs[t]
+            end = len(log) if steps is None else min(self.read_to[owner, t] + steps, len(log))
+            while self.read_to[owner, t] < end:
+                entry = log[self.read_to[owner, t]]
+                self.read_to[owner, t] += 1
+                self.run(owner, Observe(entry))
 
     @rule(key=st.sampled_from(KEYS))
     def deliver(self, key: str) -> None:
@@ -506,17 +513,28 @@ class SharedRetryMachine(RuleBasedStateMachine):
         else:
             self.run(owner, DeliveryFailed(rid, "injected"))
 
-    @rule(owner=st.sampled_from(OWNERS), steps=st.integers(1, 4))
-    def read(self, owner: str, steps: int) -> None:
-        self.read_log(owner, self.read_to[owner] + steps)
+    @rule(
+        owner=st.sampled_from(OWNERS), steps=st.integers(1, 4), topic=st.sampled_from(["rq", "dlq"])
+    )
+    def read(self, owner: str, steps: int, topic: str) -> None:
+        self.read_log(owner, steps, topic)
 
     @rule(owner=st.sampled_from(OWNERS))
-    def barrier_then_forget(self, owner: str) -> None:
-        """A barrier: read everything written so far; then settled records' versions from
-        before it are forgotten."""
-        before = self.cores[owner].clock
-        self.read_log(owner)
-        self.cores[owner].forget_settled(before)
+    def barrier_begins(self, owner: str) -> None:
+        """A barrier's markers are written now (after this core's clock and each topic's end)."""
+        ends = {t: len(log) for t, log in self.logs.items()}
+        self.barriers[owner] = (self.cores[owner].clock, ends)
+
+    @precondition(lambda self: bool(self.barriers))
+    @rule(data=st.data())
+    def barrier_completes(self, data: st.DataObject) -> None:
+        """The markers are read back: everything before them is folded in; settled records'
+        versions from before the barrier began are forgotten (others wrote meanwhile)."""
+        owner = data.draw(st.sampled_from(sorted(self.barriers)))
+        clock, ends = self.barriers.pop(owner)
+        for topic, end in ends.items():
+            self.read_log(owner, max(0, end - self.read_to[owner, topic]), topic)
+        self.cores[owner].forget_settled(clock)
 
     @rule(dt=st.sampled_from([0.0, 1.0, 4.0]))
     def tick(self, dt: float) -> None:
@@ -579,7 +597,7 @@ class SharedRetryMachine(RuleBasedStateMachine):
                 self.delivered.append(rid)
                 self.run(owner, DeliveryOk(rid))
                 continue
-            if any(self.read_to[o] < len(self.log) for o in self.OWNERS):
+            if any(self.read_to[k] < len(self.logs[k[1]]) for k in self.read_to):
                 for owner in self.OWNERS:
                     self.read_log(owner)
                 continue
@@ -643,3 +661,24 @@ def test_a_shared_core_forgets_settled_records_only_when_told() -> None:
     assert core.forget_settled(core.clock) == 1
     with pytest.raises(RetryProtocolError):
         RetryCore(FIXED).handle(Observe(Released("r", "k", 9)), 0)
+
+
+def test_a_record_settled_after_a_barrier_began_stays_remembered() -> None:
+    """The RQ and DLQ topics are read apart: a record parked (v1), dead-lettered (v2, DLQ),
+    replayed (v3) and delivered (v4) may be seen as v1, v3, v4, then v2. Forgetting its version
+    at a barrier that began before v4 would let the late v2 bring it back into the DLQ."""
+    core = RetryCore(FIXED, shared=True)
+    rq = [
+        ParkInRetry("r", "k", 1, 1, 1, 0.0, "e"),
+        ParkInRetry("r", "k", 1, 3, 0, 0.0, ""),
+        Released("r", "k", 4),
+    ]
+    dlq = SendToDlq("r", "k", 1, 2, 3, "e")
+    core.handle(Drive(False), 0)
+    for e in rq:
+        core.handle(Observe(e), 0)
+    assert not core.holds("r")
+    assert core.forget_settled(2) == 0  # settled at 4: after the barrier began
+    core.handle(Observe(dlq), 0)
+    assert not core.holds("r"), "the late DLQ entry brought the record back"
+    assert core.forget_settled(4) == 1
