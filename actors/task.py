@@ -228,14 +228,14 @@ class TaskActor(Actor[Event | FlushReports]):
                 self.readers_idle.set()
 
     # -- the stuck-partition watch -------------------------------------------------------------
-    def watch(self, now: float, stuck_after: float) -> tuple[list[str], int]:
+    def watch(self, now: float, stuck_after: float) -> tuple[list[str], list[str]]:
         """Owned partitions whose committed watermark has not moved for ``stuck_after`` seconds
-        although they should be read (a partition's query sends a heartbeat every few seconds,
-        so one that is read moves): each with where its reader is or why it has none. Also
-        returns how many others stand still for an expected reason (parents, the cap, a
-        hand-off, no lease). Sets :attr:`stuck` to the first count."""
+        (a partition's query sends a heartbeat every few seconds, so one that is read moves),
+        each with where its reader is or why it has none: ``(stuck, waiting)``, where waiting
+        ones stand still for an expected reason (room under the cap, the task not allowed to
+        read: its group membership is watched apart). Sets :attr:`stuck`."""
         stuck: list[str] = []
-        waiting = 0
+        waiting: list[str] = []
         owned = {t: p for t, p in self.core.mine.items() if p.status == "owned"}
         for token in [t for t in self._still if t not in owned]:
             del self._still[token]
@@ -250,10 +250,7 @@ class TaskActor(Actor[Event | FlushReports]):
             reader = self.readers.get(token)
             if reader is None:
                 expected, why = self.core.why_unread(token, self.clock())
-                if expected:
-                    waiting += 1
-                else:
-                    stuck.append(f"{head}: {why}")
+                (waiting if expected else stuck).append(f"{head}: {why}")
                 continue
             p = reader.progress()
             stuck.append(
@@ -266,8 +263,8 @@ class TaskActor(Actor[Event | FlushReports]):
         return stuck, waiting
 
     async def watch_loop(self, interval: float = 15.0, stuck_after: float = 60.0) -> None:
-        """Every ``interval`` seconds, log the partitions :meth:`watch` finds stuck (the first
-        few, as a warning)."""
+        """Every ``interval`` seconds, log the partitions :meth:`watch` finds: the first few
+        stuck ones as a warning, the first few waiting ones at info level."""
         while True:
             await asyncio.sleep(interval)
             stuck, waiting = self.watch(time.monotonic(), stuck_after)
@@ -278,8 +275,16 @@ class TaskActor(Actor[Event | FlushReports]):
                     self.core.me,
                     len(stuck),
                     stuck_after,
-                    waiting,
+                    len(waiting),
                     "; ".join(stuck[:5]),
+                )
+            if waiting:
+                log.info(
+                    "task %s: %d owned partitions waiting for %.0fs+, as expected: %s",
+                    self.core.me,
+                    len(waiting),
+                    stuck_after,
+                    "; ".join(waiting[:3]),
                 )
 
     # -- publishing ---------------------------------------------------------------------------

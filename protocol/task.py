@@ -937,15 +937,16 @@ class TaskCore:
 
     def why_unread(self, token: str, now: int) -> tuple[bool, str]:
         """Why an owned partition has no reader: (expected, in words). Expected: it waits for
-        its parents, for room under the cap, for the new owner of a hand-off, or for the task
-        to be allowed to read; anything else is a fault (the task's stuck-partition watch)."""
+        room under the cap, or for the task to be allowed to read (its membership is watched
+        apart). A partition waiting long for its parents or for a hand-off is reported: its
+        parents or the new owner are stuck, or the parents are unknown here."""
         part = self.mine.get(token)
         if part is None or part.status != "owned":
             return True, f"not owned here ({'unknown' if part is None else part.status})"
         if token in self.reading:
             return False, "stopping" if token in self.stopping else "a reader is starting"
         if token in self.releasing:
-            return True, "handed off, waiting for the new owner"
+            return False, "handed off, waiting for the new owner"
         if not self.may_read(now):
             return True, (
                 f"reading not permitted (member={self.member}, lease in "
@@ -958,7 +959,7 @@ class TaskCore:
             if found is None or found.status != "finished":
                 waiting.append(f"{parent[:12]}={'unknown' if found is None else found.status}")
         if waiting:
-            return True, "waiting for parents " + ", ".join(waiting)
+            return False, "waiting for parents " + ", ".join(waiting)
         running = len([t for t in self.reading if t not in self.stopping])
         if 0 < self.config.cap <= running:
             return True, f"waiting for room under the cap ({running}/{self.config.cap} reading)"

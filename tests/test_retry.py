@@ -668,7 +668,7 @@ def test_a_record_settled_after_a_barrier_began_stays_remembered() -> None:
     replayed (v3) and delivered (v4) may be seen as v1, v3, v4, then v2. Forgetting its version
     at a barrier that began before v4 would let the late v2 bring it back into the DLQ."""
     core = RetryCore(FIXED, shared=True)
-    rq = [
+    rq: list[LogEntry] = [
         ParkInRetry("r", "k", 1, 1, 1, 0.0, "e"),
         ParkInRetry("r", "k", 1, 3, 0, 0.0, ""),
         Released("r", "k", 4),

@@ -82,7 +82,7 @@ def test_why_unread_tells_expected_waits_from_faults() -> None:
     assert core.why_unread("r2", 3) == (True, "waiting for room under the cap (1/1 reading)")
     # a merged child waits for its parents (one owned, one unknown)
     core.mine["m"] = Partition("m", 5, parents=("r1", "gone"))
-    assert core.why_unread("m", 3) == (True, "waiting for parents r1=owned, gone=unknown")
+    assert core.why_unread("m", 3) == (False, "waiting for parents r1=owned, gone=unknown")
     # the lease ran out: not permitted, as expected
     expected, why = core.why_unread("r2", 10**9 + 1)
     assert expected
