@@ -337,7 +337,23 @@ def test_two_processes_share_a_kafka_then_status(
     assert all(s.records_delivered > 0 for s in summaries.values()), "both tasks read"
     final = summaries["alpha"]  # the last to leave: its CIM holds both tasks' final state
     ids = _ids(tmp_path / "alpha" / "data") + _ids(tmp_path / "beta" / "data")
-    assert len(ids) == len(set(ids)), "a record was written by both processes"
+    # A partition's new owner resumes at the old owner's watermark inclusive, so the records at
+    # exactly that commit timestamp may be in both outputs (operations.md, "Output and
+    # duplicates"); nothing else may: per partition, duplicates sit at no more commit
+    # timestamps than it changed hands (at most twice here: to beta when it joins, back when
+    # it leaves). A re-read range would span more.
+    rows = {
+        name: [(r["partition_token"], r["record_id"]) for r in read_rows(tmp_path / name / "data")]
+        for name in procs
+    }
+    both = {rid for _, rid in rows["alpha"]} & {rid for _, rid in rows["beta"]}
+    stamps: dict[str, set[str]] = {}
+    for token, rid in rows["alpha"] + rows["beta"]:
+        if rid in both:
+            stamps.setdefault(token, set()).add(rid.split("/")[0])
+    assert all(len(ts) <= 2 for ts in stamps.values()), f"re-read across processes: {stamps}"
+    for name, written in rows.items():
+        assert len(written) == len({rid for _, rid in written}), f"{name} wrote a record twice"
     must = expected_below_watermarks(_model(final), final.partitions)
     assert must
     assert not must - set(ids)
