@@ -22,6 +22,9 @@ from runtime.config import ConfigError, ShoalConfig, kafka_config
 
 if TYPE_CHECKING:
     from runtime.kafka import KafkaConfig
+    from runtime.kafka_sink import KafkaSinkConfig
+    from runtime.spark.bridge import SparkConfig
+    from runtime.spark.dead_letter import DeadLetterConfig
 
 
 def _need_kafka(config: ShoalConfig, command: str) -> str:
@@ -166,13 +169,35 @@ async def dlq(
     return await _spark_dlq(config, kafka, action, ids, out, spark)
 
 
+def _kafka_sink_config(config: ShoalConfig) -> KafkaSinkConfig:
+    from runtime.kafka_sink import KafkaSinkConfig
+
+    name = config.kafka.output_topic or f"{config.run.connector}_output"
+    return KafkaSinkConfig(name=name, partitions=config.kafka.output_partitions)
+
+
+def _spark_settings(
+    config: ShoalConfig, kafka: KafkaConfig
+) -> tuple[SparkConfig, DeadLetterConfig]:
+    from actors.cli.sinks import spark_config
+
+    if not config.spark.dead_letter:
+        raise ConfigError(
+            "dlq: the Spark bridge's dead-letter queue is off: give --spark-dead-letter (and "
+            "--spark-dead-letter-topic, as the run did), or --sink kafka for the Kafka sink's"
+        )
+    settings = spark_config(config, kafka)
+    assert settings.dead_letter is not None
+    return settings, settings.dead_letter
+
+
 async def _kafka_dlq(
     config: ShoalConfig, kafka: KafkaConfig, action: str, ids: list[str], out: TextIO
 ) -> int:
-    from runtime.kafka_sink import KafkaSinkConfig, list_dlq, replay_dlq
+    from runtime.kafka_sink import list_dlq, replay_dlq
 
-    name = config.kafka.output_topic or f"{config.run.connector}_output"
-    sink = KafkaSinkConfig(name=name, partitions=config.kafka.output_partitions)
+    sink = _kafka_sink_config(config)
+    name = sink.name
     if action == "list":
         records = await list_dlq(kafka, sink)
         _print_dlq(out, name, [(r.record_id, r.key, r.attempts, r.error) for r in records])
@@ -185,19 +210,12 @@ async def _kafka_dlq(
 async def _spark_dlq(
     config: ShoalConfig, kafka: KafkaConfig, action: str, ids: list[str], out: TextIO, spark: Any
 ) -> int:
-    from actors.cli.sinks import spark_config
     from runtime.spark import dead_letter
 
-    if not config.spark.dead_letter:
-        raise ConfigError(
-            "dlq: the Spark bridge's dead-letter queue is off: give --spark-dead-letter (and "
-            "--spark-dead-letter-topic, as the run did), or --sink kafka for the Kafka sink's"
-        )
-    settings = spark_config(config, kafka)
-    assert settings.dead_letter is not None
-    name = settings.dead_letter.name
+    settings, letters = _spark_settings(config, kafka)
+    name = letters.name
     if action == "list":
-        records = await dead_letter.list_dlq(settings.dead_letter)
+        records = await dead_letter.list_dlq(letters)
         _print_dlq(out, name, [(r.record_id, r.key, r.attempts, r.error) for r in records])
         return 0
     replayed = await dead_letter.replay_dlq(settings, ids or None, spark=spark)
@@ -210,26 +228,12 @@ async def _replay_via_leader(
 ) -> int:
     from runtime.retry_queue import replay_via_driver
 
-    match config.run.sink:
-        case "kafka":
-            from runtime.kafka_sink import KafkaSinkConfig
-
-            name = config.kafka.output_topic or f"{config.run.connector}_output"
-            queue = KafkaSinkConfig(
-                name=name, partitions=config.kafka.output_partitions
-            ).queue_config()
-        case _:  # "spark" (dlq() refused "files")
-            from actors.cli.sinks import spark_config
-
-            if not config.spark.dead_letter:
-                raise ConfigError(
-                    "dlq: the Spark bridge's dead-letter queue is off: give --spark-dead-letter "
-                    "(and --spark-dead-letter-topic, as the run did)"
-                )
-            settings = spark_config(config, kafka)
-            assert settings.dead_letter is not None
-            name = settings.dead_letter.name
-            queue = settings.dead_letter.queue_config()
+    if config.run.sink == "kafka":
+        sink = _kafka_sink_config(config)
+        name, queue = sink.name, sink.queue_config()
+    else:  # "spark" (dlq() refused "files")
+        _, letters = _spark_settings(config, kafka)
+        name, queue = letters.name, letters.queue_config()
     replayed = await replay_via_driver(kafka, queue, ids or None)
     out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r} via the leader\n")
     return 0
