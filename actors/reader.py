@@ -65,7 +65,7 @@ class ReaderProgress(msgspec.Struct, frozen=True):
 class _Seen:
     """What a reader saw last (for :class:`ReaderProgress`), and whether the sink is prepared."""
 
-    __slots__ = ("committed_at", "position", "prepared", "source_at", "source_kind")
+    __slots__ = ("committed_at", "position", "prepared", "source_at", "source_kind", "stalls")
 
     def __init__(self, position: int, now: float) -> None:
         self.committed_at = now
@@ -73,6 +73,7 @@ class _Seen:
         self.source_at = now
         self.source_kind = "none"
         self.prepared = False
+        self.stalls = 0  # queries in a row abandoned as stalled (each waits twice as long)
 
 
 class NotPermitted(Exception):
@@ -114,8 +115,10 @@ class PartitionReader(Actor[Stop]):
         self._sink_error: BaseException | None = None
         self._end: ReaderStopped | ReaderFinished | None = None  # how the read loop ended
         # A partition query sends a heartbeat at least every few seconds: one that sends
-        # nothing for this long is stalled (the chaos run saw emulator streams silent for over
-        # 90 s) and is restarted from the committed watermark.
+        # nothing for this long is stalled and is restarted from the committed watermark. Each
+        # stall in a row doubles the wait (up to 8x): a slow source answers late rather than
+        # never (the emulator's first answer took 30 s and more when it was overloaded, and
+        # every restart loaded it further).
         self.stall_timeout = stall_timeout
         # one attribute, not five: past 30 attributes an instance's dict is no longer shared
         # with its class's (1.6 KB instead of 0.3 KB per reader, with thousands of readers)
@@ -348,19 +351,24 @@ async def _watched(
     batches: AsyncIterator[Sequence[ChangeRecord]], reader: PartitionReader
 ) -> AsyncIterator[Sequence[ChangeRecord]]:
     """``batches``, failing with :class:`QueryStalled` when the next one takes longer than the
-    reader's ``stall_timeout`` (the read loop then restarts the query, like any failure)."""
+    reader's ``stall_timeout``, doubled for each stall in a row (the read loop then restarts
+    the query, like any failure)."""
+    seen = reader._seen
     try:
         while True:
+            timeout = reader.stall_timeout * 2 ** min(seen.stalls, 3)
             try:
-                async with asyncio.timeout(reader.stall_timeout):
+                async with asyncio.timeout(timeout):
                     batch = await anext(batches)
             except StopAsyncIteration:
                 return
             except TimeoutError:
+                seen.stalls += 1
                 raise QueryStalled(
                     f"partition {reader.token}: nothing from the source for "
-                    f"{reader.stall_timeout:g}s (not even a heartbeat)"
+                    f"{timeout:g}s (not even a heartbeat)"
                 ) from None
+            seen.stalls = 0
             yield batch
     finally:
         aclose = getattr(batches, "aclose", None)

@@ -173,3 +173,16 @@ def test_spark_gets_absolute_paths_and_urls_as_they_are() -> None:
     assert remote.output_dir == "s3a://bucket/run/data"
     assert remote.checkpoint_dir == "s3a://bucket/ck"
     assert spark_config(_load([]), None).checkpoint_dir is None
+
+
+def test_query_window_defaults_to_20s_against_the_emulator_only() -> None:
+    """The emulator keeps running cancelled partition queries until their end; a window bounds
+    that. Against Spanner a query runs to the partition's end unless a window is set."""
+    spanner = _load([]).spanner
+    assert options.query_window(spanner, emulator=True) == 20.0
+    assert options.query_window(spanner, emulator=False) is None
+    chosen = _load(["--spanner-query-window-s", "5"]).spanner
+    assert options.query_window(chosen, emulator=False) == 5.0
+    assert options.query_window(chosen, emulator=True) == 5.0
+    with pytest.raises(ConfigError, match="query_window_s|query-window"):
+        _load(["--spanner-query-window-s", "0"])

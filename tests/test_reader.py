@@ -173,3 +173,44 @@ async def test_a_stalled_query_is_restarted_from_the_committed_watermark() -> No
     assert source.queries[0] == T0
     assert source.queries[1] == T0 + 1000  # from the heartbeat it had committed
     assert source.closed >= 2  # the stalled streams were closed, not left open
+
+
+class SilentSource:
+    """Each query sends nothing at all (an overloaded emulator's first answer not coming)."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        self.queries += 1
+        await asyncio.Event().wait()
+        yield []
+
+
+@pytest.mark.asyncio
+async def test_stalls_in_a_row_wait_longer_each_time() -> None:
+    """A query restarted for a stall starts a new wait for the source's first answer; a slow
+    source (the overloaded emulator) would never answer within a fixed timeout, and each
+    restart loads it more. So each stall in a row doubles the wait, up to eight times."""
+    events: list[Event] = []
+    source = SilentSource()
+    async with Supervisor("test") as sup:
+        reader = PartitionReader(
+            "p1",
+            T0,
+            source=source,
+            sink=SteadySink(),
+            report=events.append,
+            permit=lambda: True,
+            stall_timeout=0.05,
+            max_backoff=0.01,
+        )
+        await sup.spawn(reader)
+        async with asyncio.timeout(10):
+            while source.queries < 6:
+                await asyncio.sleep(0.02)
+        reader.request_stop("test", drain=False)
+    waits = [e.error.split("for ")[1].split("s ")[0] for e in events if isinstance(e, ReaderFailed)]
+    assert waits[:5] == ["0.05", "0.1", "0.2", "0.4", "0.4"]

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
 from google.cloud.spanner_v1.types import PartialResultSet
 
@@ -27,6 +28,7 @@ from protocol.records import (
     Heartbeat,
     Mod,
 )
+from runtime.spanner.config import SpannerConfig
 from runtime.spanner.decode import DecodeError, RecordLayout, parse_timestamp
 from runtime.spanner.emulator import EMULATOR_ENV, EmulatorUnavailable, find_emulator
 from runtime.spanner.loadgen import LoadGenerator, expected_from_records
@@ -244,6 +246,83 @@ async def test_stopping_the_iterator_cancels_the_rpc(mock_spanner: MockSpanner, 
         assert time.monotonic() - t0 < 1.0
 
 
+def _param(request: Any, name: str) -> str:
+    """A string parameter of an ``ExecuteSqlRequest`` as the mock server receives it."""
+    text: str = request.params[name]  # proto-plus: a Struct's string value is a str
+    return text
+
+
+def _window_script(
+    children_from: int,
+) -> Any:
+    """A partition with one record at 10:00:01 that ends (ChildPartitions at 10:00:03.5) in the
+    query whose window reaches ``children_from`` (micros); earlier windows just end."""
+
+    def script(request: Any, context: Any) -> Iterator[PartialResultSet]:
+        start = parse_timestamp(_param(request, "start"))
+        end = parse_timestamp(_param(request, "end"))
+        rows = []
+        if start <= _micros("2026-11-22T10:00:01Z") <= end:
+            rows.append(row_value(data=[data_value("2026-11-22T10:00:01Z", "0", "t1", "T", ["k"])]))
+        if end >= children_from:
+            kids = [("child-1", ["tok-1"])]
+            rows.append(row_value(children=[("2026-11-22T10:00:03.5Z", "0", kids)]))
+        if not rows:
+            rows.append(row_value())  # the window passed with nothing to say
+        for i, row in enumerate(rows):
+            yield _partial(row, first=i == 0, resume=b"")
+
+    return script
+
+
+@pytest.mark.asyncio
+async def test_a_query_window_goes_on_with_the_next_window_until_the_partition_ends(
+    mock_spanner: MockSpanner,
+) -> None:
+    """With ``query_window_s`` each query asks for one window; a window that ends without
+    ChildPartitions becomes a heartbeat at its (inclusive) end and the next query starts one
+    microsecond later: one unbroken stream for the reader."""
+    t0 = _micros("2026-11-22T10:00:00Z")
+    mock_spanner.servicer.script = _window_script(children_from=_micros("2026-11-22T10:00:03.5Z"))
+    config = msgspec.structs.replace(mock_spanner.config, query_window_s=2.0)
+    got: list[ChangeRecord] = []
+    async with await SpannerSource.connect(config) as source:
+        async for batch in source.query("tok-1", t0, None):
+            got.extend(batch)
+        stats = source.statistics()
+    assert [type(r).__name__ for r in got] == ["DataChange", "Heartbeat", "ChildPartitions"]
+    assert got[1] == Heartbeat(t0 + 2_000_000)
+    calls = mock_spanner.servicer.streaming_calls
+    ranges = [
+        (parse_timestamp(_param(c, "start")),
+         parse_timestamp(_param(c, "end")))
+        for c in calls
+    ]  # fmt: skip
+    assert ranges == [(t0, t0 + 2_000_000), (t0 + 2_000_001, t0 + 4_000_001)]
+    assert stats.windows == 1
+    assert stats.queries_started == 2
+
+
+@pytest.mark.asyncio
+async def test_a_query_window_stops_at_the_callers_end(mock_spanner: MockSpanner) -> None:
+    """The last window ends at the caller's ``end_ts`` (no heartbeat past it)."""
+    t0 = _micros("2026-11-22T10:00:00Z")
+    mock_spanner.servicer.script = _window_script(children_from=_micros("2026-11-22T11:00:00Z"))
+    config = msgspec.structs.replace(mock_spanner.config, query_window_s=2.0)
+    got: list[ChangeRecord] = []
+    async with await SpannerSource.connect(config) as source:
+        async for batch in source.query("tok-1", t0, t0 + 3_000_000):
+            got.extend(batch)
+    assert [type(r).__name__ for r in got] == ["DataChange", "Heartbeat"]
+    ends = [parse_timestamp(_param(c, "end")) for c in mock_spanner.servicer.streaming_calls]
+    assert ends == [t0 + 2_000_000, t0 + 3_000_000]
+
+
+def test_a_query_window_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="query_window_s"):
+        SpannerConfig(project="p", instance="i", database="d", change_stream="s", query_window_s=0)
+
+
 @pytest.mark.asyncio
 async def test_undecodable_stream_is_a_non_retryable_error(mock_spanner: MockSpanner) -> None:
     def script(request: Any, context: Any) -> Iterator[PartialResultSet]:
@@ -317,11 +396,16 @@ class RecordingSource:
 
 @pytest.mark.spanner
 @pytest.mark.asyncio
+@pytest.mark.parametrize("window", [None, 0.7])
 async def test_churning_stream_delivers_every_mutation_exactly_once(
-    churn_emulator: Any,
+    churn_emulator: Any, window: float | None
 ) -> None:
-    config = churn_emulator.config
-    loader = await LoadGenerator.connect(config, churn_emulator.tables, seed=42)
+    """Also with query windows shorter than a partition's life: each partition is then read
+    by several queries, one after the other, and still every mutation arrives once."""
+    config = msgspec.structs.replace(churn_emulator.config, query_window_s=window)
+    # a seed of its own: the emulator is the module's, and rows of another seed may be there
+    seed = 42 if window is None else 43
+    loader = await LoadGenerator.connect(config, churn_emulator.tables, seed=seed)
     source = await SpannerSource.connect(config)
     recording = RecordingSource(source)
     try:
@@ -350,7 +434,10 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
         for parent in parents:
             assert position[("end", parent)] < position[("start", token)]
     merges = sum(1 for _, parents in result.partitions.values() if len(parents) > 1)
-    print(f"partitions read: {len(result.partitions)}, merged children: {merges}")
+    windows = source.statistics().windows
+    print(f"partitions read: {len(result.partitions)}, merged children: {merges}, {windows=}")
+    if window is not None:
+        assert windows > 0  # partitions outlived a window: read by more than one query
 
 
 @pytest.mark.spanner

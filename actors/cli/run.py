@@ -34,6 +34,8 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
+import msgspec
+
 from actors.cli.embed import GatedSource, drain_node
 from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
@@ -41,7 +43,14 @@ from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
 from protocol.records import DataChange
 from protocol.task import TaskConfig
-from runtime.config import ConfigError, ShoalConfig, SimOptions, kafka_config, task_count
+from runtime.config import (
+    ConfigError,
+    ShoalConfig,
+    SimOptions,
+    kafka_config,
+    query_window,
+    task_count,
+)
 from runtime.metrics import MetricsServer, Sample, TaskSample
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, prepare_sink
 from runtime.progress import PartitionEnd, Progress, RunSummary
@@ -367,6 +376,7 @@ class Pipeline:
                     credentials_file=s.credentials_file,
                     emulator_host=s.emulator_host,
                     heartbeat_ms=s.heartbeat_ms,
+                    query_window_s=query_window(s, emulator=s.emulator_host is not None),
                 )
                 source = await SpannerSource.connect(spanner)
                 stack.push_async_callback(source.close)
@@ -408,6 +418,7 @@ class Pipeline:
             spanner, DEFAULT_TABLES, seed=self.config.sim.seed
         )
         stack.push_async_callback(self._loadgen.close)
+        spanner = msgspec.structs.replace(spanner, query_window_s=query_window(s, emulator=True))
         source = await SpannerSource.connect(spanner)
         stack.push_async_callback(source.close)
         return source

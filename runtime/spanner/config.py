@@ -21,6 +21,9 @@ class SpannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     emulator_host: str | None = None  # "127.0.0.1:9010": plain-text gRPC, anonymous credentials
     disable_builtin_metrics: bool = True  # otherwise the client starts a Cloud Monitoring exporter
     heartbeat_ms: int = 1000  # heartbeat_milliseconds of every partition query
+    # each partition query spans at most this many seconds of commit time (None: to the
+    # partition's end); see SpannerSource
+    query_window_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.change_stream.replace("_", "").isalnum():
@@ -30,6 +33,8 @@ class SpannerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.heartbeat_ms <= 0:
             raise ValueError(f"heartbeat_ms must be positive, got {self.heartbeat_ms}")
+        if self.query_window_s is not None and not self.query_window_s > 0:
+            raise ValueError(f"query_window_s must be positive, got {self.query_window_s}")
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``google.cloud.spanner.Client`` / ``spanner_v1.AsyncClient``."""
