@@ -15,6 +15,7 @@ SCENARIOS = {
     "scale": "bench.scale",
     "capacity": "bench.capacity",
     "chaos": "bench.chaos",
+    "emuleak": "bench.emuleak",
     "timeline": "bench.timeline",
     "report": "bench.report",
 }

@@ -124,6 +124,13 @@ class SpannerEmulator:
         return self._host
 
     @property
+    def pid(self) -> int:
+        """The emulator process's id (to watch its CPU, as ``bench emuleak`` does)."""
+        if self._proc is None:
+            raise RuntimeError("emulator not started")
+        return self._proc.pid
+
+    @property
     def config(self) -> SpannerConfig:
         return SpannerConfig(
             project=self.project,
