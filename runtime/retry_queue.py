@@ -191,6 +191,7 @@ class RetryQueueStats(msgspec.Struct, frozen=True):
     in_dlq: int
     loaded_entries: int  # log entries read back at start
     missing_payloads: int  # resumed records whose payload was not found (they will fail)
+    barriers: int = 0  # catch-up barriers begun (a reader taking a partition over, shared mode)
 
 
 class PendingSend(msgspec.Struct, frozen=True):
@@ -698,6 +699,7 @@ class RetryQueue:
             in_dlq=len(self.core.dlq_records()),
             loaded_entries=self._n.loaded,
             missing_payloads=self._n.missing_payloads,
+            barriers=self._n.barriers,
         )
 
     # -- operator actions ------------------------------------------------------------------

@@ -140,7 +140,9 @@ async def test_two_owners_share_one_rq_only_the_driver_retries_and_order_holds(
         bad[key(1)] = 100  # key 1 keeps failing: its records stay parked
         key_of_rid["B-1-p0"] = key(1)
         await asyncio.wait_for(await b.queue.submit([("B-1-p0", key(1), b"p0")]), 20)
+        barriers = a.queue.statistics().barriers
         await a.queue.barrier()  # what a new reader does before it delivers anything
+        assert a.queue.statistics().barriers == barriers + 1
         assert a.queue.blocks(key(1))
         later = [("A-1-later", key(1), b"later")]
         key_of_rid["A-1-later"] = key(1)
