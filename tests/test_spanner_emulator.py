@@ -411,8 +411,9 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
     try:
         start = _now_micros()
         # partitions churn at ~2 s, ~6 s, ~10 s after creation (alive 2 s); the second round
-        # usually includes a merge
-        end = start + 9_000_000
+        # usually includes a merge. The end leaves 4 s after the load for its last commits (a
+        # busy CI machine's emulator committed past a 1 s margin)
+        end = start + 12_000_000
         async with asyncio.TaskGroup() as tg:
             walking = tg.create_task(walk_stream(recording, start, end))
             await loader.run(40.0, duration_s=8.0)
@@ -421,7 +422,8 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
         await source.close()
         await loader.close()
     assert loader.committed
-    assert all(c.commit_ts <= end for c in loader.committed)
+    late = [c.commit_ts - end for c in loader.committed if c.commit_ts > end]
+    assert not late, f"{len(late)} commits after the read's end (by up to {max(late)} us)"
     unique = {r.identity: r for r in result.data}
     assert expected_from_records(list(unique.values())) == loader.expected_mods()
     # partitions churned: children (splits / moves / merges) were read
