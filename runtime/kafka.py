@@ -1046,8 +1046,11 @@ class KafkaMembership:
         if self._joining:
             # Leaving while our JoinGroup/SyncGroup is in flight can make the embedded broker
             # elect the departed member leader of the next generation, which then never
-            # completes (seen with Tansu 0.6.0-510f3e2). Let the rebalance finish first.
-            wait_s = self._rebalance_timeout_ms / 1000 + 1.0
+            # completes (seen with Tansu 0.6.0-510f3e2). Let the rebalance finish first. It can
+            # take a whole rebalance timeout to begin (the broker waits that long for a member
+            # that left) and as long again to finish: on a loaded machine one finished just
+            # after a single timeout, the member had left, and the next group stalled.
+            wait_s = 2 * self._rebalance_timeout_ms / 1000 + 1.0
             try:
                 async with asyncio.timeout(wait_s):
                     await self._settled.wait()
