@@ -4,7 +4,7 @@ cleanly at the last committed watermark (the next owner re-reads from there)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
@@ -12,7 +12,7 @@ from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
 from protocol.task import Event, ReaderFailed, ReaderStopped
-from runtime.ports import SinkBatch
+from runtime.ports import ChangeStreamSource, SinkBatch
 
 T0 = 1_700_000_000_000_000
 
@@ -144,13 +144,16 @@ class StallingSource:
             self.closed += 1
 
 
-@pytest.mark.asyncio
-async def test_a_stalled_query_is_restarted_from_the_committed_watermark() -> None:
-    """The full chaos run found emulator partition streams silent for over 90 s while their
-    readers waited: a query that sends nothing, not even a heartbeat, within ``stall_timeout``
-    is abandoned (its stream closed) and started again from the committed watermark."""
+async def _read_until(
+    source: ChangeStreamSource,
+    done: Callable[[], bool],
+    *,
+    stall_timeout: float,
+    max_backoff: float,
+    within: float,
+) -> list[Event]:
+    """Read partition ``p1`` from ``source`` until ``done()``, then stop; what it reported."""
     events: list[Event] = []
-    source = StallingSource()
     async with Supervisor("test") as sup:
         reader = PartitionReader(
             "p1",
@@ -159,14 +162,26 @@ async def test_a_stalled_query_is_restarted_from_the_committed_watermark() -> No
             sink=SteadySink(),
             report=events.append,
             permit=lambda: True,
-            stall_timeout=0.2,
-            max_backoff=0.05,
+            stall_timeout=stall_timeout,
+            max_backoff=max_backoff,
         )
         await sup.spawn(reader)
-        async with asyncio.timeout(5):
-            while len(source.queries) < 3:
+        async with asyncio.timeout(within):
+            while not done():
                 await asyncio.sleep(0.02)
         reader.request_stop("test", drain=False)
+    return events
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_query_is_restarted_from_the_committed_watermark() -> None:
+    """The full chaos run found emulator partition streams silent for over 90 s while their
+    readers waited: a query that sends nothing, not even a heartbeat, within ``stall_timeout``
+    is abandoned (its stream closed) and started again from the committed watermark."""
+    source = StallingSource()
+    events = await _read_until(
+        source, lambda: len(source.queries) >= 3, stall_timeout=0.2, max_backoff=0.05, within=5
+    )
     failures = [e for e in events if isinstance(e, ReaderFailed)]
     assert len(failures) >= 2
     assert "nothing from the source for 0.2s" in failures[0].error
@@ -194,23 +209,9 @@ async def test_stalls_in_a_row_wait_longer_each_time() -> None:
     """A query restarted for a stall starts a new wait for the source's first answer; a slow
     source (the overloaded emulator) would never answer within a fixed timeout, and each
     restart loads it more. So each stall in a row doubles the wait, up to eight times."""
-    events: list[Event] = []
     source = SilentSource()
-    async with Supervisor("test") as sup:
-        reader = PartitionReader(
-            "p1",
-            T0,
-            source=source,
-            sink=SteadySink(),
-            report=events.append,
-            permit=lambda: True,
-            stall_timeout=0.05,
-            max_backoff=0.01,
-        )
-        await sup.spawn(reader)
-        async with asyncio.timeout(10):
-            while source.queries < 6:
-                await asyncio.sleep(0.02)
-        reader.request_stop("test", drain=False)
+    events = await _read_until(
+        source, lambda: source.queries >= 6, stall_timeout=0.05, max_backoff=0.01, within=10
+    )
     waits = [e.error.split("for ")[1].split("s ")[0] for e in events if isinstance(e, ReaderFailed)]
     assert waits[:5] == ["0.05", "0.1", "0.2", "0.4", "0.4"]
