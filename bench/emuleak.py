@@ -61,6 +61,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         print(f"emulator idle: {base:.2f} cores")
         out["idle_cores"] = round(base, 3)
         # the windowed queries first: the loops of the others would outlive the run
+        later_s = args.window_s + 1.0  # a windowed query's loop has ended by then
         for window in (args.window_s, None):
             config = msgspec.structs.replace(emulator.config, query_window_s=window)
             source = await SpannerSource.connect(config)
@@ -71,15 +72,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 token = first.children[0].token
                 await _leak(source, token, args.queries)
                 now = await _cores(pid)
-                await asyncio.sleep((window or args.window_s) + 1.0)
+                await asyncio.sleep(later_s)
                 later = await _cores(pid)
             finally:
                 await source.close()
             name = "no_window" if window is None else "window"
             print(
                 f"{name:>9} ({window} s): {args.queries} cancelled queries, emulator "
-                f"{now:.2f} cores at once, {later:.2f} cores {(window or args.window_s) + 1:g} s "
-                "later"
+                f"{now:.2f} cores at once, {later:.2f} cores {later_s:g} s later"
             )
             out[f"{name}_cores_at_once"] = round(now, 3)
             out[f"{name}_cores_later"] = round(later, 3)

@@ -252,9 +252,7 @@ def _param(request: Any, name: str) -> str:
     return text
 
 
-def _window_script(
-    children_from: int,
-) -> Any:
+def _window_script(children_from: int) -> Any:
     """A partition with one record at 10:00:01 that ends (ChildPartitions at 10:00:03.5) in the
     query whose window reaches ``children_from`` (micros); earlier windows just end."""
 
@@ -294,10 +292,8 @@ async def test_a_query_window_goes_on_with_the_next_window_until_the_partition_e
     assert got[1] == Heartbeat(t0 + 2_000_000)
     calls = mock_spanner.servicer.streaming_calls
     ranges = [
-        (parse_timestamp(_param(c, "start")),
-         parse_timestamp(_param(c, "end")))
-        for c in calls
-    ]  # fmt: skip
+        (parse_timestamp(_param(c, "start")), parse_timestamp(_param(c, "end"))) for c in calls
+    ]
     assert ranges == [(t0, t0 + 2_000_000), (t0 + 2_000_001, t0 + 4_000_001)]
     assert stats.windows == 1
     assert stats.queries_started == 2
