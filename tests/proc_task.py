@@ -25,6 +25,7 @@ from tests.fixtures.kafka_nodes import (
     joiner,
     make_source,
     node_config,
+    offers_of,
 )
 
 _encoder = msgspec.json.Encoder()
@@ -55,6 +56,7 @@ async def status_loop(node: TaskNode) -> None:
                         owned=frozenset(task.core.owned_unfinished()),
                         reading=frozenset(task.readers),
                         counters=status.counters,
+                        offers=offers_of(task.core),
                     )
                 }
             )
