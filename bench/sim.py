@@ -37,11 +37,11 @@ def _init_worker(memory_bytes: int) -> None:
     signal.signal(signal.SIGALRM, _on_alarm)
 
 
-def run_guarded(seed: int, seconds: int = SEED_SECONDS) -> SimResult:
+def run_guarded(seed: int, seconds: int = SEED_SECONDS, append_fail_p: float = 0.0) -> SimResult:
     """One seed under a wall-time budget (and the worker's memory limit)."""
     signal.alarm(seconds)
     try:
-        return run(SimParams(seed=seed))
+        return run(SimParams(seed=seed, append_fail_p=append_fail_p))
     except _SeedTimeout:
         return SimResult(seed=seed, passed=False, violation=f"seed ran over {seconds} s")
     except MemoryError:
@@ -50,9 +50,9 @@ def run_guarded(seed: int, seconds: int = SEED_SECONDS) -> SimResult:
         signal.alarm(0)
 
 
-def _run_range(args: tuple[int, int]) -> list[SimResult]:
-    start, stop = args
-    return [run_guarded(seed) for seed in range(start, stop)]
+def _run_range(args: tuple[int, int, float]) -> list[SimResult]:
+    start, stop, append_fail_p = args
+    return [run_guarded(seed, append_fail_p=append_fail_p) for seed in range(start, stop)]
 
 
 def main(argv: list[str]) -> int:
@@ -63,6 +63,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="50 seeds")
     parser.add_argument(
+        "--append-fail-p",
+        type=float,
+        default=0.0,
+        help="chance that a sync append is reported failed (half of those are lost; default 0)",
+    )
+    parser.add_argument(
         "--memory-gb",
         type=float,
         default=WORKER_MEMORY_BYTES / (1 << 30),
@@ -70,14 +76,14 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     if args.seed is not None:
-        result = run(SimParams(seed=args.seed))
+        result = run(SimParams(seed=args.seed, append_fail_p=args.append_fail_p))
         print(result)
         print(json.dumps({"scenario": "sim", "seeds": 1, "passed": int(result.passed)}))
         return 0 if result.passed else 1
     seeds = 50 if args.quick else args.seeds
     chunk = max(1, min(50, seeds // (args.jobs * 4) or 1))
     ranges = [
-        (s, min(s + chunk, args.first + seeds))
+        (s, min(s + chunk, args.first + seeds), args.append_fail_p)
         for s in range(args.first, args.first + seeds, chunk)
     ]
     started = time.perf_counter()
@@ -112,6 +118,8 @@ def main(argv: list[str]) -> int:
                 "passed": passed,
                 "seconds": round(seconds, 1),
                 "failed_seeds": [r.seed for r in results if not r.passed][:50],
+                "append_fail_p": args.append_fail_p,
+                "append_failures": sum(r.append_failures for r in results),
             }
         )
     )

@@ -16,7 +16,9 @@ Rebalance
   generation. Sharing (offers and pick-ups) is disabled from the rebalance until the epoch of that
   generation is in the CIM. The leader waits for every member's answer, or a bounded time, asks
   its shell for a plan (``protocol/planner.py``), and writes the epoch message: members, and in its
-  own share section the ownerless partitions it offers.
+  own share section the ownerless partitions it offers. An epoch message whose append fails is
+  sent again with the same plan while the generation lasts (without its epoch nobody shares, and
+  a task that joined in it never reads).
 
 Incremental messages
   A task writes only its own state, as the difference between what it has and what its earlier
@@ -28,7 +30,9 @@ Incremental messages
   retry) is not mistaken for a later message read back. When the CIM ignores one of its
   messages (fenced by a newer epoch), or when all its messages are read back and the CIM's view
   of it still differs from what it has, the task re-sends the difference against what the CIM
-  really holds.
+  really holds. A failed append is sent again the same way; while appends fail and nothing of
+  its own is on its way, a task sends a message even with nothing new in it, since appends
+  failing for ``sync_timeout`` stop its readers until one of its messages is read back.
 
 Sharing and hand-off (``protocol/share.py``, ``protocol/handoff.py``)
   A ``new`` offer addressed to the task is picked up into its own state. A ``move`` offer is
@@ -213,6 +217,9 @@ class Rules(msgspec.Struct, frozen=True):
     # A task restarted under its old id takes over what the CIM credits to it (``_adopt``);
     # the teeth test turns it off to show that orphans the partitions.
     adopt_own_state: bool = True
+    # A leader whose epoch append failed sends it again (``_resend_epoch``); the teeth test turns
+    # it off to show that leaves a generation without its epoch.
+    resend_failed_epoch: bool = True
 
 
 class TaskConfig(msgspec.Struct, frozen=True):
@@ -258,6 +265,10 @@ class TaskCore:
         self._now = 0
         self._plan_deadline = -1
         self._plan_requested = -1
+        # the plan of this task's epoch message on its way, and that message's state timestamp:
+        # an append that fails is sent again (the epoch must land, or nobody shares and a task
+        # that joined in this generation never reads)
+        self._epoch_out: tuple[Plan, int] | None = None
         self._urgent = False
         self._answer = False
         self._last_publish = -(10**18)
@@ -311,6 +322,7 @@ class TaskCore:
                 if self._sync_failing_since < 0:
                     self._sync_failing_since = now
                 self._resync()
+                out += self._resend_epoch(event.state_ts, now)
             case Drain():
                 self.draining = True
                 self._urgent = True
@@ -347,6 +359,8 @@ class TaskCore:
             state_ts = own_state_ts(message)
             awaited = state_ts in self._unread
             self._unread.discard(state_ts)
+            if self._epoch_out is not None and self._epoch_out[1] == state_ts:
+                self._epoch_out = None  # the epoch message landed
             # a previous life (maybe on a clock that ran ahead) wrote later timestamps: ours
             # must be newer or the CIM ignores them as older state
             self._last_state_ts = max(self._last_state_ts, state_ts)
@@ -530,23 +544,48 @@ class TaskCore:
         for part in plan.adopt:
             self.mine.setdefault(part.token, part)
         self.counters["epochs_opened"] += 1
+        return [self._publish_epoch(plan, now)]
+
+    def _publish_epoch(self, plan: Plan, now: int) -> Publish:
         state = self._diff(now, force=True)
         assert state is not None
         self._mark_sent(state)
         self._unread.add(state.state_timestamp)
-        return [
-            Publish(
-                EpochMessage(
-                    task_id=self.me,
-                    message_timestamp=now,
-                    epoch=plan.generation,
-                    sync_epoch=plan.sync_epoch,
-                    members=plan.members,
-                    connector_state=(state,),
-                    stream_start=plan.stream_start,
-                )
+        self._epoch_out = (plan, state.state_timestamp)
+        return Publish(
+            EpochMessage(
+                task_id=self.me,
+                message_timestamp=now,
+                epoch=plan.generation,
+                sync_epoch=plan.sync_epoch,
+                members=plan.members,
+                connector_state=(state,),
+                stream_start=plan.stream_start,
             )
-        ]
+        )
+
+    def _resend_epoch(self, failed_ts: int, now: int) -> list[Command]:
+        """The append of this task's epoch message failed: send it again, with the same plan
+        (its offers are in this task's share section already) and this task's state as the CIM
+        does not hold it yet. Not once a newer generation began or the epoch is in the CIM (a
+        late copy of the first append is then ignored as a stale epoch)."""
+        if (
+            self._epoch_out is None
+            or self._epoch_out[1] != failed_ts
+            or not self.config.rules.resend_failed_epoch
+        ):
+            return []
+        plan = self._epoch_out[0]
+        self._epoch_out = None
+        if (
+            plan.generation != self.generation
+            or self.leader != self.me
+            or not self.member
+            or self.cim.epoch >= plan.generation
+        ):
+            return []
+        self.counters["epoch_resent"] += 1
+        return [self._publish_epoch(plan, now)]
 
     # -- the step after every event -----------------------------------------------------------
     def _step(self, now: int) -> list[Command]:
@@ -842,13 +881,17 @@ class TaskCore:
     def _maybe_publish(self, now: int) -> StateMessage | None:
         if not self.member or self.generation < 0:
             return None
-        due = self._urgent or self._answer or self.draining  # a drain's last reports at once
+        # An append failed and nothing of ours is on its way: send a message even with nothing
+        # new in it, or a task with nothing to say (one whose answer was lost) would never read
+        # one back, and never be allowed to read again.
+        probe = self._sync_failing_since >= 0 and not self._unread
+        due = self._urgent or self._answer or self.draining or probe  # a drain's: at once
         since = now - self._last_publish
         if not due and since < self.config.publish_interval:
             return None
         if self._unread and since < self.config.coalesce_wait:
             return None  # group commit: goes out with whatever else changed, once read back
-        state = self._diff(now, force=self._answer)
+        state = self._diff(now, force=self._answer or probe)
         self._urgent = False
         self._answer = False
         if state is None:

@@ -54,6 +54,7 @@ from protocol.task import (
     Lost,
     PlanReady,
     Publish,
+    PublishFailed,
     ReaderCommitted,
     ReaderFinished,
     ReaderStopped,
@@ -65,6 +66,7 @@ from protocol.task import (
     TaskConfig,
     TaskCore,
     Tick,
+    own_state_ts,
 )
 from runtime.simstream import StreamModel, StreamParams
 
@@ -93,6 +95,9 @@ class SimParams(msgspec.Struct, frozen=True):
     leave_p: float = 0.002
     pause_p: float = 0.002
     dup_p: float = 0.03
+    # an append reported failed (a timeout): half of them are lost, half land anyway. Off by
+    # default, so the sweeps' seeds (and their regression seeds) keep their random sequences.
+    append_fail_p: float = 0.0
     max_log_delay_steps: int = 3
     commit_delay_steps: tuple[int, int] = (1, 8)
     split_p: float = 0.08
@@ -104,6 +109,7 @@ class SimParams(msgspec.Struct, frozen=True):
     broken_planner: bool = False
     refuse_owned_offers: bool = True
     adopt_own_state: bool = True
+    resend_failed_epoch: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
 
 
@@ -119,6 +125,7 @@ class SimResult(msgspec.Struct, frozen=True):
     partitions: int = 0
     records: int = 0
     duplicates: int = 0
+    append_failures: int = 0
 
 
 class _Reader:
@@ -194,6 +201,7 @@ class Simulation:
             readable=(_first_parent if params.broken_readable else Rules().readable),
             refuse_owned_offers=params.refuse_owned_offers,
             adopt_own_state=params.adopt_own_state,
+            resend_failed_epoch=params.resend_failed_epoch,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
 
@@ -239,6 +247,12 @@ class Simulation:
         match command:
             case Publish():
                 payload = messages.encode(command.message)
+                if self.p.append_fail_p and self.rng.random() < self.p.append_fail_p:
+                    failed = PublishFailed("append timed out", own_state_ts(command.message))
+                    self.deliver(node, failed, 1)
+                    self.stats["append_failures"] += 1
+                    if self.rng.random() < 0.5:
+                        return  # lost
                 # One producer's messages land in the order it sent them (as on one Kafka
                 # partition); different producers' messages interleave at random.
                 delay = self.rng.randint(0, self.p.max_log_delay_steps)
@@ -539,6 +553,7 @@ class Simulation:
             partitions=len(self.model.partitions),
             records=sum(1 for _ in self.delivered),
             duplicates=sum(self.delivered.values()) - len(self.delivered),
+            append_failures=self.stats["append_failures"],
         )
 
     def final_checks(self) -> None:

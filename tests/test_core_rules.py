@@ -30,10 +30,12 @@ from protocol.task import (
     Drain,
     Joined,
     Lease,
+    PlanReady,
     Publish,
     PublishFailed,
     ReaderCommitted,
     ReaderStopped,
+    RequestPlan,
     StartReader,
     StopReader,
     SyncRead,
@@ -403,6 +405,75 @@ def test_a_failed_append_is_re_sent_at_once_and_no_longer_awaited() -> None:
     later = c.handle(ReaderCommitted("p1", T0 + 60), now=7 + c.config.publish_interval)
     (sent,) = [cmd.message for cmd in later if isinstance(cmd, Publish)]
     assert [p.watermark - T0 for p in sent.connector_state[0].data] == [60]  # type: ignore[union-attr]
+
+
+def test_a_task_with_nothing_to_say_whose_append_failed_still_sends_one_to_read_back() -> None:
+    # Regression (sim with failing appends, seed 68): a newcomer's answer was lost; it had
+    # nothing new to send, so it never read one of its messages back, and never read again.
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    (answer,) = c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    assert isinstance(answer, Publish)
+    out = c.handle(PublishFailed("timed out", own_state_ts(answer.message)), now=4)
+    (probe,) = [cmd.message for cmd in out if isinstance(cmd, Publish)]
+    assert isinstance(probe, StateMessage)
+    assert probe.epoch == 1
+    assert probe.connector_state[0].data == ()
+    assert c.handle(Tick(), now=5) == []  # one on its way at a time
+    offer = Share(part("p1", 50), target="a", kind="new", since=6)
+    c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=4 + c.config.sync_timeout)
+    assert c.reading == {}  # appends failing for sync_timeout: not allowed to read
+    out = c.handle(SyncRead(2, probe), now=5 + c.config.sync_timeout)
+    assert [cmd.token for cmd in out if isinstance(cmd, StartReader)] == ["p1"]
+
+
+def test_a_leader_whose_epoch_append_fails_sends_the_same_plan_again() -> None:
+    # Without it the generation had no epoch until the next rebalance: nobody shared, and a
+    # task that joined in it (or the dead task's partitions) waited that long.
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("a", "x"), Share(part("p1", 5), target="x"))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    (answer,) = c.handle(Joined(generation=1, leader="a", members=("a", "b")), now=3)
+    assert isinstance(answer, Publish)
+    c.handle(SyncRead(1, answer.message), now=4)
+    (request,) = c.handle(Tick(), now=4 + c.config.answer_timeout)
+    assert isinstance(request, RequestPlan)
+    assert (request.generation, request.members) == (1, ("a", "b"))
+    the_plan = plan(c.cim, ("a", "b"), "a", 1, now=5, cap=2, rng=Random(0))
+    assert [(o.token, o.target) for o in the_plan.offers] == [("p1", "a")]  # x's, x is gone
+    (first,) = c.handle(PlanReady(the_plan), now=6)
+    assert isinstance(first, Publish)
+    assert isinstance(first.message, EpochMessage)
+
+    out = c.handle(PublishFailed("timed out", own_state_ts(first.message)), now=7)
+    (again,) = [cmd.message for cmd in out if isinstance(cmd, Publish)]
+    assert isinstance(again, EpochMessage)
+    assert (again.epoch, again.members, again.sync_epoch) == (1, ("a", "b"), the_plan.sync_epoch)
+    assert [s.token for s in again.connector_state[0].share or ()] == ["p1"]
+    assert c.counters["epoch_resent"] == 1
+
+    c.handle(SyncRead(2, again), now=8)  # it landed: a late failure report changes nothing
+    assert c.cim.epoch == 1
+    assert c.handle(PublishFailed("late", own_state_ts(again)), now=9) == []
+    assert c.counters["epoch_resent"] == 1
+
+
+def test_an_epoch_append_failing_after_a_newer_rebalance_is_not_sent_again() -> None:
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("a", "x"))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    (answer,) = c.handle(Joined(generation=1, leader="a", members=("a", "x")), now=3)
+    assert isinstance(answer, Publish)
+    c.handle(SyncRead(1, answer.message), now=4)
+    c.handle(Tick(), now=4 + c.config.answer_timeout)
+    the_plan = plan(c.cim, ("a", "x"), "a", 1, now=5, cap=2, rng=Random(0))
+    (first,) = c.handle(PlanReady(the_plan), now=6)
+    assert isinstance(first, Publish)
+    c.handle(Joined(generation=2, leader="x", members=("a", "x")), now=7)
+    out = c.handle(PublishFailed("timed out", own_state_ts(first.message)), now=8)
+    assert not any(isinstance(cmd.message, EpochMessage) for cmd in out if isinstance(cmd, Publish))
+    assert c.counters["epoch_resent"] == 0
 
 
 def test_a_new_offer_for_a_partition_moving_between_members_is_refused() -> None:
