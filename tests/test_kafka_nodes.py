@@ -22,7 +22,14 @@ from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
 from runtime.simstream import StreamModel
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config, next_assignment
-from tests.fixtures.kafka_nodes import STREAM, Cluster, Delivery, SinkLedger, SyncObserver
+from tests.fixtures.kafka_nodes import (
+    STREAM,
+    Cluster,
+    Delivery,
+    FailingAppends,
+    SinkLedger,
+    SyncObserver,
+)
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
@@ -113,6 +120,34 @@ async def test_tasks_share_survive_a_kill_and_spread_to_a_newcomer(
     assert_clean(nodes, observer)
     assert_one_leader(nodes, observer)
     assert sum(v.counters.get("picked_up", 0) for v in nodes.views().values()) > 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_leader_whose_epoch_append_fails_writes_it_again(
+    nodes: Cluster, observer: SyncObserver
+) -> None:
+    """The first epoch message's append fails: without it the generation has no epoch, so
+    nobody would read (the roots are offered in it) until the next rebalance. The leader sends
+    the same plan again."""
+    failing: list[FailingAppends] = []
+
+    def fail_first_epoch(log: KafkaSyncLog) -> FailingAppends:
+        failing.append(FailingAppends(log, EpochMessage))
+        return failing[0]
+
+    await nodes.start_node("n0", wrap_log=fail_first_epoch)
+    await nodes.wait_settled({"n0"}, TOKENS, timeout=30)
+    assert failing[0].failed == 1
+    counters = nodes.views()["n0"].counters
+    assert counters["publish_failed"] == 1
+    assert counters["epoch_resent"] == 1
+    await nodes.start_node("n1")
+    await nodes.wait_settled({"n0", "n1"}, TOKENS, timeout=40)
+    await observer_caught_up(nodes, observer)
+    assert_clean(nodes, observer)
+    assert assert_one_leader(nodes, observer) == "n0"
 
 
 @pytest.mark.asyncio
