@@ -1,4 +1,4 @@
-"""The embedded broker launcher (``runtime.broker``): start, readiness, port-taken detection,
+"""The embedded broker launcher (``runtime.kafka.broker``): start, readiness, port-taken detection,
 retry on another port, stop."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import runtime.broker as broker_module
-from runtime.broker import BrokerError, EmbeddedBroker, free_port, probe_metadata
+import runtime.kafka.broker as broker_module
+from runtime.kafka.broker import BrokerError, EmbeddedBroker, free_port, probe_metadata
 
 pytestmark = pytest.mark.kafka
 

@@ -7,7 +7,7 @@ topic the produce pointer names (:mod:`protocol.routing`), so producers agree on
 shard consistent when the topic is scaled.
 
 The rules of delivery are those of :mod:`protocol.retry` (the pure core), carried out by the
-shared durable shell :class:`runtime.retry_queue.RetryQueue`; this module is the output topic
+shared durable shell :class:`runtime.kafka.retry_queue.RetryQueue`; this module is the output topic
 and the per-record delivery port:
 
 * per key, records go out in commit order, one at a time (the next after the previous is
@@ -17,7 +17,7 @@ and the per-record delivery port:
   ``<name>_dlq``; a key with a DLQ record blocks or releases (``RetryPolicy.dlq_blocks``);
 * the RQ and DLQ topics hold the core's log entries (each with its payload, the
   :class:`OutputRecord` JSON), routed by the same key hash, so **a new sink over the same topics
-  resumes the state** (see :mod:`runtime.retry_queue`).
+  resumes the state** (see :mod:`runtime.kafka.retry_queue`).
 
 A batch's future (``put``) resolves when each of its records is settled: delivered to the output
 topic, or durably written to the RQ or the DLQ. It fails if the sink dies first; the caller then
@@ -29,8 +29,8 @@ key).
 :func:`list_dlq` and :func:`replay_dlq` are the operator helpers (the CLI calls them). Replay runs
 a sink over the topics that drives the RQ itself, so stop the shoal processes over those topics
 meanwhile (nothing fences a replay from the group leader's driving queue), or use
-:func:`runtime.retry_queue.replay_via_driver` (``dlq replay --via-leader``). Several shoal
-processes share one sink's RQ/DLQ through ``driver=`` (see :mod:`runtime.retry_queue`).
+:func:`runtime.kafka.retry_queue.replay_via_driver` (``dlq replay --via-leader``). Several shoal
+processes share one sink's RQ/DLQ through ``driver=`` (see :mod:`runtime.kafka.retry_queue`).
 
 For tests, ``inject`` is a failure injector: ``inject(record, attempts)`` returns an error text to
 fail that delivery (before anything is produced), or ``None``.
@@ -57,8 +57,7 @@ from protocol.routing import (
     shard_of_partition,
 )
 from runtime.kafka import KafkaConfig
-from runtime.ports import SinkBatch
-from runtime.retry_queue import (
+from runtime.kafka.retry_queue import (
     InternalMessage,
     PendingSend,
     RetryQueue,
@@ -69,6 +68,7 @@ from runtime.retry_queue import (
     ordering_key,
     split_key,
 )
+from runtime.ports import SinkBatch
 
 __all__ = [
     "DlqRecord",
@@ -232,7 +232,7 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self._internal(f"{self.name}_dlq", self.dlq_partitions)
 
     def queue_config(self) -> RetryQueueConfig:
-        """The RQ/DLQ settings of this sink (shard) for :class:`runtime.retry_queue.RetryQueue`."""
+        """The RQ/DLQ settings of this sink (shard) for :class:`runtime.kafka.retry_queue.RetryQueue`."""
         return RetryQueueConfig(
             rq=self.rq_topic(),
             dlq=self.dlq_topic(),
@@ -285,7 +285,7 @@ class KafkaSink:
         takeover_grace_s: float = 10.0,
     ) -> None:
         """``driver``: several processes share this sink's RQ/DLQ, and this one may send the
-        RQ's records while ``driver()`` is true (see :class:`runtime.retry_queue.RetryQueue`);
+        RQ's records while ``driver()`` is true (see :class:`runtime.kafka.retry_queue.RetryQueue`);
         None: this sink is the RQ/DLQ's only owner."""
         self._config = config
         self.sink_config = sink

@@ -14,7 +14,7 @@
   reads every member's task id from its subscription and tells every member the generation's
   leader and member list. No partition is ever assigned.
 
-Everything here works the same on the embedded broker (:mod:`runtime.broker`) and on a real Kafka;
+Everything here works the same on the embedded broker (:mod:`runtime.kafka.broker`) and on a real Kafka;
 only the timeouts differ (real Kafka needs ``session_timeout_ms >= 6000`` by default).
 """
 

@@ -1,5 +1,5 @@
 """The durable shell of design 003's retry queue and dead-letter queue, shared by the Kafka output
-sink (:mod:`runtime.kafka_sink`) and the Spark bridge (:mod:`runtime.spark.bridge`).
+sink (:mod:`runtime.kafka.sink`) and the Spark bridge (:mod:`runtime.spark.bridge`).
 
 :class:`RetryQueue` drives the pure core :class:`protocol.retry.RetryCore` and does its I/O:
 
