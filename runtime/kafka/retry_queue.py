@@ -88,7 +88,8 @@ from protocol.retry import (
     from_log,
 )
 from protocol.routing import CompositeTopic, StorageTopic, key_hash
-from runtime.kafka import KafkaConfig, ensure_topic
+from runtime.kafka.config import KafkaConfig
+from runtime.kafka.topics import ensure_topic
 
 __all__ = [
     "InternalMessage",

@@ -56,7 +56,7 @@ from protocol.routing import (
     partitions_for_shard,
     shard_of_partition,
 )
-from runtime.kafka import KafkaConfig
+from runtime.kafka.config import KafkaConfig
 from runtime.kafka.retry_queue import (
     InternalMessage,
     PendingSend,
