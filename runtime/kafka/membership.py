@@ -26,6 +26,7 @@ from aiokafka.coordinator.protocol import (
 from aiokafka.errors import KafkaError
 from aiokafka.protocol.group import LeaveGroupRequest
 
+from protocol import epochs
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import check_connector, ensure_topic, heartbeat_topic
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost
@@ -47,7 +48,9 @@ class _MemberInfo(msgspec.Struct, frozen=True):
 
     task_id: str
     v: int = 1
-    floor: int = -1  # the newest epoch this member knows of (received, or read in the sync log)
+    floor: int = (
+        epochs.NO_EPOCH
+    )  # the newest epoch this member knows (assigned, or in the sync log)
 
 
 class _GroupInfo(msgspec.Struct, frozen=True):
@@ -56,7 +59,7 @@ class _GroupInfo(msgspec.Struct, frozen=True):
     leader: str
     members: tuple[str, ...]
     v: int = 1
-    epoch: int = -1  # the generation's epoch (-1 from a leader that predates it: the generation)
+    epoch: int = epochs.NO_EPOCH  # the generation's epoch (none from a leader predating epochs)
 
 
 _member_info_decoder: Final = msgspec.json.Decoder(_MemberInfo)
@@ -67,10 +70,8 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     """Assigns no partition; carries task ids (and the newest epoch each member knows) up in the
     subscriptions, and the leader, the member list and the generation's epoch down.
 
-    The epoch is the generation unless some member knows an epoch at least as new: Kafka's
-    generations start over when the group is gone (the embedded broker restarted, or a real
-    Kafka deleted the empty group's metadata) while the sync topic keeps the old epochs, and an
-    epoch that is not newer than the sync topic's is ignored there as stale.
+    The leader numbers the generation's epoch by :func:`protocol.epochs.number` (the rules are in
+    :mod:`protocol.epochs`): the generation, unless some member knows an epoch at least as new.
 
     aiokafka calls ``metadata``/``on_assignment`` on every member and ``assign`` on the group
     leader only, on this very instance (the ABC declares them classmethods; instances work).
@@ -96,12 +97,12 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
         self, cluster: Any, members: Mapping[str, ConsumerProtocolMemberMetadata]
     ) -> dict[str, ConsumerProtocolMemberAssignment]:
         task_ids: dict[str, str] = {}
-        floor = self._floor()
+        known = [self._floor()]
         for member_id, metadata in members.items():
             try:
                 member_info = _member_info_decoder.decode(metadata.user_data)
                 task_ids[member_id] = member_info.task_id
-                floor = max(floor, member_info.floor)
+                known.append(member_info.floor)
             except msgspec.DecodeError as exc:
                 self.bad_subscriptions += 1
                 log.warning(
@@ -119,13 +120,13 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
         # aiokafka sets the coordinator's generation from the JoinGroup response before it asks
         # the leader to assign.
         generation = self._generation()
-        epoch = max(generation, floor + 1)
+        epoch = epochs.number(generation, known)
         if epoch != generation:
             log.warning(
                 "group generation %d is not newer than epoch %d a member knows (the group "
                 "started over): this generation is epoch %d",
                 generation,
-                floor,
+                epochs.newest(*known),
                 epoch,
             )
         info = msgspec.json.encode(
@@ -198,7 +199,7 @@ class KafkaMembership:
     ``max(generation, newest known + 1)``. A member that is assigned an epoch not newer than
     what it knows (the leader had not read as far: a race at the first join) refuses it and
     rejoins, telling the next leader. While the group keeps its generations the epoch *is* the
-    generation.
+    generation. These rules are the pure functions of :mod:`protocol.epochs`.
     """
 
     def __init__(
@@ -232,7 +233,7 @@ class KafkaMembership:
         self._margin_s = margin / 1000
         self._clock = clock
         self._epoch_floor = epoch_floor
-        self._epoch_seen = -1  # the newest epoch this member was assigned
+        self._epoch_seen = epochs.NO_EPOCH  # the newest epoch this member was assigned
         self._assignor = _TaskAssignor(task_id, self._known_epoch, self._coordinator_generation)
         self._events: asyncio.Queue[GroupEvent | object] = asyncio.Queue(event_buffer)
         self._consumer: AIOKafkaConsumer | None = None
@@ -281,8 +282,8 @@ class KafkaMembership:
         self._epoch_floor = epoch_floor
 
     def _known_epoch(self) -> int:
-        floor = self._epoch_floor() if self._epoch_floor is not None else -1
-        return max(self._epoch_seen, floor)
+        floor = self._epoch_floor() if self._epoch_floor is not None else epochs.NO_EPOCH
+        return epochs.newest(self._epoch_seen, floor)
 
     def _coordinator_generation(self) -> int:
         consumer = self._consumer
@@ -528,9 +529,8 @@ class KafkaMembership:
             log.error(
                 "%r: the leader's member list %s does not include this task", self, info.members
             )
-        epoch = info.epoch if info.epoch >= 0 else coordinator.generation
-        known = self._known_epoch()
-        if epoch <= known:
+        verdict = epochs.receive(info.epoch, coordinator.generation, self._known_epoch())
+        if isinstance(verdict, epochs.Stale):
             # The leader did not know how far the epochs went (this member had not told it yet,
             # or the group started over): rejoin, and the next leader learns it from us.
             self._stale_epochs += 1
@@ -538,15 +538,15 @@ class KafkaMembership:
                 "%r: assigned epoch %d (generation %d), not newer than epoch %d known here; "
                 "rejoining",
                 self,
-                epoch,
+                verdict.epoch,
                 coordinator.generation,
-                known,
+                verdict.known,
             )
-            self._lose(f"assigned a stale epoch {epoch} (epoch {known} is known here)")
+            self._lose(verdict.reason)
             coordinator.request_rejoin()
             return
-        self._epoch_seen = epoch
-        event = GroupAssignment(generation=epoch, leader=info.leader, members=info.members)
+        self._epoch_seen = verdict.epoch
+        event = GroupAssignment(generation=verdict.epoch, leader=info.leader, members=info.members)
         self._last_ok = self._clock()
         self._current = event
         self._assignments += 1
