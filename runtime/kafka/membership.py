@@ -24,9 +24,9 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberMetadata,
 )
 from aiokafka.errors import KafkaError
-from aiokafka.protocol.group import LeaveGroupRequest
 
 from protocol import epochs
+from runtime import compat
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import check_connector, ensure_topic, heartbeat_topic
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost
@@ -287,9 +287,10 @@ class KafkaMembership:
 
     def _coordinator_generation(self) -> int:
         consumer = self._consumer
-        if consumer is None or consumer._coordinator is None:
+        coordinator = None if consumer is None else compat.group_coordinator(consumer)
+        if coordinator is None:
             return -1
-        generation: int = consumer._coordinator.generation
+        generation: int = coordinator.generation
         return generation
 
     def lease_valid_until(self) -> float:
@@ -398,7 +399,7 @@ class KafkaMembership:
         await self.close()
 
     async def _leave(self, consumer: AIOKafkaConsumer) -> None:
-        coordinator = consumer._coordinator
+        coordinator = compat.group_coordinator(consumer)
         if self._joining:
             # Leaving while our JoinGroup/SyncGroup is in flight can make the embedded broker
             # elect the departed member leader of the next generation, which then never
@@ -424,9 +425,7 @@ class KafkaMembership:
         ):
             try:
                 async with asyncio.timeout(self._config.request_timeout_ms / 1000):
-                    await coordinator._send_req(
-                        LeaveGroupRequest(self.group_id, coordinator.member_id)
-                    )
+                    await compat.send_leave_group(coordinator, self.group_id)
             except (TimeoutError, KafkaError) as exc:
                 log.warning(
                     "%r: LeaveGroup (generation %d) failed: %r", self, coordinator.generation, exc
@@ -464,7 +463,7 @@ class KafkaMembership:
             await asyncio.sleep(period)
             if self._current is None:
                 continue
-            coordinator = consumer._coordinator
+            coordinator = compat.group_coordinator(consumer)
             if coordinator is not None and coordinator.member_id == _UNKNOWN_MEMBER_ID:
                 self._lose(
                     "the coordinator no longer knows this member (session expired or fenced)"
@@ -483,19 +482,11 @@ class KafkaMembership:
                     coordinator.request_rejoin()
 
     def _observe_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
-        """Hook aiokafka's heartbeat (``GroupCoordinator._do_heartbeat``, aiokafka 0.14) to learn
-        when one succeeds: there is no public callback for it."""
-        coordinator = consumer._coordinator
-        original = getattr(coordinator, "_do_heartbeat", None)
-        if original is None:
-            raise MembershipError(
-                "this aiokafka has no GroupCoordinator._do_heartbeat to observe heartbeats "
-                "through: the membership adapter is written for aiokafka 0.14"
-            )
+        """Learn when a heartbeat succeeds (aiokafka has no public callback for it: see
+        :func:`runtime.compat.observe_heartbeats`)."""
+        coordinator = compat.group_coordinator(consumer)
 
-        async def observed_heartbeat() -> bool:
-            sent = self._clock()
-            ok: bool = await original()
+        def heartbeat_done(sent: float, ok: bool) -> None:
             if ok:
                 self._heartbeats_ok += 1
                 self._last_ok = max(self._last_ok, sent)
@@ -503,9 +494,8 @@ class KafkaMembership:
                 self._heartbeats_failed += 1
                 if coordinator.member_id == _UNKNOWN_MEMBER_ID:
                     self._lose("heartbeat rejected: unknown member id or illegal generation")
-            return ok
 
-        coordinator._do_heartbeat = observed_heartbeat
+        compat.observe_heartbeats(coordinator, self._clock, heartbeat_done)
 
     # -- state changes (called from the listener, the heartbeat hook and the watchdog) ---------
 
@@ -516,7 +506,7 @@ class KafkaMembership:
     def _rebalance_done(self) -> None:
         consumer = self._consumer
         assert consumer is not None
-        coordinator = consumer._coordinator
+        coordinator = compat.group_coordinator(consumer)
         self._joining = False
         self._settled.set()
         info = self._assignor.received
