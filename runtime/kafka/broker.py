@@ -2,7 +2,7 @@
 wheel), used by the main job, the bench harness and the integration tests.
 
 The broker keeps everything in memory: a restart loses every topic and offset, so clients must be
-restarted with it. Facts this launcher works around (see ``/work/shared/INFRA.md``):
+restarted with it. Two behaviours of Tansu (measured with the pinned wheel) shape this launcher:
 
 * a port already in use makes Tansu panic *and exit with code 0*, so "the process started" means
   nothing: the launcher picks a free loopback port, then waits until the process is alive, accepts

@@ -1,5 +1,6 @@
-"""The durable shell of design 003's retry queue and dead-letter queue, shared by the Kafka output
-sink (:mod:`runtime.kafka.sink`) and the Spark bridge (:mod:`runtime.spark.bridge`).
+"""The durable shell of the retry queue and dead-letter queue (``docs/design.md``, "Retry and
+dead-letter queues"), shared by the Kafka output sink (:mod:`runtime.kafka.sink`) and the Spark
+bridge (:mod:`runtime.spark.bridge`).
 
 :class:`RetryQueue` drives the pure core :class:`protocol.retry.RetryCore` and does its I/O:
 

@@ -1,4 +1,5 @@
-"""A Kafka output sink with a retry queue and a dead-letter queue (design 003).
+"""A Kafka output sink with a retry queue and a dead-letter queue (``docs/design.md``, "Retry and
+dead-letter queues", "Routing").
 
 :class:`KafkaSink` implements :class:`runtime.ports.Sink`. Every mod of every ``DataChange``
 becomes one :class:`OutputRecord` (JSON), produced to the output composite topic ``<name>``
@@ -158,7 +159,7 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
     produced to) when their partition count is a multiple of it (``K = r / base``, else 1), so a
     key's RQ/DLQ partition belongs to the same shard as its output partition. With
     ``shard_count > 1`` this sink is shard ``shard_id``: it accepts only keys whose output
-    partition is in its range, and resumes only its ranges of the RQ and DLQ. The seed asks that
+    partition is in its range, and resumes only its ranges of the RQ and DLQ. The design asks that
     ``shard_count`` divide the output base and the RQ/DLQ partition counts; this is checked."""
 
     name: str
@@ -232,7 +233,8 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self._internal(f"{self.name}_dlq", self.dlq_partitions)
 
     def queue_config(self) -> RetryQueueConfig:
-        """The RQ/DLQ settings of this sink (shard) for :class:`runtime.kafka.retry_queue.RetryQueue`."""
+        """The RQ/DLQ settings of this sink (shard) for
+        :class:`runtime.kafka.retry_queue.RetryQueue`."""
         return RetryQueueConfig(
             rq=self.rq_topic(),
             dlq=self.dlq_topic(),
