@@ -49,7 +49,7 @@ def test_start_answers_kafka_and_stop_frees_the_port(tmp_path: Path) -> None:
 
 
 def test_port_taken_is_detected(taken_port: int) -> None:
-    broker = EmbeddedBroker(port=taken_port, start_timeout=5)
+    broker = EmbeddedBroker(port=taken_port, start_timeout_s=5)
     with pytest.raises(BrokerError, match=rf"port {taken_port}: the broker exited") as info:
         broker.start()
     assert "Address in use" in str(info.value)  # the broker's log tail is quoted
@@ -75,7 +75,7 @@ def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_stop_escalates_to_sigkill() -> None:
-    broker = EmbeddedBroker(stop_timeout=0.001)
+    broker = EmbeddedBroker(stop_timeout_s=0.001)
     broker.start()
     started = time.monotonic()
     broker.stop()
@@ -87,7 +87,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="attempts"):
         EmbeddedBroker(attempts=0)
     with pytest.raises(ValueError, match="positive"):
-        EmbeddedBroker(start_timeout=0)
+        EmbeddedBroker(start_timeout_s=0)
 
 
 @pytest.mark.asyncio

@@ -48,9 +48,7 @@ class _MemberInfo(msgspec.Struct, frozen=True):
 
     task_id: str
     v: int = 1
-    floor: int = (
-        epochs.NO_EPOCH
-    )  # the newest epoch this member knows (assigned, or in the sync log)
+    floor: int = epochs.NO_EPOCH  # the newest epoch this member knows (assigned, or in the log)
 
 
 class _GroupInfo(msgspec.Struct, frozen=True):

@@ -76,9 +76,9 @@ __all__ = [
     "InternalMessage",
     "KafkaSink",
     "KafkaSinkConfig",
+    "KafkaSinkError",
     "KafkaSinkStats",
     "OutputRecord",
-    "SinkError",
     "decode_output",
     "list_dlq",
     "ordering_key",
@@ -90,7 +90,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class SinkError(RetryQueueError):
+class KafkaSinkError(RetryQueueError):
     """The sink failed or was closed; pending batches will not be committed by it."""
 
 
@@ -357,13 +357,13 @@ class KafkaSink:
                 [(rec.record_id, rec.key, _out_encoder.encode(rec)) for rec in records]
             )
         except RetryQueueError as exc:
-            raise SinkError(str(exc)) from exc
+            raise KafkaSinkError(str(exc)) from exc
 
     def _check_alive(self) -> None:
         try:
             self._queue.check_alive()
         except RetryQueueError as exc:
-            raise SinkError(f"{self!r}: {exc}") from exc
+            raise KafkaSinkError(f"{self!r}: {exc}") from exc
 
     # -- operator actions ------------------------------------------------------------------
 
@@ -391,7 +391,7 @@ class KafkaSink:
         try:
             await self._queue.wait_idle(include_rq=include_rq)
         except RetryQueueError as exc:
-            raise SinkError(str(exc)) from exc
+            raise KafkaSinkError(str(exc)) from exc
 
     def statistics(self) -> KafkaSinkStats:
         q = self._queue.statistics()
