@@ -199,7 +199,7 @@ def read_output(directory: Path) -> tuple[Counter[tuple[int, str, str, int]], in
 
 
 async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from runtime.broker import EmbeddedBroker
+    from runtime.kafka.broker import EmbeddedBroker
     from runtime.spanner.emulator import SpannerEmulator
     from runtime.spanner.loadgen import LoadGenerator
 

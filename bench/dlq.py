@@ -34,9 +34,9 @@ from aiokafka.structs import TopicPartition
 
 from protocol.records import ColumnType, DataChange, Mod
 from protocol.retry import RetryPolicy
-from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig
-from runtime.kafka_sink import (
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.kafka.sink import (
     KafkaSink,
     KafkaSinkConfig,
     OutputRecord,

@@ -45,8 +45,8 @@ from actors.node import NodeConfig, TaskNode
 from protocol import messages
 from protocol.messages import EpochMessage, StateMessage
 from protocol.task import TaskConfig
-from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
+from runtime.kafka.broker import EmbeddedBroker
 from runtime.ports import GroupAssignment, GroupEvent, Membership, SinkBatch
 from runtime.simsource import SimulatedSource
 from runtime.simstream import StreamModel, StreamParams

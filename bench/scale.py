@@ -92,8 +92,8 @@ def replay_cim(entries: list[tuple[int, bytes]]) -> Cim:
 async def replay_from_kafka(log: CountingLog) -> tuple[float, int, int]:
     """Copy the log into the embedded broker; time a replay from the latest checkpoint.
     Returns (seconds, messages replayed, total messages)."""
-    from runtime.broker import EmbeddedBroker
     from runtime.kafka import KafkaConfig, KafkaSyncLog
+    from runtime.kafka.broker import EmbeddedBroker
 
     async with EmbeddedBroker() as broker:
         config = KafkaConfig.embedded(broker.bootstrap)

@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from runtime import compat
 from runtime.spanner.decode import count_default_decoded, records_from_default_row
 from runtime.spanner.emulator import EmulatorUnavailable, SpannerEmulator
 from runtime.spanner.loadgen import LoadGenerator
@@ -55,7 +56,9 @@ async def _capture(source: SpannerSource, parts: Parts) -> list[list[bytes]]:
             rs = await snapshot.execute_sql(
                 source._sql, params=params, param_types=types, lazy_decode=True
             )
-            responses.extend([PartialResultSet.serialize(i) async for i in rs._response_iterator])
+            responses.extend(
+                [PartialResultSet.serialize(i) async for i in compat.response_iterator(rs)]
+            )
         captured.append(responses)
     return captured
 

@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from actors.runtime import open_task
-from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig
+from runtime.kafka.broker import EmbeddedBroker
 from runtime.ports import SinkBatch
 from runtime.simsource import SimulatedSource
 from runtime.simstream import StreamModel, StreamParams

@@ -1,4 +1,4 @@
-"""The embedded broker launcher (``runtime.broker``): start, readiness, port-taken detection,
+"""The embedded broker launcher (``runtime.kafka.broker``): start, readiness, port-taken detection,
 retry on another port, stop."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import runtime.broker as broker_module
-from runtime.broker import BrokerError, EmbeddedBroker, free_port, probe_metadata
+import runtime.kafka.broker as broker_module
+from runtime.kafka.broker import BrokerError, EmbeddedBroker, free_port, probe_metadata
 
 pytestmark = pytest.mark.kafka
 
@@ -49,7 +49,7 @@ def test_start_answers_kafka_and_stop_frees_the_port(tmp_path: Path) -> None:
 
 
 def test_port_taken_is_detected(taken_port: int) -> None:
-    broker = EmbeddedBroker(port=taken_port, start_timeout=5)
+    broker = EmbeddedBroker(port=taken_port, start_timeout_s=5)
     with pytest.raises(BrokerError, match=rf"port {taken_port}: the broker exited") as info:
         broker.start()
     assert "Address in use" in str(info.value)  # the broker's log tail is quoted
@@ -75,7 +75,7 @@ def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_stop_escalates_to_sigkill() -> None:
-    broker = EmbeddedBroker(stop_timeout=0.001)
+    broker = EmbeddedBroker(stop_timeout_s=0.001)
     broker.start()
     started = time.monotonic()
     broker.stop()
@@ -87,7 +87,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="attempts"):
         EmbeddedBroker(attempts=0)
     with pytest.raises(ValueError, match="positive"):
-        EmbeddedBroker(start_timeout=0)
+        EmbeddedBroker(start_timeout_s=0)
 
 
 @pytest.mark.asyncio

@@ -23,8 +23,8 @@ import pytest
 
 from actors.cli.run import expected_below_watermarks, stream_params
 from actors.cli.sinks import read_rows
-from runtime.broker import EmbeddedBroker, free_port
 from runtime.config import SimOptions
+from runtime.kafka.broker import EmbeddedBroker, free_port
 from runtime.progress import RunSummary
 from runtime.simstream import StreamModel
 from runtime.spark import KEY_COLUMNS, read_output

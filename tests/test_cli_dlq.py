@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from protocol.retry import RetryPolicy
-from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig
-from runtime.kafka_sink import KafkaSink, KafkaSinkConfig
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.test_kafka_sink import expected_ids, failing, key_of, put_all, read_output, workload
 

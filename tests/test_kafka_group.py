@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 import pytest
 
-from runtime.broker import EmbeddedBroker, free_port
 from runtime.kafka import KafkaConfig, KafkaMembership, MembershipError, heartbeat_topic
+from runtime.kafka.broker import EmbeddedBroker, free_port
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost
 from tests.fixtures.kafka import (
     connector,

@@ -1,4 +1,4 @@
-"""The Kafka output sink (``runtime.kafka_sink``) against the embedded broker: failing keys do not
+"""The Kafka output sink (``runtime.kafka.sink``) against the embedded broker: failing keys do not
 hold up the others, per-key commit order, every record delivered or dead-lettered exactly once,
 a killed sink's RQ resumed by a new one, DLQ list and replay."""
 
@@ -19,9 +19,9 @@ from aiokafka.structs import TopicPartition
 from protocol.records import ColumnType, DataChange, Mod
 from protocol.retry import RetryPolicy
 from protocol.routing import key_hash, router, shard_of_partition
-from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig
-from runtime.kafka_sink import (
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.kafka.sink import (
     KafkaSink,
     KafkaSinkConfig,
     OutputRecord,
@@ -387,7 +387,7 @@ _CHILD = """
 import asyncio, sys
 from protocol.retry import RetryPolicy
 from runtime.kafka import KafkaConfig
-from runtime.kafka_sink import KafkaSink, KafkaSinkConfig
+from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
 from tests.test_kafka_sink import failing, put_all, workload
 
 async def main() -> None:

@@ -10,7 +10,6 @@ import time
 import pytest
 
 from protocol.messages import MarkerMessage, StateMessage, decode, encode
-from runtime.broker import EmbeddedBroker, free_port
 from runtime.kafka import (
     KafkaAdapterError,
     KafkaConfig,
@@ -20,6 +19,7 @@ from runtime.kafka import (
     replay_until_marker,
     sync_topic,
 )
+from runtime.kafka.broker import EmbeddedBroker, free_port
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name

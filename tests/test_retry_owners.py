@@ -13,7 +13,7 @@ import pytest
 
 from protocol.retry import RetryPolicy
 from runtime.kafka import KafkaConfig
-from runtime.retry_queue import (
+from runtime.kafka.retry_queue import (
     PendingSend,
     RetryQueue,
     RetryQueueConfig,
@@ -237,7 +237,7 @@ async def test_an_undecodable_rq_message_stops_a_shared_queue_loudly(
 ) -> None:
     """Skipping an RQ message could lose a parked record: the queue fails with an error that
     names the topic and offset, and closes (no hang, no leaked task)."""
-    from runtime.retry_queue import make_producer
+    from runtime.kafka.retry_queue import make_producer
 
     config = RetryQueueConfig(
         rq=internal_topic(f"{connector}_rq", 1),
@@ -275,7 +275,7 @@ async def test_dlq_replay_via_the_running_driver(kafka_config: KafkaConfig, conn
     """``dlq replay --via-leader``: the records go back to the RQ from a helper that sends
     nothing; the running driver delivers them, with the records parked behind; the helper
     returns once it has seen them delivered. With no driver it says so after its timeout."""
-    from runtime.retry_queue import RetryQueueError, replay_via_driver
+    from runtime.kafka.retry_queue import RetryQueueError, replay_via_driver
 
     config = RetryQueueConfig(
         rq=internal_topic(f"{connector}_rq", 2),

@@ -25,8 +25,8 @@ from actors.runtime import build_parser
 from protocol.records import ColumnType, DataChange, Mod
 from protocol.retry import RetryPolicy
 from runtime import config as options
-from runtime.broker import EmbeddedBroker
 from runtime.kafka import KafkaConfig
+from runtime.kafka.broker import EmbeddedBroker
 from runtime.ports import SinkBatch
 from runtime.spark import SparkBridge, SparkConfig, read_output
 from runtime.spark.bridge import write_default
@@ -356,7 +356,7 @@ async def test_a_sigkilled_bridge_process_leaves_its_rq_to_the_next_one(
 
 
 def test_records_round_trip_and_halves_keep_keys_together() -> None:
-    from runtime.kafka_sink import decode_output
+    from runtime.kafka.sink import decode_output
     from runtime.spark.bridge import _ordering_keys
     from runtime.spark.keyed import encode_record, halves, records_table
 

@@ -22,7 +22,7 @@ from runtime.config import ConfigError, ShoalConfig, kafka_config
 
 if TYPE_CHECKING:
     from runtime.kafka import KafkaConfig
-    from runtime.kafka_sink import KafkaSinkConfig
+    from runtime.kafka.sink import KafkaSinkConfig
     from runtime.spark.bridge import SparkConfig
     from runtime.spark.dead_letter import DeadLetterConfig
 
@@ -170,7 +170,7 @@ async def dlq(
 
 
 def _kafka_sink_config(config: ShoalConfig) -> KafkaSinkConfig:
-    from runtime.kafka_sink import KafkaSinkConfig
+    from runtime.kafka.sink import KafkaSinkConfig
 
     name = config.kafka.output_topic or f"{config.run.connector}_output"
     return KafkaSinkConfig(name=name, partitions=config.kafka.output_partitions)
@@ -194,7 +194,7 @@ def _spark_settings(
 async def _kafka_dlq(
     config: ShoalConfig, kafka: KafkaConfig, action: str, ids: list[str], out: TextIO
 ) -> int:
-    from runtime.kafka_sink import list_dlq, replay_dlq
+    from runtime.kafka.sink import list_dlq, replay_dlq
 
     sink = _kafka_sink_config(config)
     name = sink.name
@@ -226,7 +226,7 @@ async def _spark_dlq(
 async def _replay_via_leader(
     config: ShoalConfig, kafka: KafkaConfig, ids: list[str], out: TextIO
 ) -> int:
-    from runtime.retry_queue import replay_via_driver
+    from runtime.kafka.retry_queue import replay_via_driver
 
     if config.run.sink == "kafka":
         sink = _kafka_sink_config(config)

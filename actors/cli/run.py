@@ -344,7 +344,7 @@ class Pipeline:
     async def _start_kafka(self, stack: AsyncExitStack) -> str:
         if self.config.kafka.bootstrap_servers is not None:
             return self.config.kafka.bootstrap_servers
-        from runtime.broker import EmbeddedBroker
+        from runtime.kafka.broker import EmbeddedBroker
 
         broker = EmbeddedBroker(log_path=self.output_dir / "broker.log")
         await stack.enter_async_context(broker)
@@ -442,7 +442,7 @@ class Pipeline:
             case "spark":
                 inner = await self._spark_sink(stack, kafka)
             case "kafka":
-                from runtime.kafka_sink import KafkaSink, KafkaSinkConfig
+                from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
 
                 sink_config = KafkaSinkConfig(
                     name=self._output_topic(), partitions=cfg.kafka.output_partitions

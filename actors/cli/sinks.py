@@ -2,7 +2,7 @@
 the per-task counting view every task node writes through.
 
 ``FileSink`` buffers the rows of many batches (one row per mod, the output-record shape of
-``runtime.kafka_sink.output_records``) and writes them as one parquet file once ``max_rows`` rows
+``runtime.kafka.sink.output_records``) and writes them as one parquet file once ``max_rows`` rows
 or ``max_age_s`` seconds have gathered; a file is written under a temporary name and renamed, so
 a reader never sees half a file. A batch's future resolves when the file holding its rows is
 renamed into place: that is its commit. ``max_buffered_rows`` bounds what is accepted and not yet
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Self
 import msgspec
 
 from protocol.records import DataChange
-from runtime.kafka_sink import output_records
+from runtime.kafka.sink import output_records
 from runtime.ports import Sink, SinkBatch, prepare_sink
 
 if TYPE_CHECKING:

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import IO, Any
 
+from runtime import compat
 from runtime.spanner.config import SpannerConfig
 
 __all__ = [
@@ -241,6 +242,7 @@ class SpannerEmulator:
 @contextlib.contextmanager
 def sync_client(config: SpannerConfig) -> Iterator[Any]:
     """A blocking ``google.cloud.spanner.Client`` whose gRPC channels are closed on exit."""
+    compat.disable_grpc_fork_support()
     from google.cloud import spanner
 
     client = spanner.Client(**config.client_kwargs())
@@ -255,11 +257,9 @@ def close_sync_client(client: Any, databases: Sequence[Any] = ()) -> None:
     ``close()`` of its own for them; unclosed channels warn at garbage collection."""
     for db in databases:
         db.close()
-        api = getattr(db, "_spanner_api", None)
-        if api is not None:
-            api.transport.close()
-    for attr in ("_instance_admin_api", "_database_admin_api"):
-        api = getattr(client, attr, None)
-        if api is not None:
-            api.transport.close()
+        transport = compat.database_transport(db)
+        if transport is not None:
+            transport.close()
+    for transport in compat.admin_transports(client):
+        transport.close()
     client.close()

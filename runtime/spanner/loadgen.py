@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from protocol.records import ModType
+from runtime import compat
 from runtime.spanner.config import SpannerConfig
 
 __all__ = ["Committed", "LoadGenerator", "expected_from_records"]
@@ -91,6 +92,7 @@ class LoadGenerator:
     async def connect(
         cls, config: SpannerConfig, tables: Sequence[str], *, seed: int = 0
     ) -> LoadGenerator:
+        compat.disable_grpc_fork_support()
         from google.cloud.spanner_v1 import AsyncClient
 
         from runtime.spanner.reader import close_async_database

@@ -35,10 +35,12 @@ records. ``token=None`` gives the root partitions as one ``ChildPartitions`` rec
 all its parents finished): tests and the benchmark use it; production partition scheduling is the
 actors' business.
 
-Uses two private parts of the client (3.71): the result set's ``_response_iterator`` (the
+Uses private parts of the client (3.71), through :mod:`runtime.compat`, which checks the installed
+version so an upgrade fails loudly, not silently: the result set's ``_response_iterator`` (the
 resuming stream of ``PartialResultSet``s, consumed directly: one partial result set is one batch,
-and the client's per-value Python row loop is skipped) and ``_async.streamed._merge_by_type`` (to
-join chunked values); both are checked so an upgrade fails loudly, not silently.
+and the client's per-value Python row loop is skipped), ``_async.streamed._merge_by_type`` (to
+join chunked values), and the gRPC call in a suspended generator's frame (to cancel a query whose
+consumer stopped early).
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
+from runtime import compat
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.decode import DecodeError, RecordLayout, count_default_decoded
 
@@ -96,20 +99,6 @@ class SourceStats(msgspec.Struct, frozen=True):
     records: int
     decode_seconds: float
     windows: int = 0  # partition queries continued past a query window's end
-
-
-def _merge_function() -> Callable[[Any, Any, Any], Any]:
-    """The client's merge of a chunked value with its continuation (3.71:
-    ``google.cloud.spanner_v1._async.streamed._merge_by_type``)."""
-    from google.cloud.spanner_v1._async import streamed
-
-    merge = getattr(streamed, "_merge_by_type", None)
-    if merge is None:
-        raise RuntimeError(
-            "google-cloud-spanner lacks _async.streamed._merge_by_type: this reader was written "
-            "against 3.71; check runtime/spanner/reader.py against the installed version"
-        )
-    return cast(Callable[[Any, Any, Any], Any], merge)
 
 
 def _service_errors() -> tuple[type[BaseException], ...]:
@@ -165,6 +154,7 @@ class SpannerSource:
 
     @classmethod
     async def connect(cls, config: SpannerConfig, *, max_batch: int = 1024) -> SpannerSource:
+        compat.disable_grpc_fork_support()
         from google.cloud.spanner_v1 import AsyncClient
 
         client: Any = AsyncClient(**config.client_kwargs())
@@ -307,7 +297,7 @@ class SpannerSource:
                                     )
                             yield batch
                 finally:
-                    await _stop_stream(rs)
+                    await compat.cancel_stream(rs)
         except self._errors as exc:
             self._failed += 1
             raise PartitionQueryError(token, start_ts, f"{type(exc).__name__}: {exc}") from exc
@@ -335,8 +325,8 @@ class SpannerSource:
         value is a row) and merges chunked values with the client's own merge function."""
         from google.cloud.spanner_v1.types import PartialResultSet
 
-        merge = _merge_function()
-        responses = rs._response_iterator
+        merge = compat.merge_function()
+        responses = compat.response_iterator(rs)
         layout: RecordLayout | None = None
         column_type: Any = None
         pending: Any = None  # the chunked last value of the previous partial result set
@@ -384,33 +374,12 @@ class SpannerSource:
         return n
 
 
-async def _stop_stream(rs: Any) -> None:
-    """End the gRPC call behind a result set whose consumer stopped early.
-
-    Closing the client's response iterator alone leaves the call to the garbage collector (the
-    wrappers around it form reference cycles), so the server keeps streaming for a while. The
-    call object is the ``iterator`` local of the client's suspended ``_restart_on_unavailable``
-    generator (3.71): cancel it, then close the generator. Nothing to do once the stream ended."""
-    agen: Any = getattr(rs, "_response_iterator", None)
-    frame = getattr(agen, "ag_frame", None)
-    if frame is None:  # finished (normally or by an error)
-        return
-    call = frame.f_locals.get("iterator")
-    if call is not None:  # None: the call was never made
-        cancel = getattr(call, "cancel", None)
-        if callable(cancel):
-            cancel()
-        else:
-            log.warning("cannot find the gRPC call of a change-stream query to cancel it")
-    await agen.aclose()
-
-
 async def close_async_database(database: Any) -> None:
     """Stop the database's session maintenance and close its gRPC channel."""
     await database.close()
-    api = getattr(database, "_spanner_api", None)
-    if api is not None:
-        await api.transport.close()
+    transport = compat.database_transport(database)
+    if transport is not None:
+        await transport.close()
 
 
 # -- reading a whole time range ---------------------------------------------------------------

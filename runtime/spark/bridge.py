@@ -23,7 +23,7 @@ futures, so a crash anywhere loses nothing.
   fresh batch id (so a ``foreach_batch`` idempotent per id never overwrites one half with the
   other; it must write nothing when it raises), down to single keys; a ``foreach_batch`` that
   raises ``RowsFailed(keys)`` names them at once. What succeeds is committed; the rows of keys
-  that fail alone go to the retry queue of ``runtime.retry_queue.RetryQueue`` (the Kafka sink's
+  that fail alone go to the retry queue of ``runtime.kafka.retry_queue.RetryQueue`` (the Kafka sink's
   shell and topic format, here ``<name>_rq`` / ``<name>_dlq``), retried with backoff as small
   Spark batches (one row per key at a time), dead-lettered after ``policy.max_attempts``. **Per
   key order**: every later row of a key the queue holds (``RetryQueue.blocks``) is taken out of
@@ -52,8 +52,8 @@ from typing import Any, Literal, Self
 import msgspec
 
 from protocol.records import DataChange
+from runtime.kafka.retry_queue import PendingSend, RetryQueue, RetryQueueError
 from runtime.ports import SinkBatch
-from runtime.retry_queue import PendingSend, RetryQueue, RetryQueueError
 from runtime.spark.dead_letter import DeadLetterConfig, SparkDlqRecord
 from runtime.spark.keyed import (
     RowsFailed,

@@ -1,7 +1,7 @@
 """Settings and operator helpers of the Spark bridge's retry queue and dead-letter queue.
 
 The bridge (``SparkConfig.dead_letter``) keeps failing rows in two Kafka topics, ``<name>_rq``
-and ``<name>_dlq``, in the format of :mod:`runtime.retry_queue` (the Kafka output sink's), each
+and ``<name>_dlq``, in the format of :mod:`runtime.kafka.retry_queue` (the Kafka output sink's), each
 entry carrying its row as :class:`runtime.spark.keyed.SparkRecord` JSON. :func:`list_dlq` reads
 them without Spark; replaying needs a bridge (it writes the rows to Spark):
 ``SparkBridge.replay_dlq`` on a running one, or :func:`replay_dlq` with the regular owner stopped.
@@ -17,7 +17,7 @@ import msgspec
 
 from protocol.retry import RetryPolicy
 from runtime.kafka import KafkaConfig
-from runtime.retry_queue import RetryQueueConfig, internal_topic, load_dlq
+from runtime.kafka.retry_queue import RetryQueueConfig, internal_topic, load_dlq
 from runtime.spark.keyed import SparkRecord, decode_record
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""A Kafka output sink with a retry queue and a dead-letter queue (design 003).
+"""A Kafka output sink with a retry queue and a dead-letter queue (``docs/design.md``, "Retry and
+dead-letter queues", "Routing").
 
 :class:`KafkaSink` implements :class:`runtime.ports.Sink`. Every mod of every ``DataChange``
 becomes one :class:`OutputRecord` (JSON), produced to the output composite topic ``<name>``
@@ -7,7 +8,7 @@ topic the produce pointer names (:mod:`protocol.routing`), so producers agree on
 shard consistent when the topic is scaled.
 
 The rules of delivery are those of :mod:`protocol.retry` (the pure core), carried out by the
-shared durable shell :class:`runtime.retry_queue.RetryQueue`; this module is the output topic
+shared durable shell :class:`runtime.kafka.retry_queue.RetryQueue`; this module is the output topic
 and the per-record delivery port:
 
 * per key, records go out in commit order, one at a time (the next after the previous is
@@ -17,7 +18,7 @@ and the per-record delivery port:
   ``<name>_dlq``; a key with a DLQ record blocks or releases (``RetryPolicy.dlq_blocks``);
 * the RQ and DLQ topics hold the core's log entries (each with its payload, the
   :class:`OutputRecord` JSON), routed by the same key hash, so **a new sink over the same topics
-  resumes the state** (see :mod:`runtime.retry_queue`).
+  resumes the state** (see :mod:`runtime.kafka.retry_queue`).
 
 A batch's future (``put``) resolves when each of its records is settled: delivered to the output
 topic, or durably written to the RQ or the DLQ. It fails if the sink dies first; the caller then
@@ -29,8 +30,8 @@ key).
 :func:`list_dlq` and :func:`replay_dlq` are the operator helpers (the CLI calls them). Replay runs
 a sink over the topics that drives the RQ itself, so stop the shoal processes over those topics
 meanwhile (nothing fences a replay from the group leader's driving queue), or use
-:func:`runtime.retry_queue.replay_via_driver` (``dlq replay --via-leader``). Several shoal
-processes share one sink's RQ/DLQ through ``driver=`` (see :mod:`runtime.retry_queue`).
+:func:`runtime.kafka.retry_queue.replay_via_driver` (``dlq replay --via-leader``). Several shoal
+processes share one sink's RQ/DLQ through ``driver=`` (see :mod:`runtime.kafka.retry_queue`).
 
 For tests, ``inject`` is a failure injector: ``inject(record, attempts)`` returns an error text to
 fail that delivery (before anything is produced), or ``None``.
@@ -56,9 +57,8 @@ from protocol.routing import (
     partitions_for_shard,
     shard_of_partition,
 )
-from runtime.kafka import KafkaConfig
-from runtime.ports import SinkBatch
-from runtime.retry_queue import (
+from runtime.kafka.config import KafkaConfig
+from runtime.kafka.retry_queue import (
     InternalMessage,
     PendingSend,
     RetryQueue,
@@ -69,15 +69,16 @@ from runtime.retry_queue import (
     ordering_key,
     split_key,
 )
+from runtime.ports import SinkBatch
 
 __all__ = [
     "DlqRecord",
     "InternalMessage",
     "KafkaSink",
     "KafkaSinkConfig",
+    "KafkaSinkError",
     "KafkaSinkStats",
     "OutputRecord",
-    "SinkError",
     "decode_output",
     "list_dlq",
     "ordering_key",
@@ -89,7 +90,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class SinkError(RetryQueueError):
+class KafkaSinkError(RetryQueueError):
     """The sink failed or was closed; pending batches will not be committed by it."""
 
 
@@ -158,7 +159,7 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
     produced to) when their partition count is a multiple of it (``K = r / base``, else 1), so a
     key's RQ/DLQ partition belongs to the same shard as its output partition. With
     ``shard_count > 1`` this sink is shard ``shard_id``: it accepts only keys whose output
-    partition is in its range, and resumes only its ranges of the RQ and DLQ. The seed asks that
+    partition is in its range, and resumes only its ranges of the RQ and DLQ. The design asks that
     ``shard_count`` divide the output base and the RQ/DLQ partition counts; this is checked."""
 
     name: str
@@ -232,7 +233,8 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self._internal(f"{self.name}_dlq", self.dlq_partitions)
 
     def queue_config(self) -> RetryQueueConfig:
-        """The RQ/DLQ settings of this sink (shard) for :class:`runtime.retry_queue.RetryQueue`."""
+        """The RQ/DLQ settings of this sink (shard) for
+        :class:`runtime.kafka.retry_queue.RetryQueue`."""
         return RetryQueueConfig(
             rq=self.rq_topic(),
             dlq=self.dlq_topic(),
@@ -285,7 +287,7 @@ class KafkaSink:
         takeover_grace_s: float = 10.0,
     ) -> None:
         """``driver``: several processes share this sink's RQ/DLQ, and this one may send the
-        RQ's records while ``driver()`` is true (see :class:`runtime.retry_queue.RetryQueue`);
+        RQ's records while ``driver()`` is true (see :class:`runtime.kafka.retry_queue.RetryQueue`);
         None: this sink is the RQ/DLQ's only owner."""
         self._config = config
         self.sink_config = sink
@@ -355,13 +357,13 @@ class KafkaSink:
                 [(rec.record_id, rec.key, _out_encoder.encode(rec)) for rec in records]
             )
         except RetryQueueError as exc:
-            raise SinkError(str(exc)) from exc
+            raise KafkaSinkError(str(exc)) from exc
 
     def _check_alive(self) -> None:
         try:
             self._queue.check_alive()
         except RetryQueueError as exc:
-            raise SinkError(f"{self!r}: {exc}") from exc
+            raise KafkaSinkError(f"{self!r}: {exc}") from exc
 
     # -- operator actions ------------------------------------------------------------------
 
@@ -389,7 +391,7 @@ class KafkaSink:
         try:
             await self._queue.wait_idle(include_rq=include_rq)
         except RetryQueueError as exc:
-            raise SinkError(str(exc)) from exc
+            raise KafkaSinkError(str(exc)) from exc
 
     def statistics(self) -> KafkaSinkStats:
         q = self._queue.statistics()

@@ -2,7 +2,7 @@
 wheel), used by the main job, the bench harness and the integration tests.
 
 The broker keeps everything in memory: a restart loses every topic and offset, so clients must be
-restarted with it. Facts this launcher works around (see ``/work/shared/INFRA.md``):
+restarted with it. Two behaviours of Tansu (measured with the pinned wheel) shape this launcher:
 
 * a port already in use makes Tansu panic *and exit with code 0*, so "the process started" means
   nothing: the launcher picks a free loopback port, then waits until the process is alive, accepts
@@ -138,21 +138,21 @@ class EmbeddedBroker:
         host: str = LOOPBACK,
         port: int | None = None,
         log_path: str | os.PathLike[str] | None = None,
-        start_timeout: float = 10.0,
-        stop_timeout: float = 8.0,
+        start_timeout_s: float = 10.0,
+        stop_timeout_s: float = 8.0,
         attempts: int = 4,
         binary: str | None = None,
         rust_log: str = "warn",
     ) -> None:
-        if start_timeout <= 0 or stop_timeout <= 0:
-            raise ValueError("start_timeout and stop_timeout must be positive")
+        if start_timeout_s <= 0 or stop_timeout_s <= 0:
+            raise ValueError("start_timeout_s and stop_timeout_s must be positive")
         if attempts < 1:
             raise ValueError(f"attempts must be at least 1, got {attempts}")
         self._host = host
         self._requested_port = port
         self._log_path = Path(log_path) if log_path is not None else None
-        self._start_timeout = start_timeout
-        self._stop_timeout = stop_timeout
+        self._start_timeout_s = start_timeout_s
+        self._stop_timeout_s = stop_timeout_s
         self._attempts = 1 if port is not None else attempts
         self._binary = binary
         self._rust_log = rust_log
@@ -262,7 +262,7 @@ class EmbeddedBroker:
             log_file.close()
             return f"cannot execute {binary}: {exc}"
         self._process, self._log_file, self._port = process, log_file, port
-        deadline = time.monotonic() + self._start_timeout
+        deadline = time.monotonic() + self._start_timeout_s
         last_error = "no answer yet"
         while time.monotonic() < deadline:
             code = process.poll()
@@ -283,22 +283,22 @@ class EmbeddedBroker:
                 return f"the broker exited with code {code} after the port answered (port taken)"
             return None
         self._kill_and_wait()
-        return f"not ready after {self._start_timeout:.1f} s ({last_error})"
+        return f"not ready after {self._start_timeout_s:.1f} s ({last_error})"
 
     def stop(self) -> None:
-        """Stop the broker: ``SIGTERM``, then ``SIGKILL`` after ``stop_timeout``. Idempotent."""
+        """Stop the broker: ``SIGTERM``, then ``SIGKILL`` after ``stop_timeout_s``. Idempotent."""
         process = self._process
         if process is None:
             return
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(self._stop_timeout)
+                process.wait(self._stop_timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning(
                     "embedded broker pid %d ignored SIGTERM for %.1f s; killing it",
                     process.pid,
-                    self._stop_timeout,
+                    self._stop_timeout_s,
                 )
                 self._kill_and_wait()
                 return
@@ -315,7 +315,7 @@ class EmbeddedBroker:
         if process is not None and process.poll() is None:
             process.kill()
             try:
-                process.wait(self._stop_timeout)
+                process.wait(self._stop_timeout_s)
             except subprocess.TimeoutExpired as exc:
                 raise BrokerError(f"broker pid {process.pid} survived SIGKILL") from exc
         self._cleanup()

@@ -1,5 +1,6 @@
-"""The durable shell of design 003's retry queue and dead-letter queue, shared by the Kafka output
-sink (:mod:`runtime.kafka_sink`) and the Spark bridge (:mod:`runtime.spark.bridge`).
+"""The durable shell of the retry queue and dead-letter queue (``docs/design.md``, "Retry and
+dead-letter queues"), shared by the Kafka output sink (:mod:`runtime.kafka.sink`) and the Spark
+bridge (:mod:`runtime.spark.bridge`).
 
 :class:`RetryQueue` drives the pure core :class:`protocol.retry.RetryCore` and does its I/O:
 
@@ -88,7 +89,8 @@ from protocol.retry import (
     from_log,
 )
 from protocol.routing import CompositeTopic, StorageTopic, key_hash
-from runtime.kafka import KafkaConfig, ensure_topic
+from runtime.kafka.config import KafkaConfig
+from runtime.kafka.topics import ensure_topic
 
 __all__ = [
     "InternalMessage",

@@ -1,0 +1,77 @@
+"""Epoch numbering: which epoch a group generation gets, and which epochs a member accepts.
+
+Pure functions (no I/O, no clock); the Kafka membership adapter (:mod:`runtime.kafka.membership`)
+calls them, and a simulator can call the same ones. See ``docs/design.md``, "Epochs".
+
+An *epoch* numbers a generation of the heartbeat-topic group in the sync topic, where it fences
+older messages (:mod:`protocol.cim`). Epochs must never go back, but Kafka's generations do: they
+start over when the group is gone (the embedded broker restarted, or a real Kafka deleted the
+empty group's metadata) while the sync topic keeps the old epochs. So the epoch is decided here,
+not taken from Kafka:
+
+1. **What a member knows.** A member knows the newest epoch it was assigned and the newest epoch
+   it read in the sync topic (its CIM's epoch); it knows the larger (:func:`newest`). Nothing
+   known is :data:`NO_EPOCH` (-1). Each member tells the group leader what it knows when it
+   joins.
+2. **Numbering.** The group leader gives generation ``g`` the epoch ``max(g, n + 1)``, ``n``
+   being the newest epoch the leader or any member knows (:func:`number`). While Kafka keeps its
+   generations, the epoch *is* the generation; after the group started over, epochs go on from
+   the newest known one.
+3. **An assignment without an epoch.** A leader that predates epochs sends :data:`NO_EPOCH` (any
+   negative number counts as none); its assignment stands for the generation itself
+   (:func:`receive`).
+4. **Acceptance.** A member accepts an assigned epoch only if it is newer than every epoch it
+   knows (:func:`receive` returns :class:`Accepted`). Otherwise (:class:`Stale`: the leader had
+   not read as far, e.g. a race at the first join, or the group started over and nobody told
+   the leader) it refuses it: it counts the refusal, treats its membership as lost and rejoins,
+   and so tells the next leader the epoch it knows. Rule 2 then gives a newer epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+import msgspec
+
+__all__ = ["NO_EPOCH", "Accepted", "Stale", "newest", "number", "receive"]
+
+NO_EPOCH: Final = -1
+
+
+class Accepted(msgspec.Struct, frozen=True):
+    """The member takes the assignment; this is the generation's epoch."""
+
+    epoch: int
+
+
+class Stale(msgspec.Struct, frozen=True):
+    """The member refuses the assignment: ``epoch`` is not newer than the ``known`` one."""
+
+    epoch: int
+    known: int
+
+    @property
+    def reason(self) -> str:
+        return f"assigned a stale epoch {self.epoch} (epoch {self.known} is known here)"
+
+
+def newest(*epochs: int) -> int:
+    """The newest of the epochs a member knows (rule 1); :data:`NO_EPOCH` if none."""
+    return max(epochs, default=NO_EPOCH)
+
+
+def number(generation: int, known: Iterable[int]) -> int:
+    """The epoch the group leader gives ``generation``, given the epochs the leader and the
+    members know (rule 2): ``max(generation, newest known + 1)``."""
+    return max(generation, newest(*known) + 1)
+
+
+def receive(assigned: int, generation: int, known: int) -> Accepted | Stale:
+    """What a member makes of an assignment carrying epoch ``assigned`` (:data:`NO_EPOCH` from
+    a leader that predates epochs: rule 3) in ``generation``, when it knows epoch ``known``
+    (rule 4)."""
+    epoch = assigned if assigned >= 0 else generation
+    if epoch <= known:
+        return Stale(epoch=epoch, known=known)
+    return Accepted(epoch=epoch)

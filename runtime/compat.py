@@ -1,0 +1,221 @@
+"""Every place where shoal relies on a library's private parts, in one module, each checked against
+the library versions it was written for.
+
+Where a library offers no public way to do something shoal needs, the code that reaches into its
+private attributes lives here, behind a small function. Each function first checks the installed
+version of the library (:func:`check`) and raises :class:`IncompatibleLibraryError` on a version
+it was not written for, naming the library, the installed and the supported versions, instead of
+misbehaving later in a way that is hard to trace. To support a new version, read the function
+against the library's new source and add the version to :data:`AIOKAFKA` or :data:`SPANNER`.
+
+aiokafka (:data:`AIOKAFKA`), used by :mod:`runtime.kafka.membership`:
+
+* :func:`observe_heartbeats` wraps ``GroupCoordinator._do_heartbeat`` to learn when a heartbeat
+  succeeds (aiokafka has no callback for it; the membership lease is built on it);
+* :func:`group_coordinator` is the consumer's ``_coordinator`` (generation, member id,
+  ``request_rejoin``);
+* :func:`send_leave_group` sends a LeaveGroup through the coordinator's ``_send_req`` (aiokafka
+  sends none in generation 0, the embedded broker's first).
+
+google-cloud-spanner (:data:`SPANNER`), used by :mod:`runtime.spanner`:
+
+* :func:`response_iterator` is a result set's ``_response_iterator`` (the stream of partial
+  result sets, decoded by shoal's own decoder);
+* :func:`merge_function` is ``_async.streamed._merge_by_type`` (joins chunked values);
+* :func:`cancel_stream` cancels the gRPC call of a result set whose consumer stopped early: the
+  call is the ``iterator`` local in the frame of the client's suspended generator;
+* :func:`database_transport` and :func:`admin_transports` find the gRPC transports a database
+  or a blocking client opened (no public ``close()`` reaches them).
+
+And one process-wide setting of gRPC, applied where a Spanner client is created rather than at
+import (importing :mod:`runtime` changes nothing): :func:`disable_grpc_fork_support`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final, NamedTuple, cast
+
+log = logging.getLogger(__name__)
+
+
+class Supported(NamedTuple):
+    """A library (its distribution name) and the release series (``major.minor``) whose private
+    parts the functions here were written against."""
+
+    distribution: str
+    series: tuple[str, ...]
+
+
+AIOKAFKA: Final = Supported("aiokafka", ("0.14",))
+SPANNER: Final = Supported("google-cloud-spanner", ("3.71",))
+
+
+class IncompatibleLibraryError(RuntimeError):
+    """An installed library is a version whose private parts shoal was not written against."""
+
+
+@functools.cache
+def installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` (read once)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise IncompatibleLibraryError(f"{distribution} is not installed") from exc
+
+
+def supports(library: Supported, version: str) -> bool:
+    """Whether ``version`` belongs to one of ``library``'s supported series (``0.14`` covers
+    ``0.14``, ``0.14.0``, ``0.14.2rc1``, not ``0.140``)."""
+    return any(version == s or version.startswith(s + ".") for s in library.series)
+
+
+def check(library: Supported, use: str) -> None:
+    """Raise :class:`IncompatibleLibraryError` unless the installed ``library`` is a supported
+    version; ``use`` says which private part is about to be used, and what for."""
+    version = installed_version(library.distribution)
+    if not supports(library, version):
+        series = ", ".join(f"{s}.*" for s in library.series)
+        raise IncompatibleLibraryError(
+            f"{library.distribution} {version} is installed, but shoal uses a private part of it "
+            f"({use}) written against {library.distribution} {series} only. Install a supported "
+            f"version (pyproject.toml pins it), or check runtime/compat.py against "
+            f"{library.distribution} {version} and add it to the supported versions."
+        )
+
+
+def _missing(library: Supported, part: str) -> IncompatibleLibraryError:
+    version = installed_version(library.distribution)
+    return IncompatibleLibraryError(
+        f"{library.distribution} {version} has no {part}, which shoal uses (runtime/compat.py); "
+        f"it was written against {library.distribution} "
+        f"{', '.join(s + '.*' for s in library.series)}"
+    )
+
+
+# -- aiokafka ------------------------------------------------------------------------------------
+
+
+def group_coordinator(consumer: Any) -> Any:
+    """The consumer's group coordinator (``AIOKafkaConsumer._coordinator``), or ``None`` before
+    the consumer started."""
+    check(AIOKAFKA, "AIOKafkaConsumer._coordinator")
+    return consumer._coordinator
+
+
+def observe_heartbeats(
+    coordinator: Any, clock: Callable[[], float], on_heartbeat: Callable[[float, bool], None]
+) -> None:
+    """After each heartbeat ``coordinator`` sends, call ``on_heartbeat(sent, ok)``: ``sent`` is
+    ``clock()`` just before it was sent, ``ok`` whether it succeeded. Wraps
+    ``GroupCoordinator._do_heartbeat``, which returns that success."""
+    check(AIOKAFKA, "GroupCoordinator._do_heartbeat, wrapped to observe heartbeats")
+    original = getattr(coordinator, "_do_heartbeat", None)
+    if original is None:
+        raise _missing(AIOKAFKA, "GroupCoordinator._do_heartbeat")
+
+    async def observed_heartbeat() -> bool:
+        sent = clock()
+        ok: bool = await original()
+        on_heartbeat(sent, ok)
+        return ok
+
+    coordinator._do_heartbeat = observed_heartbeat
+
+
+async def send_leave_group(coordinator: Any, group_id: str) -> None:
+    """Send a LeaveGroup request for the coordinator's member (``GroupCoordinator._send_req``)."""
+    check(AIOKAFKA, "GroupCoordinator._send_req, to send LeaveGroup")
+    from aiokafka.protocol.group import LeaveGroupRequest
+
+    await coordinator._send_req(LeaveGroupRequest(group_id, coordinator.member_id))
+
+
+# -- google-cloud-spanner ------------------------------------------------------------------------
+
+
+def response_iterator(result_set: Any) -> AsyncIterator[Any]:
+    """The partial result sets of an async ``StreamedResultSet`` (its ``_response_iterator``: the
+    client's resuming stream), consumed directly instead of the client's row loop."""
+    check(SPANNER, "StreamedResultSet._response_iterator")
+    try:
+        responses: AsyncIterator[Any] = result_set._response_iterator
+    except AttributeError:
+        raise _missing(SPANNER, "StreamedResultSet._response_iterator") from None
+    return responses
+
+
+def merge_function() -> Callable[[Any, Any, Any], Any]:
+    """The client's merge of a chunked value with its continuation
+    (``google.cloud.spanner_v1._async.streamed._merge_by_type``)."""
+    check(SPANNER, "_async.streamed._merge_by_type")
+    from google.cloud.spanner_v1._async import streamed
+
+    merge = getattr(streamed, "_merge_by_type", None)
+    if merge is None:
+        raise _missing(SPANNER, "_async.streamed._merge_by_type")
+    return cast(Callable[[Any, Any, Any], Any], merge)
+
+
+async def cancel_stream(result_set: Any) -> None:
+    """End the gRPC call behind an async result set whose consumer stopped early.
+
+    Closing the client's response iterator alone leaves the call to the garbage collector (the
+    wrappers around it form reference cycles), so the server keeps streaming for a while. The
+    call object is the ``iterator`` local of the client's suspended ``_restart_on_unavailable``
+    generator: cancel it, then close the generator. Nothing to do once the stream ended."""
+    check(SPANNER, "the 'iterator' local of the suspended response generator's frame")
+    agen: Any = getattr(result_set, "_response_iterator", None)
+    frame = getattr(agen, "ag_frame", None)
+    if frame is None:  # finished (normally or by an error)
+        return
+    call = frame.f_locals.get("iterator")
+    if call is not None:  # None: the call was never made
+        cancel = getattr(call, "cancel", None)
+        if callable(cancel):
+            cancel()
+        else:
+            log.warning("cannot find the gRPC call of a change-stream query to cancel it")
+    await agen.aclose()
+
+
+def database_transport(database: Any) -> Any:
+    """The gRPC transport of a database's Spanner API (``Database._spanner_api``), or ``None``
+    if it was never opened."""
+    check(SPANNER, "Database._spanner_api")
+    api = getattr(database, "_spanner_api", None)
+    return None if api is None else api.transport
+
+
+def admin_transports(client: Any) -> list[Any]:
+    """The gRPC transports of a blocking client's admin APIs that were opened
+    (``Client._instance_admin_api``, ``Client._database_admin_api``)."""
+    check(SPANNER, "Client._instance_admin_api and Client._database_admin_api")
+    apis = (getattr(client, a, None) for a in ("_instance_admin_api", "_database_admin_api"))
+    return [api.transport for api in apis if api is not None]
+
+
+# -- gRPC ----------------------------------------------------------------------------------------
+
+GRPC_FORK_SUPPORT: Final = "GRPC_ENABLE_FORK_SUPPORT"
+
+
+def disable_grpc_fork_support() -> None:
+    """Turn gRPC's fork handlers off for this process unless the user set
+    ``GRPC_ENABLE_FORK_SUPPORT``. Call it before a Spanner client (gRPC) is first imported.
+
+    With them on, a fork while the Spanner client's threads run breaks the child: Spark's JVM
+    launcher dies at once ("Java gateway process exited before sending its port number") when the
+    Spanner and Spark paths share one process. gRPC reads the variable when it is imported."""
+    if GRPC_FORK_SUPPORT not in os.environ and "grpc" in sys.modules:
+        log.info(
+            "gRPC was imported before its fork support could be turned off; set %s=false in "
+            "the environment if a fork (e.g. Spark's JVM launcher) fails",
+            GRPC_FORK_SUPPORT,
+        )
+    os.environ.setdefault(GRPC_FORK_SUPPORT, "false")

@@ -1,0 +1,182 @@
+"""How shoal reaches Kafka: :class:`KafkaConfig` (bootstrap servers, SASL/SSL, group timeouts),
+validated up front, and the keyword arguments every aiokafka client is built with. Its ``repr``
+never shows a secret."""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import msgspec
+from aiokafka.helpers import create_ssl_context
+
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+
+class KafkaAdapterError(RuntimeError):
+    """A Kafka adapter could not do what was asked; the message says what and why."""
+
+
+class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How to reach Kafka. ``session_timeout_ms``/``heartbeat_interval_ms`` are the heartbeat-topic
+    group's; the embedded broker is fine with 3000/1000 (:meth:`embedded`), a real Kafka refuses
+    sessions under its ``group.min.session.timeout.ms`` (6000 by default)."""
+
+    bootstrap_servers: str
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_keyfile_password: str | None = None
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    request_timeout_ms: int = 15_000
+    replication_factor: int = 1  # for the topics shoal creates; use 3 on a production cluster
+    client_id: str = "shoal"
+
+    @classmethod
+    def embedded(cls, bootstrap_servers: str) -> KafkaConfig:
+        """Settings for the embedded broker: plaintext, fast group timeouts (3000/1000 ms)."""
+        return cls(
+            bootstrap_servers=bootstrap_servers,
+            session_timeout_ms=3_000,
+            heartbeat_interval_ms=1_000,
+            request_timeout_ms=10_000,
+        )
+
+    def __post_init__(self) -> None:
+        servers = [s.strip() for s in self.bootstrap_servers.split(",")]
+        if not servers or any(not s for s in servers):
+            raise ValueError(
+                f"bootstrap_servers must be 'host:port[,host:port...]', got {self.bootstrap_servers!r}"
+            )
+        for server in servers:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"bootstrap server {server!r} is not 'host:port'")
+        for name in (
+            "session_timeout_ms",
+            "heartbeat_interval_ms",
+            "request_timeout_ms",
+            "replication_factor",
+        ):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below "
+                f"session_timeout_ms ({self.session_timeout_ms}); a third of it is usual"
+            )
+        sasl = self.security_protocol.startswith("SASL_")
+        if sasl:
+            if self.sasl_mechanism is None:
+                raise ValueError(f"security_protocol {self.security_protocol} needs sasl_mechanism")
+            if not self.sasl_username or self.sasl_password is None:
+                raise ValueError(
+                    f"SASL mechanism {self.sasl_mechanism} needs sasl_username and sasl_password"
+                )
+        elif self.sasl_mechanism is not None or self.sasl_username or self.sasl_password:
+            raise ValueError(
+                f"SASL settings are given but security_protocol is {self.security_protocol}; "
+                "use SASL_PLAINTEXT or SASL_SSL"
+            )
+        uses_ssl = self.security_protocol in ("SSL", "SASL_SSL")
+        ssl_files = (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
+        if not uses_ssl and any(f is not None for f in ssl_files):
+            raise ValueError(
+                f"SSL files are given but security_protocol is {self.security_protocol}; "
+                "use SSL or SASL_SSL"
+            )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together (client certificate)")
+
+    def __repr__(self) -> str:
+        shown = []
+        for field in self.__struct_fields__:
+            value = getattr(self, field)
+            if field in ("sasl_password", "ssl_keyfile_password") and value is not None:
+                value = "***"
+            if value != getattr(_DEFAULTS, field, None) or field == "bootstrap_servers":
+                shown.append(f"{field}={value!r}")
+        return f"KafkaConfig({', '.join(shown)})"
+
+    __str__ = __repr__
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The client TLS context, or ``None`` without SSL. Missing files are reported by name."""
+        if self.security_protocol not in ("SSL", "SASL_SSL"):
+            return None
+        for label, path in (
+            ("ssl_cafile", self.ssl_cafile),
+            ("ssl_certfile", self.ssl_certfile),
+            ("ssl_keyfile", self.ssl_keyfile),
+        ):
+            if path is not None and not Path(path).is_file():
+                raise KafkaAdapterError(f"{label} {path!r} does not exist or is not a file")
+        context: ssl.SSLContext = create_ssl_context(
+            cafile=self.ssl_cafile,
+            certfile=self.ssl_certfile,
+            keyfile=self.ssl_keyfile,
+            password=self.ssl_keyfile_password,
+        )
+        return context
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments common to aiokafka's producer, consumer and admin client."""
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+            "request_timeout_ms": self.request_timeout_ms,
+        }
+        context = self.ssl_context()
+        if context is not None:
+            kwargs["ssl_context"] = context
+        if self.sasl_mechanism is not None:
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+            kwargs["sasl_plain_username"] = self.sasl_username
+            kwargs["sasl_plain_password"] = self.sasl_password
+        return kwargs
+
+    def with_client_id(self, client_id: str) -> KafkaConfig:
+        return msgspec.structs.replace(self, client_id=client_id)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, str]) -> KafkaConfig:
+        """Build from strings (a config file section, environment variables); field names as
+        in this class. Unknown names are refused, so a typo does not go unnoticed."""
+        unknown = sorted(set(values) - set(cls.__struct_fields__))
+        if unknown:
+            raise ValueError(
+                f"unknown Kafka setting(s) {unknown}; known: {sorted(cls.__struct_fields__)}"
+            )
+        try:
+            return msgspec.convert(dict(values), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid Kafka settings: {exc}") from exc
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, prefix: str = "SHOAL_KAFKA_"
+    ) -> KafkaConfig:
+        """Build from ``SHOAL_KAFKA_<FIELD>`` variables, e.g. ``SHOAL_KAFKA_BOOTSTRAP_SERVERS``,
+        ``SHOAL_KAFKA_SASL_PASSWORD``, ``SHOAL_KAFKA_SESSION_TIMEOUT_MS``."""
+        env = os.environ if environ is None else environ
+        return cls.from_mapping(
+            {
+                key[len(prefix) :].lower(): value
+                for key, value in env.items()
+                if key.startswith(prefix)
+            }
+        )
+
+
+_DEFAULTS: Final = KafkaConfig(bootstrap_servers="localhost:9092")

@@ -1,0 +1,576 @@
+"""Membership of the consumer group named after the connector, on the heartbeat topic
+``<connector>_heartbeat``, as a :class:`runtime.ports.Membership` (:class:`KafkaMembership`).
+
+The group is used only for Kafka's rebalance protocol: a custom assignor, which runs on the group
+leader only, reads every member's task id from its subscription and tells every member the
+generation's leader and member list. No partition is ever assigned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from types import TracebackType
+from typing import Any, Final, Self
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
+from aiokafka.coordinator.protocol import (
+    ConsumerProtocolMemberAssignment,
+    ConsumerProtocolMemberMetadata,
+)
+from aiokafka.errors import KafkaError
+
+from protocol import epochs
+from runtime import compat
+from runtime.kafka.config import KafkaAdapterError, KafkaConfig
+from runtime.kafka.topics import check_connector, ensure_topic, heartbeat_topic
+from runtime.ports import GroupAssignment, GroupEvent, GroupLost
+
+log = logging.getLogger(__name__)
+
+_UNKNOWN_MEMBER_ID: Final = ""  # aiokafka's JoinGroupRequest.UNKNOWN_MEMBER_ID
+
+
+class MembershipError(KafkaAdapterError):
+    """The heartbeat-topic group membership failed for good (not a normal loss of membership)."""
+
+
+_ASSIGNOR_NAME: Final = "shoal-tasks-v1"
+
+
+class _MemberInfo(msgspec.Struct, frozen=True):
+    """What a member puts in its subscription's ``user_data``."""
+
+    task_id: str
+    v: int = 1
+    floor: int = epochs.NO_EPOCH  # the newest epoch this member knows (assigned, or in the log)
+
+
+class _GroupInfo(msgspec.Struct, frozen=True):
+    """What the leader puts in every member's assignment ``user_data``."""
+
+    leader: str
+    members: tuple[str, ...]
+    v: int = 1
+    epoch: int = epochs.NO_EPOCH  # the generation's epoch (none from a leader predating epochs)
+
+
+_member_info_decoder: Final = msgspec.json.Decoder(_MemberInfo)
+_group_info_decoder: Final = msgspec.json.Decoder(_GroupInfo)
+
+
+class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
+    """Assigns no partition; carries task ids (and the newest epoch each member knows) up in the
+    subscriptions, and the leader, the member list and the generation's epoch down.
+
+    The leader numbers the generation's epoch by :func:`protocol.epochs.number` (the rules are in
+    :mod:`protocol.epochs`): the generation, unless some member knows an epoch at least as new.
+
+    aiokafka calls ``metadata``/``on_assignment`` on every member and ``assign`` on the group
+    leader only, on this very instance (the ABC declares them classmethods; instances work).
+    """
+
+    name = _ASSIGNOR_NAME
+    version = 0
+
+    def __init__(
+        self, task_id: str, floor: Callable[[], int], generation: Callable[[], int]
+    ) -> None:
+        self._task_id = task_id
+        self._floor = floor
+        self._generation = generation
+        self.received: _GroupInfo | None = None  # the last assignment's info, if it decoded
+        self.bad_subscriptions = 0
+
+    def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:
+        user_data = msgspec.json.encode(_MemberInfo(task_id=self._task_id, floor=self._floor()))
+        return ConsumerProtocolMemberMetadata(self.version, sorted(topics), user_data)
+
+    def assign(
+        self, cluster: Any, members: Mapping[str, ConsumerProtocolMemberMetadata]
+    ) -> dict[str, ConsumerProtocolMemberAssignment]:
+        task_ids: dict[str, str] = {}
+        known = [self._floor()]
+        for member_id, metadata in members.items():
+            try:
+                member_info = _member_info_decoder.decode(metadata.user_data)
+                task_ids[member_id] = member_info.task_id
+                known.append(member_info.floor)
+            except msgspec.DecodeError as exc:
+                self.bad_subscriptions += 1
+                log.warning(
+                    "group member %s sent no shoal task id (%s); using its member id instead",
+                    member_id,
+                    exc,
+                )
+                task_ids[member_id] = member_id
+        unique = sorted(set(task_ids.values()))
+        if len(unique) != len(task_ids):
+            log.error(
+                "two group members claim the same task id (%s): task ids must be unique",
+                sorted(task_ids.values()),
+            )
+        # aiokafka sets the coordinator's generation from the JoinGroup response before it asks
+        # the leader to assign.
+        generation = self._generation()
+        epoch = epochs.number(generation, known)
+        if epoch != generation:
+            log.warning(
+                "group generation %d is not newer than epoch %d a member knows (the group "
+                "started over): this generation is epoch %d",
+                generation,
+                epochs.newest(*known),
+                epoch,
+            )
+        info = msgspec.json.encode(
+            _GroupInfo(leader=self._task_id, members=tuple(unique), epoch=epoch)
+        )
+        log.info("group leader %s assigns epoch %d members %s", self._task_id, epoch, unique)
+        return {
+            member_id: ConsumerProtocolMemberAssignment(self.version, [], info)
+            for member_id in members
+        }
+
+    def on_assignment(self, assignment: ConsumerProtocolMemberAssignment) -> None:
+        try:
+            self.received = _group_info_decoder.decode(assignment.user_data)
+        except msgspec.DecodeError as exc:
+            self.received = None
+            log.warning("undecodable group assignment from the leader: %s", exc)
+
+
+class MembershipStats(msgspec.Struct, frozen=True):
+    generation: int  # -1 while not a member
+    leader: str
+    members: tuple[str, ...]
+    assignments: int  # GroupAssignment events emitted
+    losses: int  # GroupLost events emitted
+    heartbeats_ok: int
+    heartbeats_failed: int
+    poll_errors: int
+    events_dropped: int  # oldest events dropped because nobody read them
+    stale_epochs: int  # assignments refused because their epoch was not newer than one known
+
+
+_END: Final = object()
+
+
+class KafkaMembership:
+    """Membership of the consumer group ``connector`` on the topic ``<connector>_heartbeat``.
+
+    ``await start()`` (or ``async with``) creates the topic if missing, joins in the background
+    and returns at once; :meth:`events` then yields a :class:`GroupAssignment` after each
+    completed rebalance and a :class:`GroupLost` when the membership is lost:
+
+    * the coordinator rejected a heartbeat or join (unknown member id, illegal generation —
+      the session expired or this member was fenced);
+    * no heartbeat succeeded for a whole session timeout (broker unreachable), or, while a
+      rebalance is in progress, for the session plus the rebalance timeout.
+
+    After a loss the member keeps trying to rejoin; success is a new :class:`GroupAssignment`.
+
+    :meth:`lease_valid_until` is the monotonic time of the last successful heartbeat (its send
+    time) or completed join, plus the session timeout, minus ``lease_margin_ms`` (default: a
+    sixth of the session, at most 1 s: it must cover how long the task takes to notice the
+    lease is past and stop its readers); ``-inf`` while not a member. A task stops its readers
+    once it is past. aiokafka sends no heartbeat while its JoinGroup is in flight, so a slow
+    rebalance (one waiting for a member that does not rejoin) can let the lease lapse although
+    this member is kept; :attr:`rebalance_in_progress` tells that case apart, and the next
+    assignment renews the lease. Measured on the embedded broker (3000/1000 ms): the lease
+    keeps >= ~0.5 s of headroom through ordinary joins, leaves and kills.
+
+    :meth:`close` leaves the group at once (others rebalance in ~2 s on the embedded broker
+    instead of waiting a session timeout); if this member's rebalance is in flight it first lets
+    it finish (at most the rebalance timeout + 1 s). ``rebalance_timeout_ms`` defaults to the
+    session timeout.
+
+    A :class:`GroupAssignment`'s ``generation`` is the *epoch* of the generation, which never goes
+    back, unlike Kafka's generations (they start at 0 on the embedded broker, restart when it
+    restarts, and on a real Kafka when an empty group's metadata is deleted). Each member tells
+    the leader the newest epoch it knows — the newest it was assigned, and ``epoch_floor()`` (a
+    task gives its CIM's epoch, read from the sync topic) — and the leader assigns
+    ``max(generation, newest known + 1)``. A member that is assigned an epoch not newer than
+    what it knows (the leader had not read as far: a race at the first join) refuses it and
+    rejoins, telling the next leader. While the group keeps its generations the epoch *is* the
+    generation. These rules are the pure functions of :mod:`protocol.epochs`.
+    """
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        connector: str,
+        task_id: str,
+        *,
+        lease_margin_ms: int | None = None,
+        rebalance_timeout_ms: int | None = None,
+        event_buffer: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+        epoch_floor: Callable[[], int] | None = None,
+    ) -> None:
+        check_connector(connector)
+        if not task_id:
+            raise ValueError("task_id must not be empty")
+        session = config.session_timeout_ms
+        margin = lease_margin_ms if lease_margin_ms is not None else min(session // 6, 1_000)
+        if not 0 <= margin < session:
+            raise ValueError(f"lease_margin_ms must be in [0, {session}), got {margin}")
+        if event_buffer < 1:
+            raise ValueError(f"event_buffer must be >= 1, got {event_buffer}")
+        self._config = config
+        self.connector = connector
+        self.task_id = task_id
+        self.group_id = connector
+        self.topic = heartbeat_topic(connector)
+        self._session_s = session / 1000
+        self._rebalance_timeout_ms = rebalance_timeout_ms or session
+        self._margin_s = margin / 1000
+        self._clock = clock
+        self._epoch_floor = epoch_floor
+        self._epoch_seen = epochs.NO_EPOCH  # the newest epoch this member was assigned
+        self._assignor = _TaskAssignor(task_id, self._known_epoch, self._coordinator_generation)
+        self._events: asyncio.Queue[GroupEvent | object] = asyncio.Queue(event_buffer)
+        self._consumer: AIOKafkaConsumer | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._closed = False
+        self._events_taken = False
+        # Membership state.
+        self._current: GroupAssignment | None = None  # None: not a member
+        self._last_ok = -math.inf  # monotonic time of the last proof of membership
+        self._joining = False
+        self._settled = asyncio.Event()  # set while no rebalance of this member is in flight
+        # Counters.
+        self._assignments = 0
+        self._losses = 0
+        self._heartbeats_ok = 0
+        self._heartbeats_failed = 0
+        self._poll_errors = 0
+        self._events_dropped = 0
+        self._stale_epochs = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"KafkaMembership(group={self.group_id!r}, task_id={self.task_id!r}, "
+            f"generation={self.generation})"
+        )
+
+    # -- public view ---------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self._current.generation if self._current is not None else -1
+
+    @property
+    def rebalance_in_progress(self) -> bool:
+        """A rebalance started (this member is rejoining) and has not completed yet."""
+        return self._joining
+
+    @property
+    def current(self) -> GroupAssignment | None:
+        """The latest assignment while a member, else ``None``."""
+        return self._current
+
+    def set_epoch_floor(self, epoch_floor: Callable[[], int]) -> None:
+        """Where the newest epoch this task has read in the sync topic comes from (see the class
+        docstring); may be set after :meth:`start`."""
+        self._epoch_floor = epoch_floor
+
+    def _known_epoch(self) -> int:
+        floor = self._epoch_floor() if self._epoch_floor is not None else epochs.NO_EPOCH
+        return epochs.newest(self._epoch_seen, floor)
+
+    def _coordinator_generation(self) -> int:
+        consumer = self._consumer
+        coordinator = None if consumer is None else compat.group_coordinator(consumer)
+        if coordinator is None:
+            return -1
+        generation: int = coordinator.generation
+        return generation
+
+    def lease_valid_until(self) -> float:
+        if self._current is None:
+            return -math.inf
+        return self._last_ok + self._session_s - self._margin_s
+
+    def statistics(self) -> MembershipStats:
+        current = self._current
+        return MembershipStats(
+            generation=self.generation,
+            leader=current.leader if current is not None else "",
+            members=current.members if current is not None else (),
+            assignments=self._assignments,
+            losses=self._losses,
+            heartbeats_ok=self._heartbeats_ok,
+            heartbeats_failed=self._heartbeats_failed,
+            poll_errors=self._poll_errors,
+            events_dropped=self._events_dropped,
+            stale_epochs=self._stale_epochs,
+        )
+
+    def events(self) -> AsyncIterator[GroupEvent]:
+        """Rebalances and losses in order; ends after :meth:`close`. One reader only."""
+        if self._events_taken:
+            raise MembershipError("events() may be iterated by one reader only")
+        self._events_taken = True
+        return self._iterate_events()
+
+    async def _iterate_events(self) -> AsyncIterator[GroupEvent]:
+        while True:
+            item = await self._events.get()
+            if item is _END:
+                runner = self._runner
+                if runner is not None and runner.done() and not runner.cancelled():
+                    error = runner.exception()
+                    if error is not None:
+                        raise MembershipError(f"{self!r} failed: {error!r}") from error
+                return
+            assert isinstance(item, GroupAssignment | GroupLost)
+            yield item
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the heartbeat topic if missing and start joining the group (in the
+        background: watch :meth:`events`)."""
+        if self._consumer is not None or self._closed:
+            raise MembershipError(f"{self!r} was already started")
+        try:
+            await ensure_topic(self._config, self.topic, partitions=1)
+        except KafkaAdapterError as exc:
+            raise MembershipError(f"{self!r} cannot start: {exc}") from exc
+        consumer = AIOKafkaConsumer(
+            **self._config.with_client_id(f"shoal-{self.task_id}").client_kwargs(),
+            group_id=self.group_id,
+            session_timeout_ms=self._config.session_timeout_ms,
+            heartbeat_interval_ms=self._config.heartbeat_interval_ms,
+            rebalance_timeout_ms=self._rebalance_timeout_ms,
+            partition_assignment_strategy=(self._assignor,),
+            enable_auto_commit=False,
+            auto_offset_reset="latest",
+        )
+        self._consumer = consumer
+        try:
+            await consumer.start()  # no subscription yet: does not join
+            self._observe_heartbeats(consumer)
+            consumer.subscribe([self.topic], listener=_Listener(self))
+        except BaseException as exc:
+            self._consumer = None
+            await consumer.stop()
+            if isinstance(exc, KafkaError):
+                raise MembershipError(f"{self!r} cannot connect: {exc!r}") from exc
+            raise
+        self._runner = asyncio.create_task(self._run(consumer), name=f"membership-{self.task_id}")
+
+    async def close(self) -> None:
+        """Leave the group (a prompt rebalance for the others) and end :meth:`events`."""
+        if self._closed:
+            return
+        self._closed = True
+        runner, consumer = self._runner, self._consumer
+        self._runner = None
+        try:
+            if runner is not None:
+                runner.cancel()
+                await asyncio.wait([runner])  # a cancellation of close() itself propagates
+                if not runner.cancelled() and runner.exception() is not None:
+                    log.error("%r had failed before close: %r", self, runner.exception())
+        finally:
+            if consumer is not None:
+                await self._leave(consumer)
+            self._current = None
+            self._put(_END)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _leave(self, consumer: AIOKafkaConsumer) -> None:
+        coordinator = compat.group_coordinator(consumer)
+        if self._joining:
+            # Leaving while our JoinGroup/SyncGroup is in flight can make the embedded broker
+            # elect the departed member leader of the next generation, which then never
+            # completes (seen with Tansu 0.6.0-510f3e2). Let the rebalance finish first. It can
+            # take a whole rebalance timeout to begin (the broker waits that long for a member
+            # that left) and as long again to finish: on a loaded machine one finished just
+            # after a single timeout, the member had left, and the next group stalled.
+            wait_s = 2 * self._rebalance_timeout_ms / 1000 + 1.0
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._settled.wait()
+            except TimeoutError:
+                log.warning(
+                    "%r: leaving although its rebalance did not finish in %.1f s", self, wait_s
+                )
+        # aiokafka sends LeaveGroup only in a generation > 0. The embedded broker starts at 0,
+        # and a member closed while its JoinGroup is in flight has a member id but generation
+        # -1: leave explicitly then, or the others wait a whole session timeout for us.
+        if (
+            coordinator is not None
+            and coordinator.generation <= 0
+            and coordinator.member_id != _UNKNOWN_MEMBER_ID
+        ):
+            try:
+                async with asyncio.timeout(self._config.request_timeout_ms / 1000):
+                    await compat.send_leave_group(coordinator, self.group_id)
+            except (TimeoutError, KafkaError) as exc:
+                log.warning(
+                    "%r: LeaveGroup (generation %d) failed: %r", self, coordinator.generation, exc
+                )
+        await consumer.stop()
+
+    # -- the background work -------------------------------------------------------------------
+
+    async def _run(self, consumer: AIOKafkaConsumer) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._poll(consumer))
+                group.create_task(self._watch(consumer))
+        finally:
+            if not self._closed:
+                # The runner died on its own: say so to the events reader.
+                self._put(_END)
+
+    async def _poll(self, consumer: AIOKafkaConsumer) -> None:
+        """Keep polling: aiokafka leaves the group if ``getmany`` is not called for
+        ``max_poll_interval_ms``, and its coordination errors surface here."""
+        backoff = self._config.heartbeat_interval_ms / 1000
+        while True:
+            try:
+                await consumer.getmany(timeout_ms=1000)
+            except KafkaError as exc:
+                self._poll_errors += 1
+                log.warning("%r: group coordination error (will retry): %r", self, exc)
+                await asyncio.sleep(backoff)
+
+    async def _watch(self, consumer: AIOKafkaConsumer) -> None:
+        """Declare the membership lost once no heartbeat has succeeded for too long."""
+        period = min(self._config.heartbeat_interval_ms / 1000 / 4, 0.25)
+        while True:
+            await asyncio.sleep(period)
+            if self._current is None:
+                continue
+            coordinator = compat.group_coordinator(consumer)
+            if coordinator is not None and coordinator.member_id == _UNKNOWN_MEMBER_ID:
+                self._lose(
+                    "the coordinator no longer knows this member (session expired or fenced)"
+                )
+                continue
+            allowed = self._session_s
+            if self._joining:
+                allowed += self._rebalance_timeout_ms / 1000
+            silent = self._clock() - self._last_ok
+            if silent > allowed:
+                self._lose(
+                    f"no successful heartbeat for {silent:.1f} s (session timeout "
+                    f"{self._session_s:.1f} s): the group coordinator is unreachable"
+                )
+                if coordinator is not None:
+                    coordinator.request_rejoin()
+
+    def _observe_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
+        """Learn when a heartbeat succeeds (aiokafka has no public callback for it: see
+        :func:`runtime.compat.observe_heartbeats`)."""
+        coordinator = compat.group_coordinator(consumer)
+
+        def heartbeat_done(sent: float, ok: bool) -> None:
+            if ok:
+                self._heartbeats_ok += 1
+                self._last_ok = max(self._last_ok, sent)
+            else:
+                self._heartbeats_failed += 1
+                if coordinator.member_id == _UNKNOWN_MEMBER_ID:
+                    self._lose("heartbeat rejected: unknown member id or illegal generation")
+
+        compat.observe_heartbeats(coordinator, self._clock, heartbeat_done)
+
+    # -- state changes (called from the listener, the heartbeat hook and the watchdog) ---------
+
+    def _rebalance_started(self) -> None:
+        self._joining = True
+        self._settled.clear()
+
+    def _rebalance_done(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        coordinator = compat.group_coordinator(consumer)
+        self._joining = False
+        self._settled.set()
+        info = self._assignor.received
+        if info is None:
+            self._poll_errors += 1
+            log.error("%r: rebalance done without a usable assignment; rejoining", self)
+            coordinator.request_rejoin()
+            return
+        if self.task_id not in info.members:
+            log.error(
+                "%r: the leader's member list %s does not include this task", self, info.members
+            )
+        verdict = epochs.receive(info.epoch, coordinator.generation, self._known_epoch())
+        if isinstance(verdict, epochs.Stale):
+            # The leader did not know how far the epochs went (this member had not told it yet,
+            # or the group started over): rejoin, and the next leader learns it from us.
+            self._stale_epochs += 1
+            log.warning(
+                "%r: assigned epoch %d (generation %d), not newer than epoch %d known here; "
+                "rejoining",
+                self,
+                verdict.epoch,
+                coordinator.generation,
+                verdict.known,
+            )
+            self._lose(verdict.reason)
+            coordinator.request_rejoin()
+            return
+        self._epoch_seen = verdict.epoch
+        event = GroupAssignment(generation=verdict.epoch, leader=info.leader, members=info.members)
+        self._last_ok = self._clock()
+        self._current = event
+        self._assignments += 1
+        log.info(
+            "%r: generation %d, leader %s, members %s",
+            self,
+            event.generation,
+            event.leader,
+            event.members,
+        )
+        self._put(event)
+
+    def _lose(self, reason: str) -> None:
+        if self._current is None:
+            return
+        log.warning("%r: group membership lost: %s", self, reason)
+        self._current = None
+        self._losses += 1
+        self._put(GroupLost(reason=reason))
+
+    def _put(self, item: GroupEvent | object) -> None:
+        """Queue an event; when nobody reads them, the oldest is dropped (and counted): the
+        newest says more about the group than a stale one."""
+        if self._events.full():
+            dropped = self._events.get_nowait()
+            self._events_dropped += 1
+            log.error("%r: nobody reads group events; dropped the oldest: %r", self, dropped)
+        self._events.put_nowait(item)
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, membership: KafkaMembership) -> None:
+        self._membership = membership
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self._membership._rebalance_started()
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self._membership._rebalance_done()

@@ -1,0 +1,86 @@
+"""The names of the topics and groups shoal uses for a connector, and :func:`ensure_topic`.
+
+* ``<connector>_connector_sync``: the sync topic (one partition);
+* ``<connector>_connector_sync_ckpt``: the consumer group whose committed offset is the latest
+  checkpoint message's offset;
+* ``<connector>_heartbeat``: the topic of the consumer group named after the connector, used only
+  for Kafka's rebalance protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+
+from runtime.kafka.config import KafkaAdapterError, KafkaConfig
+
+log = logging.getLogger(__name__)
+
+_TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
+_MAX_TOPIC_LEN = 249
+
+
+def check_connector(connector: str) -> None:
+    """Refuse a connector name that cannot name Kafka topics and groups."""
+    longest = f"{connector}_connector_sync_ckpt"
+    if not connector or not _TOPIC_CHARS.match(connector):
+        raise ValueError(
+            f"connector name {connector!r} must be non-empty ASCII letters, digits, '.', '_' or '-' "
+            "(it names Kafka topics and groups)"
+        )
+    if len(longest) > _MAX_TOPIC_LEN:
+        raise ValueError(f"connector name {connector!r} is too long for a Kafka topic name")
+
+
+def sync_topic(connector: str) -> str:
+    return f"{connector}_connector_sync"
+
+
+def checkpoint_group(connector: str) -> str:
+    return f"{connector}_connector_sync_ckpt"
+
+
+def heartbeat_topic(connector: str) -> str:
+    return f"{connector}_heartbeat"
+
+
+async def ensure_topic(
+    config: KafkaConfig,
+    topic: str,
+    *,
+    partitions: int = 1,
+    topic_configs: Mapping[str, str] | None = None,
+) -> bool:
+    """Create ``topic`` (``config.replication_factor`` replicas) if it does not exist; return
+    whether it was created. An existing topic is left as it is."""
+    admin = AIOKafkaAdminClient(**config.client_kwargs())
+    try:
+        await admin.start()
+        new = NewTopic(
+            name=topic,
+            num_partitions=partitions,
+            replication_factor=config.replication_factor,
+            topic_configs=dict(topic_configs or {}),
+        )
+        try:
+            response = await admin.create_topics([new])
+        except TopicAlreadyExistsError:
+            return False
+    except KafkaError as exc:
+        raise KafkaAdapterError(
+            f"cannot create topic {topic!r} on {config.bootstrap_servers}: {exc!r}"
+        ) from exc
+    finally:
+        await admin.close()
+    for name, code, *rest in getattr(response, "topic_errors", ()):
+        if code == TopicAlreadyExistsError.errno:
+            return False
+        if code != 0:
+            detail = rest[0] if rest and rest[0] else for_code(code).__name__
+            raise KafkaAdapterError(f"creating topic {name!r} failed: {detail} (code {code})")
+    log.info("created topic %s (%d partition(s))", topic, partitions)
+    return True
