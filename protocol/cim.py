@@ -209,10 +209,16 @@ class Cim:
                 yield task, share
 
     def loads(self, members: Iterable[str]) -> dict[str, int]:
-        """Each member's load, plus offers addressed to it that it has not picked up yet."""
+        """Each member's load, plus offers addressed to it that it has not picked up yet.
+
+        Only offers made by members count: an offer of a task that is not a member is dealt
+        out again by the planner (``planner.ownerless``), so counting it here as well would
+        load its target with partitions it never gets."""
         loads = {m: self.view(m).load(self.waits) for m in members}
-        for _, share in self.offers():
+        for offerer, share in self.offers():
             target = share.target
+            if offerer not in loads:
+                continue
             if target in loads and share.token not in self.view(target).partitions:
                 loads[target] += 1
         return loads

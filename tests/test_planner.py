@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.cim import Cim
-from protocol.messages import Partition, Share
+from protocol.messages import Partition, Share, StateMessage, TaskState
 from protocol.planner import plan
+from tests.builders import epoch, part, state
 
 
 def test_roots_are_dealt_to_least_loaded_and_parked_past_cap() -> None:
@@ -38,3 +39,54 @@ def test_planner_never_assigns_twice_and_respects_cap(
     for m in members:
         assigned = sum(1 for s in result.offers if s.target == m)
         assert cap <= 0 or assigned <= cap
+
+
+def test_offers_of_a_dead_task_do_not_count_in_the_survivors_loads() -> None:
+    """A dead task had offered two of its partitions to s1, which had not picked them up yet.
+    The planner deals those partitions out again (they are ownerless), so s1 must not also be
+    counted as loaded with them: the loads after the epoch are within one of each other."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s1", "s2", "d"))
+    for offset, (task, token) in enumerate((("L", "a"), ("s1", "b"), ("s2", "c")), start=2):
+        cim.apply(offset, state(task, offset, part(token)))
+    dead = tuple(part(t) for t in ("p1", "p2", "p3"))
+    offered = tuple(Share(partition=p, target="s1", kind="move", since=4) for p in dead[:2])
+    cim.apply(
+        5,
+        StateMessage(
+            task_id="d",
+            epoch=1,
+            connector_state=(
+                TaskState(task_id="d", state_timestamp=5, data=dead, share=offered, full=True),
+            ),
+        ),
+    )
+    result = plan(cim, ("L", "s1", "s2"), "L", 2, now=9, cap=0, rng=Random(0))
+    assert sorted(s.token for s in result.offers) == ["p1", "p2", "p3"]
+    after = {m: 1 + sum(1 for s in result.offers if s.target == m) for m in ("L", "s1", "s2")}
+    assert after == {"L": 2, "s1": 2, "s2": 2}
+
+
+def test_offers_of_a_live_task_still_count_in_their_targets_load() -> None:
+    """The control: an offer from a member to a member is still on its way, and counts."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s1"))
+    offered = (Share(partition=part("x"), target="s1", kind="move", since=2),)
+    cim.apply(
+        2,
+        StateMessage(
+            task_id="L",
+            epoch=1,
+            connector_state=(
+                TaskState(
+                    task_id="L",
+                    state_timestamp=2,
+                    data=(part("a"), part("x")),
+                    share=offered,
+                    full=True,
+                ),
+            ),
+        ),
+    )
+    # x counts at its destination: s1 owns nothing yet and is loaded with the offer
+    assert cim.loads(("L", "s1")) == {"L": 1, "s1": 1}
