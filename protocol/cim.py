@@ -81,7 +81,10 @@ class Cim:
 
     # -- applying messages -------------------------------------------------------------------
     def apply(self, offset: int, message: SyncMessage) -> str | None:
-        """Fold one log message in. Returns ``None`` when applied, else why it was ignored."""
+        """Fold one log message in. Returns ``None`` when applied, else why it (or a part of
+        it) was ignored. A state or epoch message that carries another task's state has that
+        part dropped (``"foreign-state"``: a task changes only its own state) and the rest
+        applied; an epoch message then still opens its epoch."""
         if offset <= self.offset:
             return self._ignore("duplicate")
         applied, self.offset = self.offset, offset
@@ -106,9 +109,9 @@ class Cim:
                 best = self._newest_watermarks()
                 for task in [t for t in self.tasks if t not in live]:
                     del self.tasks[task]
-                self._apply_states(message.task_id, message.epoch, message.connector_state)
+                result = self._apply_states(message.task_id, message.epoch, message.connector_state)
                 self._raise_offered_watermarks(message.task_id, best)
-                return None
+                return result  # the epoch itself holds even when a foreign state was dropped
             case StateMessage():
                 if message.epoch < self.epoch and self._fence:
                     return self._ignore("stale-epoch")

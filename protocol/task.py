@@ -370,7 +370,9 @@ class TaskCore:
                 # one of our messages was fenced (not a re-delivered or retried copy of one
                 # already read back: resending on those fed a storm of copies)
                 self._resync()
-            return
+            opened = isinstance(message, EpochMessage) and self.cim.epoch != before_epoch
+            if not opened:
+                return  # (an epoch message whose foreign part was dropped still opens its epoch)
         if own and not self._unread:
             view = self.cim.view(self.me)
             if view.partitions != self._sent_parts or view.share != self._sent_share:

@@ -156,3 +156,20 @@ def test_states_of_different_tasks_commute(
     one = _fold([*head, *a, *b]).checkpoint("x", 0).connector_state
     two = _fold([*head, *merged]).checkpoint("x", 0).connector_state
     assert one == two
+
+
+def test_a_foreign_state_in_an_epoch_message_is_dropped_and_reported_like_in_a_state_message() -> (
+    None
+):
+    cim = _fold([epoch("a", 1, "a", "b")])
+    forged = EpochMessage(
+        task_id="a",
+        epoch=2,
+        sync_epoch="e2",
+        members=("a", "b"),
+        connector_state=(TaskState(task_id="b", state_timestamp=1, data=(part("q"),), full=True),),
+    )
+    assert cim.apply(cim.offset + 1, forged) == "foreign-state"
+    assert cim.ignored["foreign-state"] == 1
+    assert cim.view("b").partitions == {}
+    assert cim.epoch == 2  # the epoch itself is opened

@@ -292,6 +292,42 @@ def test_a_task_reads_its_partitions_only_after_the_epoch_that_includes_it_and_w
     assert sorted(c.mine) == ["p1", "p2", "p3"]
 
 
+def test_an_epoch_message_with_a_foreign_state_is_counted_and_still_opens_its_epoch() -> None:
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    offer = Share(part("p1", 100), target="a", kind="new", since=4)
+    message = epoch("x", 1, ("a", "x"), offer)
+    forged = TaskState("a", 10**9, data=(part("p9"),))
+    message = msgspec.structs.replace(message, connector_state=(*message.connector_state, forged))
+    out = c.handle(SyncRead(1, message), now=5)
+    assert c.counters["sync_ignored.foreign-state"] == 1
+    assert c.cim.epoch == 1
+    assert [(cmd.token, cmd.start_ts - T0) for cmd in out if isinstance(cmd, StartReader)] == [
+        ("p1", 100)
+    ]
+    assert "p9" not in c.mine
+
+
+def test_an_epoch_that_drops_the_task_evicts_it_even_with_a_foreign_state_in_it() -> None:
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+    offer = Share(part("p1", 100), target="a", kind="new", since=4)
+    c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
+    assert sorted(c.mine) == ["p1"]
+    dropping = epoch("x", 2, ("x",))
+    forged = TaskState("a", 10**9, data=(part("p9"),))
+    dropping = msgspec.structs.replace(
+        dropping, connector_state=(*dropping.connector_state, forged)
+    )
+    c.handle(SyncRead(2, dropping), now=6)
+    assert c.counters["evicted"] == 1
+    assert c.mine == {}
+
+
 def test_a_task_whose_lease_lapsed_stops_every_reader() -> None:
     c = core()
     c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
