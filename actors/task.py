@@ -34,6 +34,7 @@ from protocol.cim import Cim
 from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncMessage
 from protocol.records import ChildPartitions
 from protocol.task import (
+    Alert,
     Command,
     Event,
     Lease,
@@ -174,6 +175,8 @@ class TaskActor(Actor[Event | FlushReports]):
                 if reader is not None:
                     drain = command.reason in ("handoff", "shutdown")
                     reader.request_stop(command.reason, drain=drain)
+            case Alert():
+                log.error("task %s: %s: %s", self.core.me, command.kind, command.detail)
             case RequestPlan():
                 if self.leader is not None and not self.leader.alive:
                     # Only while the node shuts down: the leader actor stops before this one.

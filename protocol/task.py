@@ -200,7 +200,14 @@ class RequestPlan(msgspec.Struct, frozen=True):
     need_roots: bool
 
 
-Command = Publish | StartReader | StopReader | RequestPlan
+class Alert(msgspec.Struct, frozen=True):
+    """Something that must never happen did: the shell logs it as an error (and counts it)."""
+
+    kind: str
+    detail: str
+
+
+Command = Publish | StartReader | StopReader | RequestPlan | Alert
 
 Readable = Callable[[Partition, lifecycle.Lookup], bool]
 
@@ -283,6 +290,8 @@ class TaskCore:
         self._sync_failing_since = -1  # first failed append not followed by a read-back
         self.counters: Counter[str] = Counter()
         self.log: deque[tuple[int, str]] = deque(maxlen=256)
+        self._alerts: list[Alert] = []
+        self._double_owners: set[tuple[str, str, int]] = set()  # (token, other task, epoch)
 
     # -- the entry point ------------------------------------------------------------------
     def handle(self, event: Event, now: int) -> list[Command]:
@@ -327,6 +336,9 @@ class TaskCore:
                 self.draining = True
                 self._urgent = True
         out += self._step(now)
+        if self._alerts:
+            out[:0] = self._alerts
+            self._alerts.clear()
         return out
 
     # -- permissions ------------------------------------------------------------------------
@@ -382,6 +394,46 @@ class TaskCore:
                 self._resync()
         if isinstance(message, EpochMessage) and self.cim.epoch != before_epoch:
             self._on_epoch(now)
+        self._settle_double_owners()
+
+    def _settle_double_owners(self) -> None:
+        """Two members owning one unfinished partition in the same epoch is never the result of
+        the rules (a move goes through ``incoming``; a dead task's partitions are dealt out only
+        after the epoch dropped it). Should the log show it anyway (a bug, or a foreign writer
+        on the sync topic), both would read it for ever. Each owner decides, at the offset where
+        the double ownership first shows, from the same CIM and so consistently: the owner with
+        the older published watermark gives the partition up (ties: the greater task id), and
+        reading goes on from the newer watermark. Both report it as an error."""
+        members = set(self.cim.members)
+        if self.me not in members:
+            return
+        view = self.cim.view(self.me)
+        for token, part in view.partitions.items():
+            if part.status != "owned" or token not in self.mine:
+                continue
+            for other, theirs in self.cim.holders(token):
+                if other == self.me or other not in members or theirs.status != "owned":
+                    continue
+                key = (token, other, self.cim.epoch)
+                if key in self._double_owners:
+                    continue
+                self._double_owners.add(key)
+                self.counters["double_owner"] += 1
+                yields = (part.watermark, other) < (theirs.watermark, self.me)
+                self._alerts.append(
+                    Alert(
+                        "double-owner",
+                        f"{token} is owned by {self.me} (watermark {part.watermark}) and "
+                        f"{other} (watermark {theirs.watermark}) in epoch {self.cim.epoch}: "
+                        + (f"{self.me} gives it up" if yields else f"{other} gives it up"),
+                    )
+                )
+                if yields and token in self.mine:
+                    del self.mine[token]
+                    self.shares.pop(token, None)
+                    self.moves.pop(token, None)
+                    self.counters["double_owner_yielded"] += 1
+                    self._urgent = True
 
     def _resync(self) -> None:
         """One of our messages was fenced: diff against what the CIM really holds."""

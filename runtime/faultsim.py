@@ -47,6 +47,7 @@ from protocol.messages import (
 from protocol.planner import Plan, plan
 from protocol.records import ChildPartitions, DataChange
 from protocol.task import (
+    Alert,
     Command,
     Event,
     Joined,
@@ -268,6 +269,8 @@ class Simulation:
                 wm = node.committed.get(command.token, 0)
                 if reader is not None:
                     self.deliver(node, ReaderStopped(command.token, wm), 1)
+            case Alert():
+                self.stats[f"alert.{command.kind}"] += 1
             case RequestPlan():
                 roots: tuple[Partition, ...] = ()
                 if command.need_roots:

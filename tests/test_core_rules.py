@@ -26,6 +26,7 @@ from protocol.messages import (
 from protocol.planner import plan
 from protocol.records import ChildPartition
 from protocol.task import (
+    Alert,
     Command,
     Drain,
     Joined,
@@ -326,6 +327,51 @@ def test_an_epoch_that_drops_the_task_evicts_it_even_with_a_foreign_state_in_it(
     c.handle(SyncRead(2, dropping), now=6)
     assert c.counters["evicted"] == 1
     assert c.mine == {}
+
+
+def _double_owned(task: str) -> tuple[TaskCore, list[list[Command]]]:
+    """``task`` (a or b) reads p1, offered to it in epoch 1; then the log shows a owning p1 at
+    watermark 100 and b owning it at 300 in that epoch (a foreign writer, or a bug): the
+    commands of each step."""
+    c = core(task)
+    c.handle(SyncRead(0, epoch("x", 0, ("x",))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "b", "x")), now=3)
+    offer = Share(part("p1", 100), target=task, kind="new", since=4)
+    steps = [c.handle(SyncRead(1, epoch("x", 1, ("a", "b", "x"), offer)), now=5)]
+    claims = [
+        StateMessage(
+            task_id=t, epoch=1, connector_state=(TaskState(t, ts, data=(part("p1", wm),)),)
+        )
+        for t, ts, wm in (("a", 5, 100), ("b", 6, 300))
+    ]
+    steps.append(c.handle(SyncRead(2, claims[0]), now=6))
+    steps.append(c.handle(SyncRead(3, claims[1]), now=7))
+    steps.append(c.handle(SyncRead(4, state("b", 9, part("p1", 400))), now=8))
+    return c, steps
+
+
+def test_two_owners_in_one_epoch_the_older_watermark_gives_up_and_both_report_it() -> None:
+    older, steps = _double_owned("a")
+    assert [type(cmd).__name__ for cmd in steps[0]] == ["StartReader"]
+    alerts = [cmd for cmd in steps[2] if isinstance(cmd, Alert)]
+    assert [a.kind for a in alerts] == ["double-owner"]
+    assert "a gives it up" in alerts[0].detail
+    assert [(cmd.token, cmd.reason) for cmd in steps[2] if isinstance(cmd, StopReader)] == [
+        ("p1", "not-wanted")
+    ]
+    assert "p1" not in older.mine
+    assert older.counters["double_owner"] == 1
+    assert older.counters["double_owner_yielded"] == 1
+    assert not any(isinstance(cmd, Alert) for cmd in steps[3])  # reported once
+
+    newer, steps = _double_owned("b")
+    alerts = [cmd for cmd in steps[2] if isinstance(cmd, Alert)]
+    assert [a.kind for a in alerts] == ["double-owner"]
+    assert "a gives it up" in alerts[0].detail  # the same decision, seen from the other side
+    assert not any(isinstance(cmd, StopReader) for cmd in steps[2] + steps[3])
+    assert "p1" in newer.mine
+    assert newer.counters["double_owner_yielded"] == 0
 
 
 def test_a_task_whose_lease_lapsed_stops_every_reader() -> None:
