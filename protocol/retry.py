@@ -749,3 +749,68 @@ def encode_entry(entry: LogEntry) -> bytes:
 
 def decode_entry(raw: bytes) -> LogEntry:
     return _log_decoder.decode(raw)
+
+
+# --- who drives a shared RQ --------------------------------------------------------------------
+
+
+def may_drive(leaders: Iterable[tuple[str, str, bool]]) -> bool:
+    """Whether a process may drive the RQ that several processes share: one of its tasks,
+    given as ``(task id, the group leader it knows, its lease is valid)``, leads the heartbeat
+    group under a valid lease. (The group has one leader per generation and a leader whose
+    lease ran out stops acting as one, so at most one process is eligible at a time, give or
+    take the sends in flight that the take-over grace covers.)"""
+    return any(me == leader and lease_valid for me, leader, lease_valid in leaders)
+
+
+class SteerStep(msgspec.Struct, frozen=True):
+    """What the shell of a shared RQ does now: ``stop`` driving, begin the ``catch_up`` (a
+    barrier through the RQ/DLQ topics, then :meth:`DriverElection.caught_up`), or nothing."""
+
+    stop: bool = False
+    catch_up: bool = False
+
+
+class DriverElection:
+    """The take-over rule of a shared RQ (one queue per process, one driver among them).
+
+    * A queue that is not eligible (:func:`may_drive` says no) stops driving at once.
+    * An eligible queue that does not drive waits ``grace_s`` from when it became eligible
+      (without a break): the previous driver's sends in flight end meanwhile. Then it catches
+      up with the RQ/DLQ topics (their last entries folded in), and drives only if it is still
+      eligible when the catch-up is over. A catch-up that fails is tried again at the next step.
+    * Losing eligibility during the grace or the catch-up starts the grace over.
+
+    ``now`` is in seconds (the shell's monotonic clock)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.driving = False
+        self._eligible_since: float | None = None
+        self._catching_up = False
+
+    def step(self, eligible: bool, now: float) -> SteerStep:
+        if not eligible:
+            self._eligible_since = None
+            self._catching_up = False
+            if self.driving:
+                self.driving = False
+                return SteerStep(stop=True)
+            return SteerStep()
+        if self.driving or self._catching_up:
+            return SteerStep()
+        if self._eligible_since is None:
+            self._eligible_since = now
+        if now - self._eligible_since >= self.grace_s:
+            self._catching_up = True
+            return SteerStep(catch_up=True)
+        return SteerStep()
+
+    def caught_up(self, ok: bool, eligible: bool) -> bool:
+        """The catch-up ended (``ok``: it completed); returns whether to drive from now on."""
+        self._catching_up = False
+        if not eligible:
+            self._eligible_since = None
+            return False
+        self.driving = ok
+        return self.driving

@@ -17,6 +17,7 @@ from protocol.retry import (
     DiscardDlq,
     Discarded,
     Drive,
+    DriverElection,
     Duplicate,
     Event,
     GroupState,
@@ -30,10 +31,12 @@ from protocol.retry import (
     RetryProtocolError,
     SendToDlq,
     SendToSink,
+    SteerStep,
     Tick,
     decode_entry,
     encode_entry,
     from_log,
+    may_drive,
 )
 
 FIXED = RetryPolicy(max_attempts=3, base_backoff=1.0, max_backoff=10.0, jitter=0.0)
@@ -682,3 +685,48 @@ def test_a_record_settled_after_a_barrier_began_stays_remembered() -> None:
     core.handle(Observe(dlq), 0)
     assert not core.holds("r"), "the late DLQ entry brought the record back"
     assert core.forget_settled(4) == 1
+
+
+# --- the shared RQ's driver election -----------------------------------------------------------
+
+
+def test_a_process_may_drive_only_through_a_task_that_leads_under_a_valid_lease() -> None:
+    assert may_drive([("a", "a", True)])
+    assert not may_drive([("a", "a", False)])  # the lease ran out
+    assert not may_drive([("a", "b", True)])  # another task leads
+    assert may_drive([("a", "b", True), ("b", "b", True)])  # one of its tasks leads
+    assert not may_drive([])
+
+
+def test_the_driver_takes_over_after_the_grace_and_a_catch_up_and_stops_at_once() -> None:
+    e = DriverElection(grace_s=10.0)
+    assert e.step(eligible=True, now=0.0) == SteerStep()
+    assert e.step(eligible=True, now=9.9) == SteerStep()
+    assert e.step(eligible=True, now=10.0) == SteerStep(catch_up=True)
+    assert e.step(eligible=True, now=10.5) == SteerStep()  # one catch-up at a time
+    assert e.caught_up(ok=True, eligible=True) is True
+    assert e.driving
+    assert e.step(eligible=True, now=11.0) == SteerStep()
+    assert e.step(eligible=False, now=12.0) == SteerStep(stop=True)
+    assert [e.driving] == [False]  # (a list: mypy keeps e.driving narrowed to True)
+    assert e.step(eligible=False, now=13.0) == SteerStep()
+
+
+def test_losing_eligibility_during_the_grace_or_the_catch_up_starts_the_grace_over() -> None:
+    e = DriverElection(grace_s=10.0)
+    e.step(eligible=True, now=0.0)
+    e.step(eligible=False, now=5.0)
+    assert e.step(eligible=True, now=12.0) == SteerStep()  # the grace starts again at 12
+    assert e.step(eligible=True, now=22.0) == SteerStep(catch_up=True)
+    assert e.caught_up(ok=True, eligible=False) is False  # it stopped leading meanwhile
+    assert not e.driving
+    assert e.step(eligible=True, now=23.0) == SteerStep()
+    assert e.step(eligible=True, now=33.0) == SteerStep(catch_up=True)
+
+
+def test_a_failed_catch_up_is_tried_again_at_the_next_step() -> None:
+    e = DriverElection(grace_s=1.0)
+    e.step(eligible=True, now=0.0)
+    assert e.step(eligible=True, now=1.0) == SteerStep(catch_up=True)
+    assert e.caught_up(ok=False, eligible=True) is False
+    assert e.step(eligible=True, now=1.1) == SteerStep(catch_up=True)

@@ -42,6 +42,7 @@ from actors.cli.sinks import spark_config as build_spark_config
 from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
 from protocol.records import DataChange
+from protocol.retry import may_drive
 from protocol.task import TaskConfig
 from runtime.config import (
     ConfigError,
@@ -426,11 +427,11 @@ class Pipeline:
     def _leads(self) -> bool:
         """Whether a task of this process leads the heartbeat group now (with a valid lease):
         its process drives the shared retry queue (one driver among the processes)."""
-        for t in self.tasks:
-            task = t.node.task
-            if task is not None and task.core.leader == task.core.me and task.permit():
-                return True
-        return False
+        return may_drive(
+            (task.core.me, task.core.leader, task.permit())
+            for task in (t.node.task for t in self.tasks)
+            if task is not None
+        )
 
     async def _start_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
         cfg = self.config

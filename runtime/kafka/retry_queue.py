@@ -74,6 +74,7 @@ from protocol.retry import (
     DiscardDlq,
     Discarded,
     Drive,
+    DriverElection,
     Duplicate,
     Event,
     LogEntry,
@@ -858,32 +859,27 @@ class RetryQueue:
         self._queue.put_nowait(_Observed(msg.entry, msg.payload))
 
     async def _steer(self) -> None:
-        """Follow ``driver()``: stop driving at once when it says no; when it says yes, wait
-        ``takeover_grace_s`` (the previous driver's sends in flight end), catch up with the
-        log (a barrier: its last entries are folded in), then drive."""
+        """Follow ``driver()`` by the take-over rule of ``protocol.retry.DriverElection``: stop
+        driving at once when it says no; when it says yes, wait ``takeover_grace_s``, catch up
+        with the log (a barrier: its last entries are folded in), then drive."""
         assert self._is_driver is not None
-        wanted_since: float | None = None
+        election = DriverElection(self._grace)
         while True:
-            if not self._is_driver():
-                wanted_since = None
-                if self._driving:
-                    self._driving = False
-                    self._queue.put_nowait(Drive(False))
-                    log.info("%r: not driving the RQ any more", self)
-            elif not self._driving:
-                now = time.monotonic()
-                if wanted_since is None:
-                    wanted_since = now
-                if now - wanted_since >= self._grace:
-                    try:
-                        await self.barrier()
-                    except RetryQueueError as exc:
-                        if self._dead is not None or self._driver is None or self._driver.done():
-                            return  # the queue failed: its driver says why
-                        log.warning("%r: cannot take the RQ over yet: %s", self, exc)
-                        await asyncio.sleep(self._steer_interval)
-                        continue
-                    if self._is_driver():
+            step = election.step(self._is_driver(), time.monotonic())
+            if step.stop:
+                self._driving = False
+                self._queue.put_nowait(Drive(False))
+                log.info("%r: not driving the RQ any more", self)
+            elif step.catch_up:
+                try:
+                    await self.barrier()
+                except RetryQueueError as exc:
+                    election.caught_up(ok=False, eligible=self._is_driver())
+                    if self._dead is not None or self._driver is None or self._driver.done():
+                        return  # the queue failed: its driver says why
+                    log.warning("%r: cannot take the RQ over yet: %s", self, exc)
+                else:
+                    if election.caught_up(ok=True, eligible=self._is_driver()):
                         self._driving = True
                         self._queue.put_nowait(Drive(True))
                         log.info("%r: driving the RQ", self)
