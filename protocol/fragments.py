@@ -27,9 +27,9 @@ Rules:
 
 from __future__ import annotations
 
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from random import Random
 
 import msgspec
 
@@ -66,8 +66,11 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Fragment)
 
 
-def new_id() -> str:
-    return uuid.uuid4().hex
+def new_id(rng: Random) -> str:
+    """A fragment id: 128 bits from ``rng`` (injected, like every core's randomness; the Kafka
+    adapter passes a generator seeded from the operating system, so ids of different
+    processes do not collide)."""
+    return f"{rng.getrandbits(128):032x}"
 
 
 def is_fragment(payload: bytes) -> bool:

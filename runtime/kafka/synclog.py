@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -79,6 +81,7 @@ class KafkaSyncLog:
         if not 0 < fetch_max_wait_ms <= 10_000:
             raise ValueError(f"fetch_max_wait_ms must be in (0, 10000], got {fetch_max_wait_ms}")
         self._config = config
+        self._ids = random.Random(os.urandom(16))  # fragment ids (protocol/fragments.py)
         self.connector = connector
         self.topic = sync_topic(connector)
         self.checkpoint_group = checkpoint_group(connector)
@@ -220,7 +223,7 @@ class KafkaSyncLog:
             offset = await self._send(payload)
         else:
             pieces = fragments.cut(payload, self.max_message_bytes)
-            fid, first = fragments.new_id(), -1
+            fid, first = fragments.new_id(self._ids), -1
             for index, piece in enumerate(pieces):
                 fragment = fragments.Fragment(fid, index, len(pieces), first, piece)
                 at = await self._send(fragments.encode_fragment(fragment))
