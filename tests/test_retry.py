@@ -730,3 +730,52 @@ def test_a_failed_catch_up_is_tried_again_at_the_next_step() -> None:
     assert e.step(eligible=True, now=1.0) == SteerStep(catch_up=True)
     assert e.caught_up(ok=False, eligible=True) is False
     assert e.step(eligible=True, now=1.1) == SteerStep(catch_up=True)
+
+
+def test_an_observer_that_reads_the_dlq_topic_ahead_of_the_rq_topic_stays_valid() -> None:
+    """Found by the shared state machine: B (not driving) had read A's parks of r0 and r1 (one
+    key) from the RQ topic, then A delivered r0 from the RQ and dead-lettered r1; B reads the
+    DLQ topic ahead of the RQ topic, so it holds r1 in the DLQ while r0's release has not
+    reached it yet. A view that lags between the two topics is legal for an observer (the
+    driver catches up with both before it drives)."""
+    policy = RetryPolicy(max_attempts=3, base_backoff=1.0, max_backoff=4.0, jitter=0.0)
+    a = RetryCore(policy, seed=0, shared=True)
+    b = RetryCore(policy, seed=1, shared=True)
+    b.handle(Drive(False), 0.0)
+    rq: list[LogEntry] = []
+    dlq: list[LogEntry] = []
+    sent: list[str] = []
+    now = 0.0
+
+    def run(event: Event) -> None:
+        for c in a.handle(event, now):
+            if isinstance(c, ParkInRetry | Released):
+                rq.append(c)
+            elif isinstance(c, SendToDlq | Discarded):
+                dlq.append(c)
+            elif isinstance(c, SendToSink):
+                sent.append(c.record_id)
+
+    run(Deliver("r0", "k"))
+    run(DeliveryFailed("r0", "injected"))
+    run(Deliver("r1", "k"))
+    for entry in rq:
+        b.handle(Observe(entry), now)
+    read_rq = len(rq)
+    sent.clear()  # r0's first send (failed above)
+    for _ in range(20):  # A retries r0 (delivered), then r1 until it is dead-lettered
+        now += 4.0
+        run(Tick())
+        while sent:
+            rid = sent.pop(0)
+            run(DeliveryOk(rid) if rid == "r0" else DeliveryFailed(rid, "injected"))
+        if dlq:
+            break
+    assert [e.record_id for e in dlq] == ["r1"]
+    b.handle(Observe(dlq[0]), now)
+    b.validate()
+    for entry in rq[read_rq:]:  # the RQ topic catches up: r0 is gone, r1 in the DLQ
+        b.handle(Observe(entry), now)
+    b.validate()
+    assert [e.record_id for e in b.dlq_records()] == ["r1"]
+    assert b.statistics().held == 1
