@@ -167,8 +167,8 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
 
 async def run(config: ShoalConfig) -> int:
     """The ``run`` command: a :class:`~actors.cli.run.Pipeline` with signal handling."""
+    from actors.cli.progress import format_summary
     from actors.cli.run import Pipeline
-    from runtime.progress import format_summary
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -39,7 +39,7 @@ from runtime.ports import Membership, Sink, SinkBatch
 from runtime.simsource import SimulatedSource
 from runtime.simstream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, read_output
-from runtime.spark.bridge import write_default
+from runtime.spark.output import write_default
 from runtime.spark.rows import to_arrow
 from runtime.spark.session import start_session, warm
 

@@ -21,11 +21,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from actors.cli.progress import RunSummary
 from actors.cli.run import expected_below_watermarks, stream_params
 from actors.cli.sinks import read_rows
 from runtime.config import SimOptions
 from runtime.kafka.broker import EmbeddedBroker, free_port
-from runtime.progress import RunSummary
 from runtime.simstream import StreamModel
 from runtime.spark import KEY_COLUMNS, read_output
 from tests.fixtures.kafka import kafka_broker

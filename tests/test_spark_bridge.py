@@ -17,7 +17,7 @@ from protocol.records import DataChange
 from runtime.ports import SinkBatch
 from runtime.simstream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, read_output
-from runtime.spark.bridge import write_default
+from runtime.spark.output import write_default
 from tests.fixtures.spark import Cluster, output_rows, spark, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]

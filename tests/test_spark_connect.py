@@ -22,7 +22,7 @@ from protocol.records import DataChange
 from runtime.ports import SinkBatch
 from runtime.simstream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, SparkStartError, read_output
-from runtime.spark.bridge import write_default
+from runtime.spark.output import write_default
 from runtime.spark.session import start_session
 from tests.fixtures.spark import Cluster, Row, expected_rows, output_rows, wait_for
 from tests.fixtures.spark_connect import ConnectServer, connect_mode, connect_server, free_port

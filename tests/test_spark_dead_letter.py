@@ -29,9 +29,9 @@ from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.ports import SinkBatch
 from runtime.spark import SparkBridge, SparkConfig, read_output
-from runtime.spark.bridge import write_default
 from runtime.spark.dead_letter import DeadLetterConfig, list_dlq
 from runtime.spark.keyed import RowsFailed, SparkRecord, decode_record, spark_records
+from runtime.spark.output import write_default
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.fixtures.spark import spark
 

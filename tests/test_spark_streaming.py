@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from runtime.spark import SparkBridge, SparkConfig, read_output
-from runtime.spark.bridge import write_default
+from runtime.spark.output import write_default
 from runtime.spark.streaming import committed_seq, spool_files
 from tests.fixtures.spark import Cluster, output_rows, spark, wait_for
 

@@ -23,7 +23,7 @@ from runtime.config import ConfigError, ShoalConfig, kafka_config
 if TYPE_CHECKING:
     from runtime.kafka import KafkaConfig
     from runtime.kafka.sink import KafkaSinkConfig
-    from runtime.spark.bridge import SparkConfig
+    from runtime.spark.config import SparkConfig
     from runtime.spark.dead_letter import DeadLetterConfig
 
 
@@ -210,15 +210,15 @@ async def _kafka_dlq(
 async def _spark_dlq(
     config: ShoalConfig, kafka: KafkaConfig, action: str, ids: list[str], out: TextIO, spark: Any
 ) -> int:
-    from runtime.spark import dead_letter
+    from runtime.spark import operations
 
     settings, letters = _spark_settings(config, kafka)
     name = letters.name
     if action == "list":
-        records = await dead_letter.list_dlq(letters)
+        records = await operations.list_dlq(letters)
         _print_dlq(out, name, [(r.record_id, r.key, r.attempts, r.error) for r in records])
         return 0
-    replayed = await dead_letter.replay_dlq(settings, ids or None, spark=spark)
+    replayed = await operations.replay_dlq(settings, ids or None, spark=spark)
     out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r}\n")
     return 0
 

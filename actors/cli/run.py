@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 import msgspec
 
 from actors.cli.embed import GatedSource, drain_node
+from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
 from actors.node import NodeConfig, TaskNode
@@ -54,7 +55,6 @@ from runtime.config import (
 )
 from runtime.metrics import MetricsServer, Sample, TaskSample
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, prepare_sink
-from runtime.progress import PartitionEnd, Progress, RunSummary
 
 if TYPE_CHECKING:
     from runtime.simstream import StreamParams

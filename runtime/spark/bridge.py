@@ -47,14 +47,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import msgspec
 
 from protocol.records import DataChange
 from runtime.kafka.retry_queue import PendingSend, RetryQueue, RetryQueueError
 from runtime.ports import SinkBatch
-from runtime.spark.dead_letter import DeadLetterConfig, SparkDlqRecord
+from runtime.spark.config import BridgeError, BridgeStats, ForeachBatch, SparkConfig
+from runtime.spark.dead_letter import SparkDlqRecord
 from runtime.spark.keyed import (
     RowsFailed,
     SparkRecord,
@@ -65,70 +66,19 @@ from runtime.spark.keyed import (
     records_table,
     spark_records,
 )
+from runtime.spark.output import write_default
 from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
 from runtime.spark.session import SparkStartError, start_session, warm
 
 __all__ = [
     "BridgeError",
     "BridgeStats",
-    "DeadLetterConfig",
     "RowsFailed",
     "SparkBridge",
     "SparkConfig",
 ]
 
 log = logging.getLogger("shoal.spark")
-
-ForeachBatch = Callable[[Any, int], None]
-
-
-class SparkConfig(msgspec.Struct, frozen=True):
-    master: str = "local[2]"
-    remote: str | None = None  # Spark Connect URL sc://host:port (instead of master)
-    app_name: str = "shoal"
-    conf: dict[str, str] = {}
-    output_dir: str = "shoal-output"
-    checkpoint_dir: str | None = None  # streaming: default <output_dir>/_checkpoint
-    path: Literal["embedded", "streaming"] = "embedded"
-    max_rows: int = 100_000
-    max_age_s: float = 1.0
-    max_inflight_batches: int = 4
-    max_attempts: int = 3  # per micro-batch, the first run included
-    retry_backoff_s: float = 0.5  # doubled per attempt
-    start_timeout_s: float = 180.0
-    stop_timeout_s: float = 120.0
-    spool_dir: str | None = None  # streaming: default <output_dir>/_spool
-    trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger
-    ack_poll_s: float = 0.1  # streaming: how often Spark's checkpoint is read for commits
-    resume_dedupe: bool = True  # on start, learn each partition's tail from the output
-    dead_letter: DeadLetterConfig | None = None  # RQ/DLQ for rows Spark keeps failing (opt-in)
-
-
-class BridgeStats(msgspec.Struct, frozen=True):
-    puts: int  # SinkBatches handed in
-    rows_in: int  # rows (mods) handed in
-    rows_deduplicated: int  # rows dropped as replays
-    rows_committed: int  # rows Spark committed
-    batches_committed: int  # micro-batches committed
-    batches_failed: int  # micro-batches that failed every attempt
-    attempts_failed: int  # failed attempts, retried or not
-    puts_failed: int  # SinkBatches whose future failed
-    puts_refused: int  # SinkBatches refused (bad input, closed bridge, past a failed batch)
-    inflight: int  # micro-batches cut and not yet committed
-    buffered_rows: int
-    last_commit_latency_s: float  # oldest put of the last micro-batch → its commit
-    last_batch_id: int
-    # with dead_letter:
-    rows_parked: int = 0  # rows handed to the RQ (failing, or behind a key it holds)
-    rows_retried: int = 0  # rows committed from the RQ
-    isolation_runs: int = 0  # Spark batches run to isolate failing rows (halves, retries)
-    rq_held: int = 0  # rows the RQ/DLQ holds now
-    in_dlq: int = 0
-
-
-class BridgeError(RuntimeError):
-    """A batch the bridge could not commit (its reader re-reads it) or a bridge misuse."""
-
 
 _STOP = object()
 
@@ -971,20 +921,6 @@ def _fail(future: asyncio.Future[None], error: BaseException) -> None:
 
 def _is_sink_batch(batch: object) -> bool:
     return isinstance(batch, SinkBatch) and all(isinstance(r, DataChange) for r in batch.records)
-
-
-def write_default(df: Any, output_dir: str, batch: str) -> None:
-    """The default sink: parquet partitioned by table (and by batch, so a re-run of the same
-    batch overwrites exactly its own files)."""
-    from pyspark.sql import functions as f
-
-    (
-        df.withColumn("batch", f.lit(batch))
-        .write.mode("overwrite")
-        .option("partitionOverwriteMode", "dynamic")
-        .partitionBy("table", "batch")
-        .parquet(str(Path(output_dir)))
-    )
 
 
 _NO_OUTPUT_CONDITIONS = frozenset({"PATH_NOT_FOUND", "UNABLE_TO_INFER_SCHEMA"})

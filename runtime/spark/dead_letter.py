@@ -4,14 +4,11 @@ The bridge (``SparkConfig.dead_letter``) keeps failing rows in two Kafka topics,
 and ``<name>_dlq``, in the format of :mod:`runtime.kafka.retry_queue` (the Kafka output sink's), each
 entry carrying its row as :class:`runtime.spark.keyed.SparkRecord` JSON. :func:`list_dlq` reads
 them without Spark; replaying needs a bridge (it writes the rows to Spark):
-``SparkBridge.replay_dlq`` on a running one, or :func:`replay_dlq` with the regular owner stopped.
+``SparkBridge.replay_dlq`` on a running one, or :func:`runtime.spark.operations.replay_dlq`
+with the regular owner stopped.
 """
 
 from __future__ import annotations
-
-import asyncio
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -20,10 +17,7 @@ from runtime.kafka import KafkaConfig
 from runtime.kafka.retry_queue import RetryQueueConfig, internal_topic, load_dlq
 from runtime.spark.keyed import SparkRecord, decode_record
 
-if TYPE_CHECKING:
-    from runtime.spark.bridge import SparkConfig
-
-__all__ = ["DeadLetterConfig", "SparkDlqRecord", "list_dlq", "replay_dlq"]
+__all__ = ["DeadLetterConfig", "SparkDlqRecord", "list_dlq"]
 
 
 class DeadLetterConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,24 +77,3 @@ async def list_dlq(dead_letter: DeadLetterConfig) -> list[SparkDlqRecord]:
         SparkDlqRecord(e.record_id, e.key, e.attempts, e.error, _decode(raw))
         for e, raw in await load_dlq(dead_letter.kafka, dead_letter.queue_config())
     ]
-
-
-async def replay_dlq(
-    config: SparkConfig,
-    record_ids: Iterable[str] | None = None,
-    *,
-    spark: Any = None,
-    timeout_s: float = 120.0,
-) -> list[str]:
-    """Write DLQ rows (all, or those named) to Spark again through a bridge over the same topics
-    (``config.dead_letter``), and wait until each is committed (or dead-lettered again). The
-    regular owner must not run meanwhile. ``spark``: a session to use (else one is started)."""
-    from runtime.spark.bridge import SparkBridge
-
-    if config.dead_letter is None:
-        raise ValueError("replay_dlq needs SparkConfig.dead_letter")
-    async with SparkBridge(config, spark=spark) as bridge:
-        chosen = bridge.replay_dlq(record_ids)
-        async with asyncio.timeout(timeout_s):
-            await bridge.wait_replayed(chosen)
-        return chosen

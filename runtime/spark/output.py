@@ -60,3 +60,17 @@ def _read_arrow(directory: Path, dedupe: bool) -> Any:
             seen.add(key)
             keep.append(i)
     return table if len(keep) == table.num_rows else table.take(pa.array(keep, pa.int64()))
+
+
+def write_default(df: Any, output_dir: str, batch: str) -> None:
+    """The default sink: parquet partitioned by table (and by batch, so a re-run of the same
+    batch overwrites exactly its own files)."""
+    from pyspark.sql import functions as f
+
+    (
+        df.withColumn("batch", f.lit(batch))
+        .write.mode("overwrite")
+        .option("partitionOverwriteMode", "dynamic")
+        .partitionBy("table", "batch")
+        .parquet(str(Path(output_dir)))
+    )

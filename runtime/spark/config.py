@@ -1,0 +1,61 @@
+"""The Spark bridge's settings and its public result types (no Spark import: the command line
+and the dead-letter tools read them without starting Spark)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+
+from runtime.spark.dead_letter import DeadLetterConfig
+
+ForeachBatch = Callable[[Any, int], None]
+
+
+class SparkConfig(msgspec.Struct, frozen=True):
+    master: str = "local[2]"
+    remote: str | None = None  # Spark Connect URL sc://host:port (instead of master)
+    app_name: str = "shoal"
+    conf: dict[str, str] = {}
+    output_dir: str = "shoal-output"
+    checkpoint_dir: str | None = None  # streaming: default <output_dir>/_checkpoint
+    path: Literal["embedded", "streaming"] = "embedded"
+    max_rows: int = 100_000
+    max_age_s: float = 1.0
+    max_inflight_batches: int = 4
+    max_attempts: int = 3  # per micro-batch, the first run included
+    retry_backoff_s: float = 0.5  # doubled per attempt
+    start_timeout_s: float = 180.0
+    stop_timeout_s: float = 120.0
+    spool_dir: str | None = None  # streaming: default <output_dir>/_spool
+    trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger
+    ack_poll_s: float = 0.1  # streaming: how often Spark's checkpoint is read for commits
+    resume_dedupe: bool = True  # on start, learn each partition's tail from the output
+    dead_letter: DeadLetterConfig | None = None  # RQ/DLQ for rows Spark keeps failing (opt-in)
+
+
+class BridgeStats(msgspec.Struct, frozen=True):
+    puts: int  # SinkBatches handed in
+    rows_in: int  # rows (mods) handed in
+    rows_deduplicated: int  # rows dropped as replays
+    rows_committed: int  # rows Spark committed
+    batches_committed: int  # micro-batches committed
+    batches_failed: int  # micro-batches that failed every attempt
+    attempts_failed: int  # failed attempts, retried or not
+    puts_failed: int  # SinkBatches whose future failed
+    puts_refused: int  # SinkBatches refused (bad input, closed bridge, past a failed batch)
+    inflight: int  # micro-batches cut and not yet committed
+    buffered_rows: int
+    last_commit_latency_s: float  # oldest put of the last micro-batch → its commit
+    last_batch_id: int
+    # with dead_letter:
+    rows_parked: int = 0  # rows handed to the RQ (failing, or behind a key it holds)
+    rows_retried: int = 0  # rows committed from the RQ
+    isolation_runs: int = 0  # Spark batches run to isolate failing rows (halves, retries)
+    rq_held: int = 0  # rows the RQ/DLQ holds now
+    in_dlq: int = 0
+
+
+class BridgeError(RuntimeError):
+    """A batch the bridge could not commit (its reader re-reads it) or a bridge misuse."""
