@@ -273,3 +273,30 @@ def apply_state(view: TaskView, state: TaskState) -> None:
         view.partitions[part.token] = part
     if state.share is not None:
         view.share = {s.token: s for s in state.share}
+
+
+class FinalState(msgspec.Struct, frozen=True):
+    """Where one partition ended, as the sync log says."""
+
+    token: str
+    status: str  # owned | finished | incoming
+    watermark: int
+    owner: str
+
+
+def final_states(cims: Iterable[Cim]) -> list[FinalState]:
+    """Every partition's final state over some CIMs (e.g. one per task of a process: they replay
+    one log, each maybe to a different offset), by token: a finished entry wins, else the newest
+    watermark; a partition only offered (not yet picked up) is reported from its offer."""
+    out: dict[str, FinalState] = {}
+    for cim in cims:
+        for owner, view in cim.tasks.items():
+            for token, p in view.partitions.items():
+                seen = out.get(token)
+                if seen is None or p.status == "finished" or p.watermark > seen.watermark:
+                    out[token] = FinalState(token, p.status, p.watermark, owner)
+            for token, offer in view.share.items():
+                if token not in out:
+                    part = offer.partition
+                    out[token] = FinalState(token, part.status, part.watermark, owner)
+    return sorted(out.values(), key=lambda f: f.token)

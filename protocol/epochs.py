@@ -75,3 +75,10 @@ def receive(assigned: int, generation: int, known: int) -> Accepted | Stale:
     if epoch <= known:
         return Stale(epoch=epoch, known=known)
     return Accepted(epoch=epoch)
+
+
+def rebalancing(group_in_progress: bool, member: bool, epoch: int, generation: int) -> bool:
+    """Whether a task is inside a rebalance: its group says one is in progress (a JoinGroup in
+    flight, or the coordinator answered "rebalancing"), or it is a member of a generation whose
+    epoch is not in its CIM yet (sharing waits for that epoch)."""
+    return group_in_progress or (member and epoch < generation)

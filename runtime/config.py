@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.task import TaskConfig
+
 if TYPE_CHECKING:
     from runtime.kafka import KafkaConfig
 
@@ -339,6 +341,17 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checkpoint_interval_s: Annotated[
         float, Meta(gt=0, description="Leader's full-state checkpoints to the sync topic.")
     ] = 10.0
+
+    def task_config(self, task_id: str) -> TaskConfig:
+        """The task core's settings for ``task_id`` (the core counts in microseconds)."""
+        return TaskConfig(
+            task_id=task_id,
+            cap=self.cap,
+            answer_timeout=self.answer_timeout_ms * 1000,
+            publish_interval=self.publish_interval_ms * 1000,
+            negotiate_interval=self.negotiate_interval_ms * 1000,
+            checkpoint_interval=round(self.checkpoint_interval_s * 1e6),
+        )
 
 
 class ShoalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

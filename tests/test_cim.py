@@ -173,3 +173,33 @@ def test_a_foreign_state_in_an_epoch_message_is_dropped_and_reported_like_in_a_s
     assert cim.ignored["foreign-state"] == 1
     assert cim.view("b").partitions == {}
     assert cim.epoch == 2  # the epoch itself is opened
+
+
+def test_final_states_over_the_cims_of_several_tasks() -> None:
+    from protocol.cim import FinalState, final_states
+
+    behind = _fold([epoch("a", 1, "a", "b"), state("a", 1, part("p", 5)), state("b", 1)])
+    ahead = _fold(
+        [
+            epoch("a", 1, "a", "b"),
+            state("a", 1, part("p", 5)),
+            state("b", 1),
+            state("a", 2, part("p", 9), part("q", 3, status="finished")),
+            StateMessage(
+                task_id="b",
+                epoch=1,
+                connector_state=(
+                    TaskState(
+                        task_id="b",
+                        state_timestamp=2,
+                        share=(Share(partition=part("r", 4), target="a"),),
+                    ),
+                ),
+            ),
+        ]
+    )
+    assert final_states([behind, ahead]) == [
+        FinalState("p", "owned", 9, "a"),
+        FinalState("q", "finished", 3, "a"),
+        FinalState("r", "owned", 4, "b"),
+    ]

@@ -186,3 +186,24 @@ def test_query_window_defaults_to_20s_against_the_emulator_only() -> None:
     assert options.query_window(chosen, emulator=True) == 5.0
     with pytest.raises(ConfigError, match="--spanner-query-window-s"):
         _load(["--spanner-query-window-s", "0"])
+
+
+def test_task_options_become_the_core_settings_in_microseconds() -> None:
+    from protocol.task import TaskConfig
+    from runtime.config import TaskOptions
+
+    options = TaskOptions(
+        cap=7,
+        answer_timeout_ms=1500,
+        publish_interval_ms=120,
+        negotiate_interval_ms=90,
+        checkpoint_interval_s=2.5,
+    )
+    assert options.task_config("t1") == TaskConfig(
+        task_id="t1",
+        cap=7,
+        answer_timeout=1_500_000,
+        publish_interval=120_000,
+        negotiate_interval=90_000,
+        checkpoint_interval=2_500_000,
+    )

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from protocol import epochs
 from protocol.epochs import NO_EPOCH, Accepted, Stale, newest, number, receive
 
 
@@ -143,3 +144,11 @@ def test_teeth_taking_the_generation_as_the_epoch_is_caught() -> None:
     # after the restart no round ends with an epoch every member took.
     assert increasing_per_member(broken)
     assert broken == control[:6]
+
+
+def test_a_task_is_rebalancing_while_its_group_says_so_or_its_generation_has_no_epoch() -> None:
+    assert epochs.rebalancing(True, True, 5, 5)
+    assert epochs.rebalancing(False, True, 4, 5)  # a member of generation 5, no epoch 5 yet
+    assert not epochs.rebalancing(False, True, 5, 5)
+    assert not epochs.rebalancing(False, True, 6, 5)  # epochs may run ahead of generations
+    assert not epochs.rebalancing(False, False, 4, 5)  # not a member: nothing to wait for

@@ -42,9 +42,10 @@ from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
 from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
+from protocol import epochs
+from protocol.cim import final_states
 from protocol.records import DataChange
 from protocol.retry import may_drive
-from protocol.task import TaskConfig
 from runtime.config import (
     ConfigError,
     ShoalConfig,
@@ -188,8 +189,11 @@ class Pipeline:
             if sink.batches_failed:
                 errors["sink_batch_failed"] = sink.batches_failed
             membership = node.membership
-            rebalancing = bool(getattr(membership, "rebalance_in_progress", False)) or (
-                st.member and st.epoch < st.generation
+            rebalancing = epochs.rebalancing(
+                bool(getattr(membership, "rebalance_in_progress", False)),
+                st.member,
+                st.epoch,
+                st.generation,
             )
             stats = t.sync_log.statistics() if t.sync_log is not None else None
             if stats is not None and stats.fragments_dropped:
@@ -515,14 +519,7 @@ class Pipeline:
             counting = CountingSink(sink)
             node = TaskNode(
                 NodeConfig(
-                    task=TaskConfig(
-                        task_id=task_id,
-                        cap=t.cap,
-                        answer_timeout=t.answer_timeout_ms * 1000,
-                        publish_interval=t.publish_interval_ms * 1000,
-                        negotiate_interval=t.negotiate_interval_ms * 1000,
-                        checkpoint_interval=int(t.checkpoint_interval_s * 1e6),
-                    ),
+                    task=t.task_config(task_id),
                     stream_start=stream_start,
                     stuck_after=cfg.run.stuck_after_s,
                 ),
@@ -668,23 +665,11 @@ class Pipeline:
 
     # -- the end ---------------------------------------------------------------------------------
     def _partitions(self) -> tuple[PartitionEnd, ...]:
-        """Every partition's final state, from the CIM of a task (they all replay one log)."""
-        out: dict[str, PartitionEnd] = {}
-        for t in self.tasks:
-            task = t.node.task
-            if task is None:
-                continue
-            cim = task.core.cim
-            for owner, view in cim.tasks.items():
-                for token, p in view.partitions.items():
-                    seen = out.get(token)
-                    if seen is None or p.status == "finished" or p.watermark > seen.watermark:
-                        out[token] = PartitionEnd(token, p.status, p.watermark, owner)
-                for token, offer in view.share.items():
-                    if token not in out:
-                        part = offer.partition
-                        out[token] = PartitionEnd(token, part.status, part.watermark, owner)
-        return tuple(sorted(out.values(), key=lambda p: p.token))
+        """Every partition's final state, from the CIMs of this process's tasks."""
+        cims = [t.node.task.core.cim for t in self.tasks if t.node.task is not None]
+        return tuple(
+            PartitionEnd(f.token, f.status, f.watermark, f.owner) for f in final_states(cims)
+        )
 
     def _summary(
         self,
