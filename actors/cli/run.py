@@ -29,7 +29,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
@@ -44,7 +44,6 @@ from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
-from protocol.records import DataChange
 from protocol.retry import may_drive
 from runtime.config import (
     ConfigError,
@@ -768,29 +767,3 @@ def stream_params(sim: SimOptions, start: int) -> StreamParams:
         merge_p=sim.merge_p,
         records_per_s=sim.records_per_s,
     )
-
-
-def expected_below_watermarks(model: Any, partitions: Sequence[PartitionEnd]) -> set[str]:
-    """Record ids (``commit/txn/seq/mod``) a restart would not read again: every record of a
-    finished partition, and those of an unfinished one strictly before its final watermark."""
-    out: set[str] = set()
-    if partitions:
-        model.generate_until(max(p.watermark for p in partitions))
-    for p in partitions:
-        info = model.partitions.get(p.token)
-        if info is None:
-            continue
-        if p.status == "finished":
-            assert info.end_ts is not None
-            until = info.end_ts - 1
-        else:
-            until = p.watermark - 1
-        if until < info.start_ts:
-            continue
-        for rec in model.records(p.token, info.start_ts, until):
-            if isinstance(rec, DataChange):
-                for i in range(len(rec.mods)):
-                    out.add(
-                        f"{rec.commit_ts}/{rec.server_transaction_id}/{rec.record_sequence}/{i}"
-                    )
-    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from protocol import lifecycle
 from protocol.messages import Partition
 from protocol.records import ChildPartition
-from tests.builders import part
+from tests.helpers import part
 
 
 def _lookup(*parts: Partition) -> lifecycle.Lookup:

@@ -22,17 +22,17 @@ import msgspec
 import pytest
 
 from actors.cli.progress import RunSummary
-from actors.cli.run import expected_below_watermarks, stream_params
+from actors.cli.run import stream_params
 from actors.cli.sinks import read_rows
 from runtime.config import SimOptions
 from runtime.kafka.broker import EmbeddedBroker, free_port
 from runtime.simstream import StreamModel
 from runtime.spark import KEY_COLUMNS, read_output
 from tests.fixtures.kafka import kafka_broker
+from tests.helpers import REPO, expected_below_watermarks
 
 __all__ = ["kafka_broker"]
 
-REPO = Path(__file__).resolve().parents[1]
 # A small, quick stream: 4 partitions, partition churn every 2 s of stream time.
 SIM = ["--sim-roots", "4", "--sim-records-per-s", "60", "--sim-round-s", "2"]
 FILES = ["--sink", "files"]  # the pyarrow parquet sink: no JVM, for the tests about tasks

@@ -16,7 +16,7 @@ from protocol.messages import (
     SyncMessage,
     TaskState,
 )
-from tests.builders import epoch, part, state
+from tests.helpers import epoch, part, state
 
 
 def _fold(log: list[SyncMessage]) -> Cim:

@@ -34,11 +34,11 @@ from runtime.spark.keyed import RowsFailed, SparkRecord, decode_record, spark_re
 from runtime.spark.output import write_default
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.fixtures.spark import spark
+from tests.helpers import REPO
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.slow]
 __all__ = ["connector", "kafka_broker", "kafka_config", "spark"]  # fixtures used by name
 
-REPO = Path(__file__).resolve().parents[1]
 COLS = (ColumnType("id", '{"code":"INT64"}', True, 1),)
 TOKEN = "tok"
 
@@ -291,7 +291,7 @@ from pathlib import Path
 from protocol.retry import RetryPolicy
 from runtime.kafka import KafkaConfig
 from runtime.spark import SparkBridge
-from tests.test_spark_dead_letter import Writer, _config, feed, workload
+from tests.integration.test_spark_dead_letter import Writer, _config, feed, workload
 
 async def main():
     out, kafka, name = Path(sys.argv[1]), KafkaConfig.embedded(sys.argv[2]), sys.argv[3]

@@ -10,15 +10,13 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from runtime import compat
 from runtime.compat import AIOKAFKA, SPANNER, IncompatibleLibraryError, Supported
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as REPO_ROOT
 
 
 def test_the_installed_libraries_are_supported() -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from protocol.cim import Cim
 from protocol.messages import Partition, Share, StateMessage, TaskState
 from protocol.planner import plan
-from tests.builders import epoch, part, state
+from tests.helpers import epoch, part, state
 
 
 def test_roots_are_dealt_to_least_loaded_and_parked_past_cap() -> None:

@@ -8,15 +8,11 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 import pytest
-from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import TopicPartition
 
-from protocol.records import ColumnType, DataChange, Mod
+from protocol.records import DataChange, Mod
 from protocol.retry import RetryPolicy
 from protocol.routing import key_hash, router, shard_of_partition
 from runtime.kafka import KafkaConfig
@@ -32,105 +28,19 @@ from runtime.kafka.sink import (
 )
 from runtime.ports import Sink, SinkBatch
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
+from tests.fixtures.kafka_sink import (
+    change,
+    expected_ids,
+    failing,
+    key_of,
+    kname,
+    put_all,
+    read_output,
+    workload,
+)
+from tests.helpers import REPO
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
-
-COLS = (
-    ColumnType("id", '{"code":"INT64"}', True, 1),
-    ColumnType("n", '{"code":"INT64"}', False, 2),
-)
-
-
-def change(key: int, n: int) -> DataChange:
-    """Row ``key`` of table ``T`` set to ``n``; commit order is ``n`` then ``key``."""
-    return DataChange(
-        commit_ts=1_000_000 + n * 1000 + key,
-        record_sequence=f"{n:08d}",
-        server_transaction_id=f"tx-{key}-{n}",
-        is_last_record_in_transaction_in_partition=True,
-        table="T",
-        column_types=COLS,
-        mods=(
-            Mod(
-                keys=json.dumps({"id": str(key)}),
-                new_values=json.dumps({"n": str(n)}),
-                old_values="{}",
-            ),
-        ),
-        mod_type="UPDATE",
-    )
-
-
-def workload(keys: int, per_key: int) -> list[DataChange]:
-    return [change(k, n) for n in range(per_key) for k in range(keys)]
-
-
-def kname(key: int) -> str:
-    return f'T:{{"id": "{key}"}}'
-
-
-def key_of(rec: OutputRecord) -> int:
-    return int(json.loads(rec.keys)["id"])
-
-
-async def put_all(sink: KafkaSink, changes: list[DataChange], batch: int = 25) -> None:
-    futures = [
-        await sink.put(SinkBatch("tok", tuple(changes[i : i + batch]), watermark=i))
-        for i in range(0, len(changes), batch)
-    ]
-    async with asyncio.timeout(30):
-        await asyncio.gather(*futures)
-
-
-async def read_output(
-    config: KafkaConfig, topic: str, partitions: int, want: int, timeout_s: float = 20.0
-) -> list[tuple[int, OutputRecord]]:
-    """(partition, record) of everything in ``topic``, once at least ``want`` distinct records
-    were read (plus one more fetch, to see duplicates)."""
-    consumer = AIOKafkaConsumer(
-        **config.client_kwargs(),
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=50,
-    )
-    await consumer.start()
-    out: list[tuple[int, OutputRecord]] = []
-    try:
-        tps = [TopicPartition(topic, p) for p in range(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        async with asyncio.timeout(timeout_s):
-            while len({r.record_id for _, r in out}) < want:
-                for tp, msgs in (await consumer.getmany(timeout_ms=200)).items():
-                    out.extend((tp.partition, decode_output(m.value)) for m in msgs)
-        for tp, msgs in (await consumer.getmany(timeout_ms=300)).items():
-            out.extend((tp.partition, decode_output(m.value)) for m in msgs)
-    finally:
-        await consumer.stop()
-    return out
-
-
-def expected_ids(changes: list[DataChange]) -> dict[int, list[str]]:
-    by_key: dict[int, list[str]] = {}
-    for c in changes:
-        for r in output_records(c):
-            by_key.setdefault(key_of(r), []).append(r.record_id)
-    return by_key
-
-
-def failing(
-    keys: set[int], first_attempts: int | None = None
-) -> Callable[[OutputRecord, int], str | None]:
-    """Fail every delivery of ``keys`` (or only attempts below ``first_attempts``)."""
-
-    def inject(rec: OutputRecord, attempts: int) -> str | None:
-        if key_of(rec) in keys and (first_attempts is None or attempts < first_attempts):
-            return f"injected failure for key {key_of(rec)}"
-        return None
-
-    return inject
-
 
 FAST = RetryPolicy(max_attempts=4, base_backoff=0.02, max_backoff=0.1, jitter=0.2)
 
@@ -285,7 +195,7 @@ async def test_redelivered_records_held_in_the_rq_settle_at_once(
         assert after.rq_writes == before.rq_writes
 
 
-# -- sharding (design 003: RQ/DLQ are shard consistent with the output topic) ---------------------
+# -- sharding (RQ/DLQ are shard consistent with the output topic) ---------------------
 
 
 @pytest.mark.parametrize(
@@ -381,14 +291,12 @@ def test_output_records_one_per_mod() -> None:
     assert decode_output(msgspec.json.encode(recs[0])) == recs[0]
 
 
-REPO = Path(__file__).resolve().parents[1]
-
 _CHILD = """
 import asyncio, sys
 from protocol.retry import RetryPolicy
 from runtime.kafka import KafkaConfig
 from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
-from tests.test_kafka_sink import failing, put_all, workload
+from tests.fixtures.kafka_sink import failing, put_all, workload
 
 async def main() -> None:
     config = KafkaConfig.embedded(sys.argv[1])

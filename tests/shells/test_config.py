@@ -10,8 +10,7 @@ import pytest
 from actors.runtime import build_parser, main
 from runtime import config as options
 from runtime.config import ConfigError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 def _load(argv: list[str], env: dict[str, str] | None = None) -> options.ShoalConfig:

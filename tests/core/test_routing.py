@@ -1,4 +1,4 @@
-"""Design 003 routing: the router formula, K on scale-up, shard assignment, and the properties
+"""Routing (docs/design.md#routing): the router formula, K on scale-up, shard assignment, and the properties
 that make them worth having (shard consistency, even spread)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The retry core of design 003: exact command lists for given events, then a model-based
+"""The retry core (docs/design.md#retry-and-dead-letter-queues): exact command lists for given events, then a model-based
 stateful test (per-key order, one in flight per key, every record delivered or dead-lettered
 exactly once, the state rebuilt from the RQ/DLQ log at any point)."""
 

@@ -1,7 +1,7 @@
 """``python -m actors.runtime dlq list|replay`` against the embedded broker, through the real entry
 point (subprocesses): a Kafka output sink dead-letters a key's record; ``dlq list`` shows it,
 ``dlq replay`` delivers it and the records parked behind it, in order, and the DLQ is empty
-after. (The Spark bridge's DLQ through the same subcommand: tests/test_spark_dead_letter.py.)"""
+after. (The Spark bridge's DLQ through the same subcommand: tests/integration/test_spark_dead_letter.py.)"""
 
 from __future__ import annotations
 
@@ -19,11 +19,18 @@ from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
-from tests.test_kafka_sink import expected_ids, failing, key_of, put_all, read_output, workload
+from tests.fixtures.kafka_sink import (
+    expected_ids,
+    failing,
+    key_of,
+    put_all,
+    read_output,
+    workload,
+)
+from tests.helpers import REPO
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
-REPO = Path(__file__).resolve().parents[1]
 FAST = RetryPolicy(max_attempts=2, base_backoff=0.02, max_backoff=0.05)
 
 

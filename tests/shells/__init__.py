@@ -1,0 +1,1 @@
+"""The thin async shells and the runtime's plumbing, tested directly (kernel, mailboxes, reader, metrics, config)."""

@@ -1,0 +1,1 @@
+"""Rung 3: hypothesis state machines over the synchronous cores."""
