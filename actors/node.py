@@ -4,7 +4,7 @@
 
 1. the task actor starts and the sync topic is replayed into its CIM (from the latest
    checkpoint, if one was recorded), until a marker it wrote itself is read back;
-2. only then does it join the heartbeat-topic group (seed 000's subscription order: a new task
+2. only then does it join the heartbeat-topic group (the subscription order of docs/design.md#sync-topic-and-cim: a new task
    is ready to read partitions before the others learn about it);
 3. the leader actor, the negotiator actor and the partition readers do the rest.
 

@@ -1,6 +1,6 @@
 """``python -m bench capacity``: one task with a per-task cap and far more partitions offered.
 
-Seed 001's cap on concurrent partitions per task: a task offered 5,000 partitions reads at most
+The cap on concurrent partitions per task (docs/design.md#cap-and-fair-spread): a task offered 5,000 partitions reads at most
 ``cap`` of them; the surplus waits (parked by the leader) for other tasks. Memory and event-loop
 lag must stay bounded while it is over-offered. Then a second task joins and takes the surplus
 up to its own cap. Real actors and cores; in-memory sync log, group and sink (the coordination

@@ -1,4 +1,4 @@
-"""Benchmark: the Kafka output sink (design 003) while 1% of keys fail for a while.
+"""Benchmark: the Kafka output sink (docs/design.md#retry-and-dead-letter-queues) while 1% of keys fail for a while.
 
 Two runs over the embedded broker in one process, same workload (records spread over many keys,
 handed to the sink in batches like a change-stream reader does):

@@ -1,4 +1,4 @@
-"""The consolidated state (CIM) of design 000, built by replaying the sync topic.
+"""The consolidated state (CIM), built by replaying the sync topic (docs/design.md#sync-topic-and-cim).
 
 Rules, all in :meth:`Cim.apply` (every task applies the same log in the same order, so every
 task's CIM is the same at the same offset):

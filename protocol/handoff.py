@@ -1,4 +1,4 @@
-"""The state machine of one partition move (designs 002 and 004).
+"""The state machine of one partition move (docs/design.md#hand-off and #stable-pending-and-planned-assignments).
 
 ``stable`` is who reads the partition now, ``pending`` the task it is moving to, ``planned`` a
 newer target that arrived while a move was pending; ``trigger`` is the revision (the sync-log
@@ -9,7 +9,7 @@ offset of the decision) that last changed the move, so a replayed decision is ap
   pending to another target, the new target becomes ``planned``; asking again for the pending
   target drops the plan.
 * ``ready()``: the pending target has warmed up (it is a member and has announced it can read
-  at once) — the old owner may stop reading now, not before (002: no gap).
+  at once) — the old owner may stop reading now, not before (no gap).
 * ``complete(owner)``: the pending target owns the partition: it is ``stable``; what was
   ``planned`` is the new owner's business, so it is dropped here.
 * ``abort()``: the pending target died or left before the old owner released the partition:

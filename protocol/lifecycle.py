@@ -1,4 +1,4 @@
-"""The partition lifecycle of a Spanner change stream (design 000, INFRA.md).
+"""The partition lifecycle of a Spanner change stream (docs/design.md#partition-lifecycle-splits-and-merges).
 
 * Roots come from the query with a NULL token, as one ``ChildPartitions`` record.
 * Every partition ends with ``ChildPartitions`` record(s): a split names several children, a move

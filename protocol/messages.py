@@ -1,6 +1,6 @@
-"""The sync-topic wire protocol of design 000 (``<connector>_connector_sync``).
+"""The sync-topic wire protocol (``<connector>_connector_sync``; docs/design.md#sync-topic-and-cim).
 
-A message keeps the seed's structure: ``syncEpoch``, ``taskID``, ``messageTimestamp`` and
+A message keeps the design's structure: ``syncEpoch``, ``taskID``, ``messageTimestamp`` and
 ``connectorState`` (task states), each state with ``taskID``, ``stateTimestamp``, the owned
 partitions (``data``) and the partitions it wants to share (``share``).
 
@@ -14,7 +14,7 @@ limits when every message carried every task's whole state):
 * ``kind`` (the msgspec tag) says what the message is: ``state``, ``epoch``, ``checkpoint`` or
   ``marker``; see the classes below.
 
-Every field name on the wire is the seed's camelCase; the schema version is ``v``.
+Every field name on the wire is the design's camelCase; the schema version is ``v``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The leader's planner (design 000 "Rebalance event handling / Leader task", design 001 cap).
+"""The leader's planner (docs/design.md#epochs and #cap-and-fair-spread).
 
 Given the CIM and the members of the new generation, the leader opens a new epoch:
 

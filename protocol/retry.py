@@ -1,13 +1,14 @@
-"""Per-key ordered delivery with a retry queue and a dead-letter queue (design 003).
+"""Per-key ordered delivery with a retry queue and a dead-letter queue
+(docs/design.md#retry-and-dead-letter-queues).
 
 A pure core: :meth:`RetryCore.handle` takes one event and ``now`` (wall-clock seconds, passed in;
 due times are written to Kafka and must mean the same to the next owner) and returns the
 commands the shell must carry out, in order. No I/O, no clock, randomness only from the seeded
 ``random.Random`` the core owns.
 
-Rules (seed 003, "Message Consumption" and ``GroupState``):
+Rules (message consumption, and the per-key ``GroupState``):
 
-* Records arrive with an ordering key (``group_id`` in the seed; here the table and primary key of
+* Records arrive with an ordering key (``group_id`` in the design; here the table and primary key of
   a row). Each gets a sequence number in arrival order; per key, records are delivered in that
   order.
 * **A key never has two records in flight.** A record of a key with one in flight waits in memory
@@ -38,7 +39,7 @@ counter that only grows (a new core starts above every version and sequence numb
 the highest version says where it is (RQ, DLQ, or gone). So a crash between two writes never
 loses a record; at worst a record delivered from the RQ is delivered again (at least once).
 
-The seed's ``GroupState`` (``p``: the latest entry produced to the RQ for the group, ``c``: the
+The design's ``GroupState`` (``p``: the latest entry produced to the RQ for the group, ``c``: the
 latest consumed) is the per-key queue here: its entries are exactly those between ``c`` and ``p``.
 
 :meth:`RetryCore.validate` checks the invariants (one record in flight per key; sequence order per

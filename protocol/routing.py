@@ -1,6 +1,6 @@
-"""Composite topics and shard-consistent routing (design 003).
+"""Composite topics and shard-consistent routing (docs/design.md#routing).
 
-Rules of the seed carried here, as a pure module (no I/O, no clock, no randomness):
+The rules carried here, as a pure module (no I/O, no clock, no randomness):
 
 * A **composite topic** is an ordered sequence of storage topics ``T_0 .. T_n``; each has
   ``P(T_i)`` partitions and a scale factor ``K``. ``produce_pointer`` names the storage topic the
@@ -61,7 +61,7 @@ def key_hash(table: str, keys_json: str) -> int:
 
 
 def recommended_partition_count(n: int) -> bool:
-    """1, 2, 3, or a multiple of 4 or of 6 (the seed's advice for even sharding)."""
+    """1, 2, 3, or a multiple of 4 or of 6 (the design's advice for even sharding)."""
     return n in (1, 2, 3) or (n > 0 and (n % 4 == 0 or n % 6 == 0))
 
 

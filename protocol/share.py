@@ -1,4 +1,4 @@
-"""Partition sharing decisions (design 000 "Partition sharing protocol", design 001 cap and fair
+"""Partition sharing decisions (docs/design.md#partition-sharing, #cap-and-fair-spread: cap and fair
 spread). Pure functions over loads; ``protocol/task.py`` applies them to a task's own state.
 
 * Load: unfinished partitions a task owns or is taking over, plus offers addressed to it that it

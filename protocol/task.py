@@ -1,4 +1,4 @@
-"""One task of design 000 as a pure state machine: events in, commands out.
+"""One task of the protocol (docs/design.md) as a pure state machine: events in, commands out.
 
 Every task is a regular task; the one the group leader's assignor named also plays the Leader for
 that generation. The rules, in the order a reader meets them in :class:`TaskCore`:

@@ -527,7 +527,7 @@ class Simulation:
         ]
         heapq.heapify(self.pending_log)
         # The quiet phase needs someone to read: at least one task, and with a cap enough
-        # tasks for every partition. Design 001: the surplus over the caps waits for other
+        # tasks for every partition. The cap rule: the surplus over the caps waits for other
         # tasks; add them now (as an operator would) and check the waiting partitions are
         # picked up and everything is read in the end.
         needed = 1

@@ -16,7 +16,7 @@ futures, so a crash anywhere loses nothing.
   so does everything cut or buffered after it (those were de-duplicated on the assumption that
   the failed one commits); a later batch of an affected partition is refused until its reader
   re-reads from its committed watermark.
-* Retry queue and dead-letter queue (design 003, opt-in: ``SparkConfig.dead_letter``, embedded
+* Retry queue and dead-letter queue (docs/design.md#retry-and-dead-letter-queues, opt-in: ``SparkConfig.dead_letter``, embedded
   path only). A micro-batch that still fails after ``max_attempts`` is not failed back: the
   bridge isolates the failing rows by **bisecting the micro-batch by ordering key** (table and
   primary key; ``runtime.spark.keyed.halves``), each half run once as its own Spark batch with a
