@@ -29,6 +29,7 @@ import msgspec
 
 from actors.kernel import Actor
 from actors.mailbox import Flag
+from protocol.dedup import PartitionTail
 from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
 from protocol.task import Event, ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped
 from runtime.ports import ChangeStreamSource, Sink, SinkBatch, prepare_sink
@@ -106,7 +107,9 @@ class PartitionReader(Actor[Stop]):
         self._drain_timeout = drain_timeout
         self._batch_records = batch_records
         self._pending: deque[tuple[asyncio.Future[None], int, tuple[DataChange, ...]]] = deque()
-        self._at_watermark: set[tuple[int, str, str]] = set()
+        # the committed watermark and the records committed at exactly it (protocol/dedup.py):
+        # a restarted query reads from the watermark inclusive, and those are dropped
+        self._tail = PartitionTail(start_ts)
         self._records = 0
         self._batches = 0
         self._restarts = 0
@@ -222,12 +225,10 @@ class PartitionReader(Actor[Stop]):
         future, watermark, records = self._pending[0]
         await asyncio.shield(future)
         self._pending.popleft()
+        self._tail.commit(watermark, records)
         if watermark > self.committed:
-            self._at_watermark = {r.identity for r in records if r.commit_ts == watermark}
             self.committed = watermark
             self._seen.committed_at = time.monotonic()
-        else:
-            self._at_watermark |= {r.identity for r in records if r.commit_ts == watermark}
 
     async def _commit_loop(self) -> None:
         while True:
@@ -299,9 +300,7 @@ class PartitionReader(Actor[Stop]):
             for record in batch:
                 match record:
                     case DataChange():
-                        if record.commit_ts == self.committed and (
-                            record.identity in self._at_watermark
-                        ):
+                        if self._tail.seen(record.commit_ts, record.identity):
                             self._dups += 1
                             continue
                         buffer.append(record)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 
+from protocol.dedup import Tails
 from protocol.records import DataChange
 from runtime.kafka.sink import output_records
 from runtime.ports import Sink, SinkBatch, prepare_sink
@@ -106,8 +107,7 @@ class FileSink:
         self._batches = 0
         self._failures = 0
         self._dropped = 0
-        # partition token -> (newest commit ts written, identities written at it)
-        self._tails: dict[str, tuple[int, set[tuple[int, str, str]]]] = {}
+        self._tails = Tails()  # what was written, per partition (protocol/dedup.py)
 
     def __repr__(self) -> str:
         return f"FileSink({str(self.directory)!r})"
@@ -149,12 +149,7 @@ class FileSink:
         tail = self._tails.get(batch.token)
         if tail is None:
             return list(batch.records)
-        ts, ids = tail
-        out = [
-            r
-            for r in batch.records
-            if r.commit_ts > ts or (r.commit_ts == ts and r.identity not in ids)
-        ]
+        out = [r for r in batch.records if not tail.seen(r.commit_ts, r.identity)]
         self._dropped += len(batch.records) - len(out)
         return out
 
@@ -166,11 +161,7 @@ class FileSink:
             columns["record_sequence"],
             strict=True,
         ):
-            tail = self._tails.get(token)
-            if tail is None or ts > tail[0]:
-                self._tails[token] = (ts, {(ts, txn, seq)})
-            elif ts == tail[0]:
-                tail[1].add((ts, txn, seq))
+            self._tails.accept(token, (ts, txn, seq))
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         if self._closed or self._error is not None:

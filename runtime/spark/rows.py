@@ -4,12 +4,10 @@
   ``to_arrow`` makes the Arrow table Spark takes in.
 * ``row_key`` is the identity of one output row: (commit timestamp, server transaction id,
   record sequence, mod index). The default output never holds two rows with the same key.
-* ``Tails`` drops replayed records before they reach Spark. Per partition token, the records the
-  bridge has accepted are always a prefix of that partition's stream (one reader at a time reads
-  a partition in commit order, and a new owner resumes from the committed watermark); so a record
-  at or before the newest accepted commit timestamp of its token was already accepted, unless it
-  shares that newest timestamp and its identity is new. ``Tails`` keeps, per token, that newest
-  timestamp and the identities at it: memory is bounded by the number of partitions.
+* ``Tails`` drops replayed records before they reach Spark, by the one de-duplication rule of
+  ``protocol.dedup`` (per partition token, the newest accepted commit timestamp and the
+  identities at it: memory is bounded by the number of partitions), and keeps the gaps failed
+  batches leave.
 * ``Batcher`` collects ``SinkBatch``es and says when a micro-batch is due: at ``max_rows`` rows
   or when its oldest entry is ``max_age_s`` old. Every call takes ``now``; ``deadline()`` is when
   the shell must look again.
@@ -22,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from protocol import dedup
 from protocol.records import DataChange, Micros
 from runtime.ports import SinkBatch
 
@@ -121,41 +120,28 @@ def to_arrow(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> Any:
 
 
 class Tails:
-    """Per partition token: the newest accepted commit timestamp and the identities at it."""
+    """Per partition token, the tail of ``protocol.dedup`` (the newest accepted commit timestamp
+    and the identities at it: the one de-duplication rule), plus the gaps failed batches left."""
 
     def __init__(self) -> None:
-        self._tails: dict[str, tuple[Micros, set[tuple[Micros, str, str]]]] = {}
+        self._tails = dedup.Tails()
         self._gaps: dict[str, Micros] = {}
 
     def __len__(self) -> int:
         return len(self._tails)
 
     def is_duplicate(self, token: str, change: DataChange) -> bool:
-        tail = self._tails.get(token)
-        if tail is None:
-            return False
-        return change.commit_ts < tail[0] or (
-            change.commit_ts == tail[0] and change.identity in tail[1]
-        )
+        return self._tails.seen(token, change)
 
     def accept(self, token: str, change: DataChange) -> None:
-        self.accept_identity(token, change.identity)
+        self._tails.accept(token, change.identity)
 
     def accept_identity(self, token: str, identity: tuple[Micros, str, str]) -> None:
-        tail = self._tails.get(token)
-        if tail is None or identity[0] > tail[0]:
-            self._tails[token] = (identity[0], {identity})
-        elif identity[0] == tail[0]:
-            tail[1].add(identity)
+        self._tails.accept(token, identity)
 
     def fresh(self, token: str, records: Iterable[DataChange]) -> list[DataChange]:
         """The records not seen before, which are then accepted."""
-        out = []
-        for change in records:
-            if not self.is_duplicate(token, change):
-                self.accept(token, change)
-                out.append(change)
-        return out
+        return self._tails.fresh(token, records)
 
     def open_gap(self, token: str, records: Iterable[DataChange]) -> None:
         """A batch of ``token`` failed: until its reader re-reads from before ``records``, later
@@ -178,7 +164,7 @@ class Tails:
 
     def rewind(self, committed: Tails) -> None:
         """Forget what was accepted but never committed; keep the gaps."""
-        self._tails = {t: (ts, set(ids)) for t, (ts, ids) in committed._tails.items()}
+        self._tails = committed._tails.copy()
 
     def copy(self) -> Tails:
         other = Tails()
