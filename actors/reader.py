@@ -31,7 +31,7 @@ from actors.kernel import Actor
 from actors.mailbox import Flag
 from protocol.dedup import PartitionTail
 from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
-from protocol.task import Event, ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped
+from protocol.task import ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped, TaskEvent
 from runtime.ports import ChangeStreamSource, Sink, SinkBatch, prepare_sink
 
 log = logging.getLogger("shoal.reader")
@@ -40,15 +40,6 @@ log = logging.getLogger("shoal.reader")
 class Stop(msgspec.Struct, frozen=True):
     reason: str
     drain: bool
-
-
-class ReaderStats(msgspec.Struct, frozen=True):
-    token: str
-    records: int
-    batches: int
-    restarts: int
-    duplicates_dropped: int
-    committed: int
 
 
 class ReaderProgress(msgspec.Struct, frozen=True):
@@ -89,7 +80,7 @@ class PartitionReader(Actor[Stop]):
         *,
         source: ChangeStreamSource,
         sink: Sink,
-        report: Callable[[Event], None],
+        report: Callable[[TaskEvent], None],
         permit: Callable[[], bool],
         max_backoff: float = 10.0,
         drain_timeout: float = 5.0,
@@ -134,11 +125,6 @@ class PartitionReader(Actor[Stop]):
             except Exception as exc:  # a full mailbox: a stop is already queued
                 log.debug("reader %s: stop not queued (%r)", self.token, exc)
 
-    def statistics_reader(self) -> ReaderStats:
-        return ReaderStats(
-            self.token, self._records, self._batches, self._restarts, self._dups, self.committed
-        )
-
     def progress(self) -> ReaderProgress:
         seen = self._seen
         return ReaderProgress(
@@ -155,7 +141,7 @@ class PartitionReader(Actor[Stop]):
         """Read until the partition finishes, the lease lapses or a stop arrives; then report
         that end **once, as the last thing, when this reader is no longer alive** (the core may
         start a new reader for the partition as soon as it hears of it)."""
-        end: Event | None = None
+        end: TaskEvent | None = None
         cancelled = False  # shutdown: the task is going away too, nothing to tell it
         try:
             async with asyncio.TaskGroup() as group:

@@ -35,8 +35,6 @@ from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncM
 from protocol.records import ChildPartitions
 from protocol.task import (
     Alert,
-    Command,
-    Event,
     Lease,
     Publish,
     PublishFailed,
@@ -47,9 +45,11 @@ from protocol.task import (
     StopReader,
     SyncBad,
     SyncRead,
+    TaskCommand,
     TaskConfig,
     TaskCore,
-    Tick,
+    TaskEvent,
+    TaskTick,
     own_state_ts,
 )
 from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
@@ -70,7 +70,7 @@ class FlushReports(msgspec.Struct, frozen=True):
     """Mailbox wake-up: readers reported something (see :meth:`TaskActor.report`)."""
 
 
-class TaskActor(Actor[Event | FlushReports]):
+class TaskActor(Actor[TaskEvent | FlushReports]):
     def __init__(
         self,
         config: TaskConfig,
@@ -104,7 +104,7 @@ class TaskActor(Actor[Event | FlushReports]):
         self.readers_idle = asyncio.Event()
         self.readers_idle.set()
         self._commits: dict[str, int] = {}  # readers' newest committed watermarks, not handed over
-        self._overflow: deque[Event] = deque()  # readers' other reports, not handed over
+        self._overflow: deque[TaskEvent] = deque()  # readers' other reports, not handed over
         self._flush_queued = False
         self._still: dict[str, tuple[int, float]] = {}  # token -> (watermark, unchanged since)
         self.stuck = 0  # owned partitions whose watermark stood still too long (last watch)
@@ -112,7 +112,7 @@ class TaskActor(Actor[Event | FlushReports]):
         self.out_of_group_since: float | None = time.monotonic()
 
     # -- mailbox ------------------------------------------------------------------------------
-    async def receive(self, message: Event | FlushReports) -> None:
+    async def receive(self, message: TaskEvent | FlushReports) -> None:
         if not isinstance(message, FlushReports):
             self._apply(message)
         self._flush_reports()
@@ -127,7 +127,7 @@ class TaskActor(Actor[Event | FlushReports]):
             commits, self._commits = self._commits, {}
             self._apply(ReadersCommitted(tuple(commits.items())))
 
-    def _apply(self, message: Event) -> None:
+    def _apply(self, message: TaskEvent) -> None:
         if isinstance(message, SyncRead):
             self.last_offset = message.offset
             if isinstance(message.message, MarkerMessage):
@@ -141,7 +141,7 @@ class TaskActor(Actor[Event | FlushReports]):
         elif self.out_of_group_since is None:
             self.out_of_group_since = time.monotonic()
 
-    def report(self, event: Event) -> None:
+    def report(self, event: TaskEvent) -> None:
         """For readers, without waiting. A committed watermark supersedes the partition's older
         one, so commits are merged per partition and handed over in one event; other reports
         queue in order. Neither takes a mailbox slot per report: with thousands of readers a
@@ -164,7 +164,7 @@ class TaskActor(Actor[Event | FlushReports]):
     def permit(self) -> bool:
         return time.monotonic() < self.lease_until_mono and self.core.member
 
-    def execute(self, command: Command) -> None:
+    def execute(self, command: TaskCommand) -> None:
         match command:
             case Publish():
                 self._outbox.put_nowait(command.message)
@@ -409,7 +409,7 @@ class LeaderActor(Actor[PlanRequest]):
         return tuple(roots)
 
 
-class NegotiatorActor(Actor[Tick]):
+class NegotiatorActor(Actor[TaskTick]):
     """Paces the sharing protocol: lease renewal and a tick every ``interval`` seconds."""
 
     def __init__(self, task: TaskActor, membership: Membership, interval: float) -> None:
@@ -418,12 +418,12 @@ class NegotiatorActor(Actor[Tick]):
         self.membership = membership
         self.interval = interval
 
-    async def receive(self, message: Tick) -> None:
+    async def receive(self, message: TaskTick) -> None:
         self.task.lease_until_mono = self.membership.lease_valid_until()
         await self.task.tell(self.task._lease_event())
         await self.task.tell(message)
 
     async def pace(self) -> None:
         while self.alive:
-            await self.tell(Tick())
+            await self.tell(TaskTick())
             await asyncio.sleep(self.interval)

@@ -61,9 +61,7 @@ from protocol import lifecycle, share
 from protocol.cim import Cim, TaskView
 from protocol.handoff import Move
 from protocol.messages import (
-    CheckpointMessage,
     EpochMessage,
-    MarkerMessage,
     Partition,
     Share,
     StateMessage,
@@ -100,7 +98,7 @@ class Lease(msgspec.Struct, frozen=True):
     until: int  # micros: the membership surely holds until then
 
 
-class Tick(msgspec.Struct, frozen=True):
+class TaskTick(msgspec.Struct, frozen=True):
     pass
 
 
@@ -159,14 +157,14 @@ class Drain(msgspec.Struct, frozen=True):
     work, publish the final watermarks. Its partitions are handed over by the next epoch."""
 
 
-Event = (
+TaskEvent = (
     Drain
     | SyncRead
     | SyncBad
     | Joined
     | Lost
     | Lease
-    | Tick
+    | TaskTick
     | ReaderCommitted
     | ReadersCommitted
     | ReaderFinished
@@ -207,7 +205,7 @@ class Alert(msgspec.Struct, frozen=True):
     detail: str
 
 
-Command = Publish | StartReader | StopReader | RequestPlan | Alert
+TaskCommand = Publish | StartReader | StopReader | RequestPlan | Alert
 
 Readable = Callable[[Partition, lifecycle.Lookup], bool]
 
@@ -294,10 +292,10 @@ class TaskCore:
         self._double_owners: set[tuple[str, str, int]] = set()  # (token, other task, epoch)
 
     # -- the entry point ------------------------------------------------------------------
-    def handle(self, event: Event, now: int) -> list[Command]:
+    def handle(self, event: TaskEvent, now: int) -> list[TaskCommand]:
         self.log.append((now, type(event).__name__))
         self._now = now
-        out: list[Command] = []
+        out: list[TaskCommand] = []
         match event:
             case SyncRead():
                 self._on_sync(event, now)
@@ -310,7 +308,7 @@ class TaskCore:
                 self.member = False
             case Lease():
                 self.lease_until = max(self.lease_until, event.until)
-            case Tick():
+            case TaskTick():
                 pass
             case ReaderCommitted():
                 self._on_committed(event.token, event.watermark)
@@ -576,7 +574,7 @@ class TaskCore:
             self.counters["children_registered"] += 1
         self._urgent = True
 
-    def _on_plan(self, plan: Plan, now: int) -> list[Command]:
+    def _on_plan(self, plan: Plan, now: int) -> list[TaskCommand]:
         if plan.generation != self.generation or self.leader != self.me or not self.member:
             self.counters["plan_discarded"] += 1
             return []
@@ -618,7 +616,7 @@ class TaskCore:
             )
         )
 
-    def _resend_epoch(self, failed_ts: int, now: int) -> list[Command]:
+    def _resend_epoch(self, failed_ts: int, now: int) -> list[TaskCommand]:
         """The append of this task's epoch message failed: send it again, with the same plan
         (its offers are in this task's share section already) and this task's state as the CIM
         does not hold it yet. Not once a newer generation began or the epoch is in the CIM (a
@@ -642,8 +640,8 @@ class TaskCore:
         return [self._publish_epoch(plan, now)]
 
     # -- the step after every event -----------------------------------------------------------
-    def _step(self, now: int) -> list[Command]:
-        out: list[Command] = []
+    def _step(self, now: int) -> list[TaskCommand]:
+        out: list[TaskCommand] = []
         out += self._leader_duties(now)
         self._follow_offers(now)
         self._negotiate(now)
@@ -654,10 +652,10 @@ class TaskCore:
             out.append(Publish(message))
         return out
 
-    def _leader_duties(self, now: int) -> list[Command]:
+    def _leader_duties(self, now: int) -> list[TaskCommand]:
         if not self.member or self.leader != self.me:
             return []
-        out: list[Command] = []
+        out: list[TaskCommand] = []
         gen = self.generation
         if self._plan_deadline >= 0 and self._plan_requested < gen and self.cim.epoch < gen:
             answered = all(self.cim.view(m).epoch_seen >= gen for m in self.members)
@@ -893,8 +891,8 @@ class TaskCore:
                 self.retired.add(token)
                 self.counters["partitions_removed"] += 1
 
-    def _reconcile_readers(self, now: int) -> list[Command]:
-        out: list[Command] = []
+    def _reconcile_readers(self, now: int) -> list[TaskCommand]:
+        out: list[TaskCommand] = []
         allowed = self.may_read(now)
         wanted: list[Partition] = []
         if allowed:
@@ -1088,12 +1086,3 @@ class TaskCore:
                 ), f"{self.me} both owns and offers {token} as new"
         for token in self.moves:
             assert token in self.shares or token in self.mine, f"{self.me}: move of unknown {token}"
-
-
-def checkpoint_bootstrap(messages: list[tuple[int, SyncMessage]]) -> Cim:
-    """A CIM from a log slice that starts at a checkpoint (used by replays and tests)."""
-    cim = Cim()
-    for offset, message in messages:
-        if isinstance(message, CheckpointMessage | MarkerMessage | StateMessage | EpochMessage):
-            cim.apply(offset, message)
-    return cim

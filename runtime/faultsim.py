@@ -48,8 +48,6 @@ from protocol.planner import Plan, plan
 from protocol.records import ChildPartitions, DataChange
 from protocol.task import (
     Alert,
-    Command,
-    Event,
     Joined,
     Lease,
     Lost,
@@ -64,9 +62,11 @@ from protocol.task import (
     StartReader,
     StopReader,
     SyncRead,
+    TaskCommand,
     TaskConfig,
     TaskCore,
-    Tick,
+    TaskEvent,
+    TaskTick,
     own_state_ts,
 )
 from runtime.simstream import StreamModel, StreamParams
@@ -149,7 +149,7 @@ class _Node:
         self.read_offset = 0
         self.readers: dict[str, _Reader] = {}
         self.committed: dict[str, int] = {}
-        self.inbox: list[tuple[int, int, Event]] = []  # (due step, seq, event)
+        self.inbox: list[tuple[int, int, TaskEvent]] = []  # (due step, seq, event)
         self.expelled = False
         self.last_land = 0
 
@@ -236,15 +236,15 @@ class Simulation:
         self.schedule_rebalance()
         return node
 
-    def deliver(self, node: _Node, event: Event, delay_steps: int = 0) -> None:
+    def deliver(self, node: _Node, event: TaskEvent, delay_steps: int = 0) -> None:
         heapq.heappush(node.inbox, (self.step + delay_steps, next(self.seq), event))
 
-    def handle(self, node: _Node, event: Event) -> None:
+    def handle(self, node: _Node, event: TaskEvent) -> None:
         commands = node.core.handle(event, self.now())
         for command in commands:
             self.execute(node, command)
 
-    def execute(self, node: _Node, command: Command) -> None:
+    def execute(self, node: _Node, command: TaskCommand) -> None:
         match command:
             case Publish():
                 payload = messages.encode(command.message)
@@ -476,13 +476,13 @@ class Simulation:
                 self.handle(node, Lost("expelled"))
                 self.group[node.id] = self.step
                 self.schedule_rebalance()
-            self.handle(node, Tick())
+            self.handle(node, TaskTick())
             self.read_log(node)
             while node.inbox and node.inbox[0][0] <= self.step:
                 _, _, event = heapq.heappop(node.inbox)
                 self.handle(node, event)
             self.run_readers(node)
-            self.handle(node, Tick())
+            self.handle(node, TaskTick())
         self.check()
 
     def check(self) -> None:

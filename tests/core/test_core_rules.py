@@ -27,7 +27,6 @@ from protocol.planner import plan
 from protocol.records import ChildPartition
 from protocol.task import (
     Alert,
-    Command,
     Drain,
     Joined,
     Lease,
@@ -40,9 +39,10 @@ from protocol.task import (
     StartReader,
     StopReader,
     SyncRead,
+    TaskCommand,
     TaskConfig,
     TaskCore,
-    Tick,
+    TaskTick,
     own_state_ts,
 )
 
@@ -259,7 +259,7 @@ def test_a_move_goes_stable_pending_stable_and_a_newer_target_is_planned() -> No
 
 
 # -- task core exact command lists (protocol/task.py) ------------------------------------------
-def read_back(c: TaskCore, sent: list[Command], first_offset: int, now: int) -> int:
+def read_back(c: TaskCore, sent: list[TaskCommand], first_offset: int, now: int) -> int:
     """Feed ``c`` its own published messages (and those they lead to) until it has none on the
     way; returns the next free offset."""
     offset = first_offset
@@ -329,7 +329,7 @@ def test_an_epoch_that_drops_the_task_evicts_it_even_with_a_foreign_state_in_it(
     assert c.mine == {}
 
 
-def _double_owned(task: str) -> tuple[TaskCore, list[list[Command]]]:
+def _double_owned(task: str) -> tuple[TaskCore, list[list[TaskCommand]]]:
     """``task`` (a or b) reads p1, offered to it in epoch 1; then the log shows a owning p1 at
     watermark 100 and b owning it at 300 in that epoch (a foreign writer, or a bug): the
     commands of each step."""
@@ -423,7 +423,7 @@ def test_a_draining_task_stops_its_readers_for_good_and_publishes() -> None:
         [p.watermark - T0 for s in m.connector_state for p in s.data]  # type: ignore[union-attr]
         for m in published
     ] == [[80]]  # the final watermark goes out at once
-    later = c.handle(Tick(), now=10**6)
+    later = c.handle(TaskTick(), now=10**6)
     assert not any(isinstance(cmd, StartReader) for cmd in later)
 
 
@@ -438,7 +438,7 @@ def test_a_task_whose_sync_appends_keep_failing_stops_reading_until_one_is_read_
     assert not any(
         isinstance(cmd, StopReader) for cmd in c.handle(PublishFailed("down"), now=1_000_000)
     )
-    out = c.handle(Tick(), now=1_000_000 + c.config.sync_timeout)
+    out = c.handle(TaskTick(), now=1_000_000 + c.config.sync_timeout)
     assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [
         StopReader("p1", "not-permitted")
     ]
@@ -502,7 +502,7 @@ def test_a_task_with_nothing_to_say_whose_append_failed_still_sends_one_to_read_
     assert isinstance(probe, StateMessage)
     assert probe.epoch == 1
     assert probe.connector_state[0].data == ()
-    assert c.handle(Tick(), now=5) == []  # one on its way at a time
+    assert c.handle(TaskTick(), now=5) == []  # one on its way at a time
     offer = Share(part("p1", 50), target="a", kind="new", since=6)
     c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=4 + c.config.sync_timeout)
     assert c.reading == {}  # appends failing for sync_timeout: not allowed to read
@@ -519,7 +519,7 @@ def test_a_leader_whose_epoch_append_fails_sends_the_same_plan_again() -> None:
     (answer,) = c.handle(Joined(generation=1, leader="a", members=("a", "b")), now=3)
     assert isinstance(answer, Publish)
     c.handle(SyncRead(1, answer.message), now=4)
-    (request,) = c.handle(Tick(), now=4 + c.config.answer_timeout)
+    (request,) = c.handle(TaskTick(), now=4 + c.config.answer_timeout)
     assert isinstance(request, RequestPlan)
     assert (request.generation, request.members) == (1, ("a", "b"))
     the_plan = plan(c.cim, ("a", "b"), "a", 1, now=5, cap=2, rng=Random(0))
@@ -548,7 +548,7 @@ def test_an_epoch_append_failing_after_a_newer_rebalance_is_not_sent_again() -> 
     (answer,) = c.handle(Joined(generation=1, leader="a", members=("a", "x")), now=3)
     assert isinstance(answer, Publish)
     c.handle(SyncRead(1, answer.message), now=4)
-    c.handle(Tick(), now=4 + c.config.answer_timeout)
+    c.handle(TaskTick(), now=4 + c.config.answer_timeout)
     the_plan = plan(c.cim, ("a", "x"), "a", 1, now=5, cap=2, rng=Random(0))
     (first,) = c.handle(PlanReady(the_plan), now=6)
     assert isinstance(first, Publish)

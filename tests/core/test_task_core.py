@@ -7,7 +7,6 @@ from random import Random
 from protocol.messages import CheckpointMessage, Partition, Share, StateMessage, TaskState
 from protocol.planner import plan
 from protocol.task import (
-    Command,
     Joined,
     Lease,
     PlanReady,
@@ -15,12 +14,13 @@ from protocol.task import (
     StartReader,
     SyncBad,
     SyncRead,
+    TaskCommand,
     TaskConfig,
     TaskCore,
 )
 
 
-def _leader_with_epoch(cap: int) -> tuple[TaskCore, list[Command]]:
+def _leader_with_epoch(cap: int) -> tuple[TaskCore, list[TaskCommand]]:
     core = TaskCore(TaskConfig("a", cap=cap))
     (answer,) = core.handle(Joined(1, "a", ("a",)), 0)
     assert isinstance(answer, Publish)

@@ -11,7 +11,7 @@ import pytest
 from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
-from protocol.task import Event, ReaderFailed, ReaderStopped
+from protocol.task import ReaderFailed, ReaderStopped, TaskEvent
 from runtime.ports import ChangeStreamSource, SinkBatch
 
 T0 = 1_700_000_000_000_000
@@ -60,7 +60,7 @@ class SlowFailingSink:
 
 @pytest.mark.asyncio
 async def test_a_drain_whose_batch_the_sink_fails_stops_at_the_committed_watermark() -> None:
-    events: list[Event] = []
+    events: list[TaskEvent] = []
     async with Supervisor("test") as sup:
         reader = PartitionReader(
             "p1",
@@ -95,7 +95,7 @@ async def test_a_lapsed_lease_and_a_stop_together_report_one_stop_once_the_reade
     """The lease lapses while the task also asks the reader to stop. The reader must report
     its end once, and only when it is no longer alive: the core restarts a stopped partition
     at once, and a reader that still looked alive made the task drop that restart."""
-    events: list[tuple[Event, bool]] = []
+    events: list[tuple[TaskEvent, bool]] = []
     permitted = [True]
     reader: PartitionReader
 
@@ -151,9 +151,9 @@ async def _read_until(
     stall_timeout: float,
     max_backoff: float,
     within: float,
-) -> list[Event]:
+) -> list[TaskEvent]:
     """Read partition ``p1`` from ``source`` until ``done()``, then stop; what it reported."""
-    events: list[Event] = []
+    events: list[TaskEvent] = []
     async with Supervisor("test") as sup:
         reader = PartitionReader(
             "p1",

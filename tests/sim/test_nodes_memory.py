@@ -190,7 +190,7 @@ async def test_reader_reports_never_overflow_a_busy_task_mailbox() -> None:
     mailbox and handed to the core in one event; other reports queue in order."""
     from actors.kernel import Supervisor
     from actors.task import FlushReports, TaskActor
-    from protocol.task import ReaderCommitted, ReaderStopped, Tick
+    from protocol.task import ReaderCommitted, ReaderStopped, TaskTick
 
     model = StreamModel(StreamParams(seed=1, roots=2))
     task = TaskActor(
@@ -202,15 +202,15 @@ async def test_reader_reports_never_overflow_a_busy_task_mailbox() -> None:
         stream_start=model.params.start_ts,
         mailbox=2,
     )
-    task.tell_nowait(Tick())
-    task.tell_nowait(Tick())  # the mailbox is full: the task is busy
+    task.tell_nowait(TaskTick())
+    task.tell_nowait(TaskTick())  # the mailbox is full: the task is busy
     for n in range(1, 5001):
         task.report(ReaderCommitted(f"p{n % 1000}", n))
     task.report(ReaderStopped("p7", 5000))
     assert task.statistics().depth == 2  # no slot taken per report
-    await task.receive(Tick())  # the task handles a message, then what readers reported
+    await task.receive(TaskTick())  # the task handles a message, then what readers reported
     handled = [name for _, name in task.core.log]
-    assert handled == ["Tick", "ReaderStopped", "ReadersCommitted"]
+    assert handled == ["TaskTick", "ReaderStopped", "ReadersCommitted"]
     task.report(ReaderCommitted("p1", 5001))  # an idle task is woken by one flush message
     await task.receive(FlushReports())
     assert [name for _, name in task.core.log][-1] == "ReadersCommitted"

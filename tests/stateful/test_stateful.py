@@ -12,17 +12,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from protocol.messages import Partition, SyncMessage
 from protocol.planner import plan
 from protocol.task import (
-    Command,
-    Event,
     Joined,
     Lease,
     PlanReady,
     Publish,
     RequestPlan,
     SyncRead,
+    TaskCommand,
     TaskConfig,
     TaskCore,
-    Tick,
+    TaskEvent,
+    TaskTick,
 )
 
 TASKS = ("a", "b", "c")
@@ -40,9 +40,9 @@ class SharedLog(RuleBasedStateMachine):
             self._send(t, Joined(1, "a", TASKS))
             self._send(t, Lease(10**12))
 
-    def _send(self, task: str, event: Event) -> None:
+    def _send(self, task: str, event: TaskEvent) -> None:
         core = self.cores[task]
-        commands: list[Command] = core.handle(event, self.now)
+        commands: list[TaskCommand] = core.handle(event, self.now)
         for cmd in commands:
             if isinstance(cmd, Publish):
                 self.log.append(cmd.message)
@@ -72,7 +72,7 @@ class SharedLog(RuleBasedStateMachine):
     def tick(self, dt: int) -> None:
         self.now += dt
         for t in TASKS:
-            self._send(t, Tick())
+            self._send(t, TaskTick())
 
     @invariant()
     def never_two_readers(self) -> None:
@@ -86,7 +86,7 @@ class SharedLog(RuleBasedStateMachine):
         for _ in range(40):
             self.now += 1_000_000
             for t in TASKS:
-                self._send(t, Tick())
+                self._send(t, TaskTick())
             self._deliver_all()
         self.never_two_readers()
         reading = {tok for core in self.cores.values() for tok in core.reading}
