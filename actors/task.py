@@ -173,8 +173,7 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             case StopReader():
                 reader = self.readers.get(command.token)
                 if reader is not None:
-                    drain = command.reason in ("handoff", "shutdown")
-                    reader.request_stop(command.reason, drain=drain)
+                    reader.request_stop(command.reason, drain=command.drain)
             case Alert():
                 log.error("task %s: %s: %s", self.core.me, command.kind, command.detail)
             case RequestPlan():

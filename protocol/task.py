@@ -50,6 +50,7 @@ Partitions (``protocol/lifecycle.py``)
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -187,9 +188,23 @@ class StartReader(msgspec.Struct, frozen=True):
     parents: tuple[str, ...]
 
 
+class StopReason(enum.StrEnum):
+    """Why the core stops a reader."""
+
+    HANDOFF = "handoff"  # the partition moves: its new owner is ready
+    SHUTDOWN = "shutdown"  # the task drains
+    NOT_PERMITTED = "not-permitted"  # the lease lapsed, or no epoch lists the task
+    NOT_WANTED = "not-wanted"  # the partition is no longer this task's (or over the cap)
+
+
 class StopReader(msgspec.Struct, frozen=True):
+    """Stop reading ``token``. With ``drain`` the reader first lets in-flight batches commit
+    (bounded), so the next owner starts as late as possible: on a hand-off and at shutdown. A
+    task that may not read stops at once."""
+
     token: str
-    reason: str
+    reason: StopReason
+    drain: bool
 
 
 class RequestPlan(msgspec.Struct, frozen=True):
@@ -916,14 +931,15 @@ class TaskCore:
             if token not in keep and token not in self.stopping:
                 self.stopping.add(token)
                 if token in self.releasing:
-                    reason = "handoff"
+                    reason = StopReason.HANDOFF
                 elif self.draining:
-                    reason = "shutdown"
+                    reason = StopReason.SHUTDOWN
                 elif not allowed:
-                    reason = "not-permitted"
+                    reason = StopReason.NOT_PERMITTED
                 else:
-                    reason = "not-wanted"
-                out.append(StopReader(token, reason))
+                    reason = StopReason.NOT_WANTED
+                drain = reason in (StopReason.HANDOFF, StopReason.SHUTDOWN)
+                out.append(StopReader(token, reason, drain))
         for part in start:
             self.reading[part.token] = part.resume_ts()
             out.append(StartReader(part.token, part.resume_ts(), part.parents))

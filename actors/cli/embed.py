@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from actors.node import NodeConfig, TaskNode
 from protocol.records import ChangeRecord
-from protocol.task import TaskConfig
+from protocol.task import StopReason, TaskConfig
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ async def drain_node(node: TaskNode, gate: GatedSource) -> bool:
         return False
     readers = list(task.readers.values())
     for reader in readers:
-        reader.request_stop("shutdown", drain=True)
+        reader.request_stop(StopReason.SHUTDOWN, drain=True)
     # A reader has no "stopped" event to wait for; it reports to its task and dies.
     while any(r.alive for r in readers):  # noqa: ASYNC110
         await asyncio.sleep(0.02)

@@ -38,6 +38,7 @@ from protocol.task import (
     RequestPlan,
     StartReader,
     StopReader,
+    StopReason,
     SyncRead,
     TaskCommand,
     TaskConfig,
@@ -384,7 +385,7 @@ def test_a_task_whose_lease_lapsed_stops_every_reader() -> None:
     assert c.reading == {"p1": T0 + 50}
     out = c.handle(Lease(until=100), now=150)
     assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [
-        StopReader("p1", "not-permitted")
+        StopReader("p1", StopReason.NOT_PERMITTED, drain=False)
     ]
 
 
@@ -416,7 +417,9 @@ def test_a_draining_task_stops_its_readers_for_good_and_publishes() -> None:
     sent += c.handle(SyncRead(1, epoch("x", 1, ("a", "x"), offer)), now=5)
     read_back(c, sent, first_offset=2, now=5)  # nothing of ours in flight
     out = c.handle(Drain(), now=6)
-    assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [StopReader("p1", "shutdown")]
+    assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [
+        StopReader("p1", StopReason.SHUTDOWN, drain=True)
+    ]
     stopped = c.handle(ReaderStopped("p1", T0 + 80), now=7)
     published = [cmd.message for cmd in stopped if isinstance(cmd, Publish)]
     assert [
@@ -440,7 +443,7 @@ def test_a_task_whose_sync_appends_keep_failing_stops_reading_until_one_is_read_
     )
     out = c.handle(TaskTick(), now=1_000_000 + c.config.sync_timeout)
     assert [cmd for cmd in out if isinstance(cmd, StopReader)] == [
-        StopReader("p1", "not-permitted")
+        StopReader("p1", StopReason.NOT_PERMITTED, drain=False)
     ]
     c.handle(ReaderStopped("p1", T0 + 60), now=5_000_000)
     back = c.handle(SyncRead(2, state("a", 99, part("p1", 60))), now=5_000_001)
