@@ -96,7 +96,6 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self.readers: dict[str, PartitionReader] = {}
         self._reader_runs: dict[str, asyncio.Task[None]] = {}
         self.leader: LeaderActor | None = None
-        self.lease_until_mono = 0.0
         self._outbox: asyncio.Queue[SyncMessage] = asyncio.Queue(10_000)
         self._publish_timeout = publish_timeout
         self.markers: dict[str, asyncio.Event] = {}
@@ -162,7 +161,7 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
                 pass  # the task is busy: it flushes after the message it handles now
 
     def permit(self) -> bool:
-        return time.monotonic() < self.lease_until_mono and self.core.member
+        return self.core.lease_valid(self.clock())
 
     def execute(self, command: TaskCommand) -> None:
         match command:
@@ -329,16 +328,16 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
 
         async for event in membership.events():
             if isinstance(event, GroupAssignment):
-                self.lease_until_mono = membership.lease_valid_until()
-                await self.tell(self._lease_event())
+                await self.tell(self.lease(membership))
                 await self.tell(Joined(event.generation, event.leader, event.members))
             else:
                 await self.tell(Lost(event.reason))
 
-    def _lease_event(self) -> Lease:
+    def lease(self, membership: Membership) -> Lease:
+        """The membership's lease as an event for the core (on the core's clock)."""
         # A membership that is not (yet) a member has no lease: KafkaMembership says -inf. A
         # lease in the past changes nothing (the core keeps the latest), so clamp it to now.
-        remaining = max(0.0, self.lease_until_mono - time.monotonic())
+        remaining = max(0.0, membership.lease_valid_until() - time.monotonic())
         return Lease(self.clock() + int(remaining * 1_000_000))
 
     async def marker(self, timeout: float) -> None:
@@ -418,8 +417,7 @@ class NegotiatorActor(Actor[TaskTick]):
         self.interval = interval
 
     async def receive(self, message: TaskTick) -> None:
-        self.task.lease_until_mono = self.membership.lease_valid_until()
-        await self.task.tell(self.task._lease_event())
+        await self.task.tell(self.task.lease(self.membership))
         await self.task.tell(message)
 
     async def pace(self) -> None:

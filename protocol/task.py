@@ -355,6 +355,12 @@ class TaskCore:
         return out
 
     # -- permissions ------------------------------------------------------------------------
+    def lease_valid(self, now: int) -> bool:
+        """The lease rule (docs/design.md#membership-and-leases): a member whose lease has not
+        run out. The readers ask it before every batch they hand the sink (a zombie that wakes
+        up after its lease ran out stops before anything reaches the sink)."""
+        return self.member and now < self.lease_until
+
     def may_read(self, now: int) -> bool:
         return (
             not self.draining
@@ -362,8 +368,7 @@ class TaskCore:
                 self._sync_failing_since < 0
                 or now - self._sync_failing_since < self.config.sync_timeout
             )
-            and self.member
-            and now < self.lease_until
+            and self.lease_valid(now)
             and self.cim.epoch >= self.continuous_since
             and self.me in self.cim.members
         )

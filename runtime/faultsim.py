@@ -385,13 +385,13 @@ class Simulation:
 
     # -- readers and the sink --------------------------------------------------------------------
     def active(self, node: _Node) -> bool:
-        """A node's readers read only while it runs and its lease holds (the real reader checks
-        ``permit()`` before every batch)."""
-        return not node.paused(self.step) and node.core.may_read(self.now())
+        """A node's readers read only while it runs and its lease holds: the rule the real
+        reader checks before every batch (``TaskCore.lease_valid``, through ``permit()``)."""
+        return not node.paused(self.step) and node.core.lease_valid(self.now())
 
     def run_readers(self, node: _Node) -> None:
         now = self.now()
-        if not node.core.may_read(now):
+        if not node.core.lease_valid(now):
             return
         for token, reader in list(node.readers.items()):
             while reader.commits and reader.commits[0][0] <= self.step:
