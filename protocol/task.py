@@ -50,7 +50,6 @@ Partitions (``protocol/lifecycle.py``)
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -60,167 +59,70 @@ import msgspec
 
 from protocol import lifecycle, share
 from protocol.cim import Cim, TaskView
+from protocol.events import (
+    Alert,
+    Drain,
+    Joined,
+    Lease,
+    Lost,
+    PlanReady,
+    Publish,
+    PublishFailed,
+    ReaderCommitted,
+    ReaderFailed,
+    ReaderFinished,
+    ReadersCommitted,
+    ReaderStopped,
+    RequestPlan,
+    StartReader,
+    StopReader,
+    StopReason,
+    SyncBad,
+    SyncRead,
+    TaskCommand,
+    TaskEvent,
+    TaskTick,
+    own_state_ts,
+)
 from protocol.handoff import Move
 from protocol.messages import (
     EpochMessage,
     Partition,
     Share,
     StateMessage,
-    SyncMessage,
     TaskState,
 )
 from protocol.planner import Plan
-from protocol.records import ChildPartition
 
-# -- events ---------------------------------------------------------------------------------
-
-
-class SyncRead(msgspec.Struct, frozen=True):
-    offset: int
-    message: SyncMessage
-
-
-class SyncBad(msgspec.Struct, frozen=True):
-    offset: int
-    reason: str
-
-
-class Joined(msgspec.Struct, frozen=True):
-    generation: int
-    leader: str
-    members: tuple[str, ...]
-
-
-class Lost(msgspec.Struct, frozen=True):
-    reason: str
-
-
-class Lease(msgspec.Struct, frozen=True):
-    until: int  # micros: the membership surely holds until then
-
-
-class TaskTick(msgspec.Struct, frozen=True):
-    pass
-
-
-class ReaderCommitted(msgspec.Struct, frozen=True):
-    token: str
-    watermark: int
-
-
-class ReadersCommitted(msgspec.Struct, frozen=True):
-    """Many readers' committed watermarks at once (the shell coalesces reports: a newer
-    watermark of a partition supersedes an older one)."""
-
-    watermarks: tuple[tuple[str, int], ...]
-
-
-class ReaderFinished(msgspec.Struct, frozen=True):
-    token: str
-    watermark: int
-    children: tuple[ChildPartition, ...]
-    child_start: int
-
-
-class ReaderStopped(msgspec.Struct, frozen=True):
-    token: str
-    watermark: int
-
-
-class ReaderFailed(msgspec.Struct, frozen=True):
-    token: str
-    error: str
-
-
-class PlanReady(msgspec.Struct, frozen=True):
-    plan: Plan
-
-
-class PublishFailed(msgspec.Struct, frozen=True):
-    """A message this task sent never reached the sync topic. ``state_ts`` is
-    :func:`own_state_ts` of it: what the task no longer waits to read back."""
-
-    error: str
-    state_ts: int = -1
-
-
-def own_state_ts(message: SyncMessage) -> int:
-    """The ``stateTimestamp`` of the sender's own state in a state or epoch message, else -1."""
-    if isinstance(message, StateMessage | EpochMessage):
-        for state in message.connector_state:
-            if state.task_id == message.task_id:
-                return state.state_timestamp
-    return -1
-
-
-class Drain(msgspec.Struct, frozen=True):
-    """The task is shutting down: stop reading (letting in-flight batches commit), take no new
-    work, publish the final watermarks. Its partitions are handed over by the next epoch."""
-
-
-TaskEvent = (
-    Drain
-    | SyncRead
-    | SyncBad
-    | Joined
-    | Lost
-    | Lease
-    | TaskTick
-    | ReaderCommitted
-    | ReadersCommitted
-    | ReaderFinished
-    | ReaderStopped
-    | ReaderFailed
-    | PlanReady
-    | PublishFailed
-)
-
-# -- commands -------------------------------------------------------------------------------
-
-
-class Publish(msgspec.Struct, frozen=True):
-    message: SyncMessage
-
-
-class StartReader(msgspec.Struct, frozen=True):
-    token: str
-    start_ts: int
-    parents: tuple[str, ...]
-
-
-class StopReason(enum.StrEnum):
-    """Why the core stops a reader."""
-
-    HANDOFF = "handoff"  # the partition moves: its new owner is ready
-    SHUTDOWN = "shutdown"  # the task drains
-    NOT_PERMITTED = "not-permitted"  # the lease lapsed, or no epoch lists the task
-    NOT_WANTED = "not-wanted"  # the partition is no longer this task's (or over the cap)
-
-
-class StopReader(msgspec.Struct, frozen=True):
-    """Stop reading ``token``. With ``drain`` the reader first lets in-flight batches commit
-    (bounded), so the next owner starts as late as possible: on a hand-off and at shutdown. A
-    task that may not read stops at once."""
-
-    token: str
-    reason: StopReason
-    drain: bool
-
-
-class RequestPlan(msgspec.Struct, frozen=True):
-    generation: int
-    members: tuple[str, ...]
-    need_roots: bool
-
-
-class Alert(msgspec.Struct, frozen=True):
-    """Something that must never happen did: the shell logs it as an error (and counts it)."""
-
-    kind: str
-    detail: str
-
-
-TaskCommand = Publish | StartReader | StopReader | RequestPlan | Alert
+__all__ = [
+    "Alert",
+    "Drain",
+    "Joined",
+    "Lease",
+    "Lost",
+    "PlanReady",
+    "Publish",
+    "PublishFailed",
+    "Readable",
+    "ReaderCommitted",
+    "ReaderFailed",
+    "ReaderFinished",
+    "ReaderStopped",
+    "ReadersCommitted",
+    "RequestPlan",
+    "Rules",
+    "StartReader",
+    "StopReader",
+    "StopReason",
+    "SyncBad",
+    "SyncRead",
+    "TaskCommand",
+    "TaskConfig",
+    "TaskCore",
+    "TaskEvent",
+    "TaskTick",
+    "own_state_ts",
+]
 
 Readable = Callable[[Partition, lifecycle.Lookup], bool]
 
