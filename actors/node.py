@@ -19,9 +19,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from random import Random
 from types import TracebackType
-from typing import Self
+from typing import BinaryIO, Self
 
 import msgspec
 
@@ -48,6 +49,10 @@ class NodeConfig(msgspec.Struct, frozen=True):
     # an owned partition whose committed watermark stands still this long, though nothing
     # should keep it from being read, is logged as stuck (checked every stuck_after / 4)
     stuck_after: float = 60.0
+    # opt-in: write every core input and its commands to <trace_dir>/<task id>.trace.jsonl
+    # (replay with protocol.trace); debug: check the core's invariants after every event
+    trace_dir: str | None = None
+    debug_validate: bool = False
 
 
 class NodeStatus(msgspec.Struct, frozen=True):
@@ -88,6 +93,7 @@ class TaskNode:
         self.membership: Membership | None = None
         self.ready = asyncio.Event()
         self._closed = False
+        self._trace: BinaryIO | None = None
 
     @property
     def task_id(self) -> str:
@@ -115,6 +121,8 @@ class TaskNode:
             stream_start=stream_start,
             publish_timeout=cfg.publish_timeout,
             rng=Random(self._rng.getrandbits(64)),
+            trace=self._open_trace(),
+            validate=cfg.debug_validate,
         )
         await sup.spawn(task)
         sup.start_soon(task.publish_loop(), name=f"publish:{self.task_id}")
@@ -181,15 +189,28 @@ class TaskNode:
         if self._closed:
             return None
         self._closed = True
-        if self.membership is not None:
-            try:
-                await self.membership.close()
-            except Exception:
-                log.exception("task %s: leaving the group failed", self.task_id)
-        await self._supervisor.__aexit__(exc_type, exc, tb)
+        try:
+            if self.membership is not None:
+                try:
+                    await self.membership.close()
+                except Exception:
+                    log.exception("task %s: leaving the group failed", self.task_id)
+            await self._supervisor.__aexit__(exc_type, exc, tb)
+        finally:
+            if self._trace is not None:
+                self._trace.close()
         return None
 
-    async def drain(self, timeout: float = 10.0) -> bool:
+    def _open_trace(self) -> BinaryIO | None:
+        if self.config.trace_dir is None:
+            return None
+        path = Path(self.config.trace_dir) / f"{self.task_id}.trace.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._trace = path.open("ab")
+        log.info("task %s: tracing its core to %s", self.task_id, path)
+        return self._trace
+
+    async def drain(self, timeout: float | None = 10.0) -> bool:
         """Stop reading for good (in-flight batches commit first), then wait until the task's
         final state is read back from the sync topic. Returns whether it got that far within
         ``timeout`` (``False``: time ran out, or the task is not a member any more, so its
@@ -205,7 +226,7 @@ class TaskNode:
                 while core.member and core.cim.view(core.me).partitions != core.mine:  # noqa: ASYNC110 (no event for the CIM catching up)
                     await asyncio.sleep(0.05)
         except TimeoutError:
-            log.warning("task %s: drain did not finish in %.1fs", self.task_id, timeout)
+            log.warning("task %s: drain did not finish in %ss", self.task_id, timeout)
             return False
         return core.member
 

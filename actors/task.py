@@ -24,12 +24,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from random import Random
+from typing import BinaryIO
 
 import msgspec
 
 from actors.kernel import Actor, MailboxFull, Supervisor
 from actors.reader import PartitionReader
 from protocol import messages, planner
+from protocol import trace as tracing
 from protocol.cim import Cim
 from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncMessage
 from protocol.records import ChildPartitions
@@ -84,9 +86,17 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         mailbox: int = 4096,
         publish_timeout: float = 10.0,
         rng: Random | None = None,
+        trace: BinaryIO | None = None,
+        validate: bool = False,
     ) -> None:
         super().__init__(f"task:{config.task_id}", capacity=mailbox)
-        self.core = TaskCore(config, rng or Random())
+        seed = (rng or Random()).getrandbits(64)
+        self.core = TaskCore(config, Random(seed))
+        # opt-in: every core input and its commands, replayable offline (protocol/trace.py)
+        self._trace = trace
+        if trace is not None:
+            trace.write(tracing.encode(tracing.start(config, seed)))
+        self._validate = validate  # debug: the core checks its invariants after every event
         self.sync_log = sync_log
         self.source = source
         self.sink = sink
@@ -133,7 +143,13 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
                 seen = self.markers.get(message.message.marker)
                 if seen is not None:
                     seen.set()
-        for command in self.core.handle(message, self.clock()):
+        now = self.clock()
+        commands = self.core.handle(message, now)
+        if self._trace is not None:
+            self._trace.write(tracing.encode(tracing.TraceStep(now, message, tuple(commands))))
+        if self._validate:
+            self.core.validate()
+        for command in commands:
             self.execute(command)
         if self.core.member:
             self.out_of_group_since = None

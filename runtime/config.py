@@ -175,6 +175,17 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     summary_json: Annotated[
         str | None, _d("Also write the end-of-run summary as JSON to this file.")
     ] = None
+    trace_dir: Annotated[
+        str | None,
+        _d(
+            "Write every input of each task's protocol core, and the commands it returned, to "
+            "<dir>/<task id>.trace.jsonl, to replay the run offline (protocol.trace)."
+        ),
+    ] = None
+    debug_validate: Annotated[
+        bool,
+        _d("Check each task core's invariants after every event (debugging; slower)."),
+    ] = False
 
 
 class KafkaOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from actors.node import NodeConfig, TaskNode
 from protocol.records import ChangeRecord
-from protocol.task import StopReason, TaskConfig
+from protocol.task import TaskConfig
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
 
 if TYPE_CHECKING:
@@ -120,26 +120,14 @@ class CallbackSink:
 
 
 async def drain_node(node: TaskNode, gate: GatedSource) -> bool:
-    """Stop ``node`` taking work, let its readers commit what is in flight, and wait until its
-    final state is read back from the sync topic. Returns whether it got that far (``False``:
-    the task was not a member any more, so its state is the group's to settle). Bound it with
+    """Stop ``node`` taking work and drain it through its core (:meth:`TaskNode.drain`: the
+    core stops its readers, letting in-flight batches commit, and publishes the final state),
+    then wait until that state is read back from the sync topic. Returns whether it got that
+    far (``False``: the task was not a member any more, so its state is the group's to settle).
+    The gate keeps the draining readers from reading further. Bound it with
     ``asyncio.timeout``."""
     gate.close()
-    task = node.task
-    if task is None:
-        return False
-    readers = list(task.readers.values())
-    for reader in readers:
-        reader.request_stop(StopReason.SHUTDOWN, drain=True)
-    # A reader has no "stopped" event to wait for; it reports to its task and dies.
-    while any(r.alive for r in readers):  # noqa: ASYNC110
-        await asyncio.sleep(0.02)
-    core = task.core
-    while core.cim.view(core.me).partitions != core.mine:
-        if not core.member:
-            return False
-        await asyncio.sleep(0.05)
-    return True
+    return await node.drain(timeout=None)
 
 
 @contextlib.asynccontextmanager

@@ -521,6 +521,8 @@ class Pipeline:
                     task=t.task_config(task_id),
                     stream_start=stream_start,
                     stuck_after=cfg.run.stuck_after_s,
+                    trace_dir=cfg.run.trace_dir,
+                    debug_validate=cfg.run.debug_validate,
                 ),
                 sync_log=sync_log,
                 join=join,

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from protocol import messages
+from protocol import messages, trace
+from protocol.events import Joined
 from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
 from runtime.simstream import StreamModel
@@ -391,3 +393,43 @@ def test_observer_catches_double_owner_regression_and_two_leaders() -> None:
     assert any("epoch 0 opened by ['a', 'b']" in v for v in observer.violations)
     observer.observe(5, b"garbage")
     assert observer.undecodable == [5]
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_recorded_trace_of_a_real_run_replays_to_the_same_commands(
+    nodes: Cluster, tmp_path: Path
+) -> None:
+    """Two tasks on the embedded broker record every input of their cores (``trace_dir``, with
+    the cores' invariants checked after every event); a task joins and one leaves on the way.
+    Each trace, fed through a fresh core, gives back exactly the commands the run carried out;
+    a trace with an event left out does not."""
+    traces = tmp_path / "traces"
+    await nodes.start_node("n0", trace_dir=str(traces))
+    await nodes.wait_settled({"n0"}, TOKENS, timeout=30)
+    await nodes.start_node("n1", trace_dir=str(traces))
+    await nodes.wait_settled({"n0", "n1"}, TOKENS, timeout=40)
+    await nodes.stop_node("n1")
+    await nodes.wait_settled({"n0"}, TOKENS, timeout=40)
+    await nodes.stop_node("n0")
+
+    for task_id in ("n0", "n1"):
+        with (traces / f"{task_id}.trace.jsonl").open("rb") as f:
+            lines = list(trace.decode(f))
+        steps = [line for line in lines if isinstance(line, trace.TraceStep)]
+        events = {type(s.event).__name__ for s in steps}
+        commands = {type(c).__name__ for s in steps for c in s.commands}
+        assert {"SyncRead", "Joined", "Lease", "TaskTick", "Drain"} <= events, events
+        assert {"Publish", "StartReader", "StopReader"} <= commands, commands
+        assert trace.mismatches(lines) == [], task_id
+
+        assert isinstance(lines[0], trace.TraceStart)
+        joined = next(
+            i
+            for i, s in enumerate(lines)
+            if isinstance(s, trace.TraceStep) and isinstance(s.event, Joined)
+        )
+        skipped = [*lines[:joined], *lines[joined + 1 :]]
+        assert trace.mismatches(skipped), "a trace without its Joined replays the same"
