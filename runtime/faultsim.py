@@ -36,7 +36,7 @@ from random import Random
 
 import msgspec
 
-from protocol import messages
+from protocol import epochs, messages
 from protocol.cim import Cim
 from protocol.messages import (
     EpochMessage,
@@ -99,6 +99,12 @@ class SimParams(msgspec.Struct, frozen=True):
     # an append reported failed (a timeout): half of them are lost, half land anyway. Off by
     # default, so the sweeps' seeds (and their regression seeds) keep their random sequences.
     append_fail_p: float = 0.0
+    # at a rebalance, the group's generations start over at 0 (its metadata was lost, as when
+    # a broker restarts) while the sync log keeps its epochs: the epoch rules of
+    # protocol/epochs.py must keep epochs going up. Off by default (seed sequences stay).
+    group_restart_p: float = 0.0
+    # the teeth test turns the epoch rules off: the epoch is the group's generation as given
+    epoch_rules: bool = True
     max_log_delay_steps: int = 3
     commit_delay_steps: tuple[int, int] = (1, 8)
     split_p: float = 0.08
@@ -152,6 +158,7 @@ class _Node:
         self.inbox: list[tuple[int, int, TaskEvent]] = []  # (due step, seq, event)
         self.expelled = False
         self.last_land = 0
+        self.epoch_seen = epochs.NO_EPOCH  # the newest epoch this node was assigned
 
     def paused(self, step: int) -> bool:
         return step < self.paused_until
@@ -374,14 +381,36 @@ class Simulation:
             self.rebalance_at = -1
             if not self.group:
                 return
+            if self.p.group_restart_p and self.rng.random() < self.p.group_restart_p:
+                self.generation = -1
+                self.stats["group_restarts"] += 1
             self.generation += 1
             members = tuple(sorted(self.group))
             leader = min(members, key=lambda m: self.nodes[m].join_order)
             self.stats["rebalances"] += 1
+            # the epoch rules of the Kafka membership adapter (protocol/epochs.py): the leader
+            # numbers the generation from what every member knows; each member accepts only an
+            # epoch newer than any it knows, else it rejoins
+            known = [
+                epochs.newest(self.nodes[m].epoch_seen, self.nodes[m].core.cim.epoch)
+                for m in members
+            ]
+            epoch = epochs.number(self.generation, known) if self.p.epoch_rules else self.generation
             for member in members:
                 node = self.nodes[member]
                 node.expelled = False
-                self.deliver(node, Joined(self.generation, leader, members), self.rng.randint(0, 3))
+                verdict = epochs.receive(
+                    epoch, self.generation, epochs.newest(node.epoch_seen, node.core.cim.epoch)
+                )
+                if not self.p.epoch_rules:
+                    verdict = epochs.Accepted(epoch)
+                if isinstance(verdict, epochs.Stale):
+                    self.stats["stale_epochs"] += 1
+                    self.deliver(node, Lost(verdict.reason))
+                    self.schedule_rebalance()
+                    continue
+                node.epoch_seen = verdict.epoch
+                self.deliver(node, Joined(verdict.epoch, leader, members), self.rng.randint(0, 3))
 
     # -- readers and the sink --------------------------------------------------------------------
     def active(self, node: _Node) -> bool:

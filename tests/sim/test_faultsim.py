@@ -131,3 +131,20 @@ def test_teeth_a_leader_that_does_not_resend_a_failed_epoch() -> None:
     # what a dead task owned is dealt out to nobody.
     found = _violations(append_fail_p=0.1, resend_failed_epoch=False)
     assert any("owned by []" in v or "not being read" in v for v in found), found
+
+
+def test_a_group_whose_generations_start_over_keeps_epochs_going_up() -> None:
+    """The control: the group's generations start over now and then (its metadata lost, as
+    when a broker restarts) while the sync log keeps its epochs; with the epoch rules of
+    protocol/epochs.py every seed passes."""
+    for seed in range(12):
+        _check(seed, group_restart_p=0.1)
+
+
+def test_teeth_epochs_taken_from_the_generations_as_given() -> None:
+    # Without the rules a restarted group's epochs go back: the CIM fences the new epochs as
+    # stale, so nobody is dealt the partitions they bring.
+    found = _violations(group_restart_p=0.1, epoch_rules=False)
+    assert any(
+        "owned by []" in v or "not being read" in v or "not within one" in v for v in found
+    ), found
