@@ -440,6 +440,8 @@ class RetryCore:
         if ks.from_queue:
             self._take_from_queue(ks, rid)
             cmds.append(Released(rid, key, self._stamp(rid)))
+        else:
+            cmds += self._park_waiting(key, ks, now)  # held back while it was in flight
         return cmds + self._advance(key, ks, now)
 
     def _failed(self, rid: str, error: str, now: float) -> list[Command]:
@@ -473,8 +475,13 @@ class RetryCore:
         return cmds + self._advance(key, ks, now)
 
     def _park_waiting(self, key: str, ks: _Key, now: float) -> list[Command]:
-        """Once a key is blocked, the records waiting in memory go to the RQ behind."""
+        """Once a key is blocked, the records waiting in memory go to the RQ behind; but not
+        while a record of the key is in flight straight from upstream (not from the RQ): that
+        one is not durable, and parking its successors would put them ahead of it if this
+        process crashed and upstream delivered it again. They are parked once it settles."""
         if not ks.waiting or not self._blocked(ks):
+            return []
+        if ks.in_flight is not None and not ks.from_queue:
             return []
         cmds: list[Command] = []
         while ks.waiting:
@@ -666,7 +673,9 @@ class RetryCore:
                     hold(ks.in_flight, key)
                 if ws and ks.in_flight_seq >= ws[0]:
                     raise RetryInvariantError(f"key {key!r}: a waiting record is older")
-            if ks.waiting and (ks.in_flight is None or ks.from_queue or self._blocked(ks)):
+            # (records wait in memory only behind a record in flight straight from upstream;
+            # on a blocked key they are parked as soon as that one settles)
+            if ks.waiting and (ks.in_flight is None or ks.from_queue):
                 raise RetryInvariantError(f"key {key!r}: records wait with no reason")
             if self.policy.dlq_blocks and ks.dlq:
                 if ks.in_flight is not None:

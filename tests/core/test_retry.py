@@ -779,3 +779,66 @@ def test_an_observer_that_reads_the_dlq_topic_ahead_of_the_rq_topic_stays_valid(
     b.validate()
     assert [e.record_id for e in b.dlq_records()] == ["r1"]
     assert b.statistics().held == 1
+
+
+def test_a_replay_does_not_park_records_ahead_of_one_in_flight_from_upstream() -> None:
+    """Found by the releasing state machine: with dead letters releasing their key, r2 went
+    straight to the sink and r3 waited behind it; replaying the dead-lettered r0 blocked the key
+    and parked r3 in the RQ while r2, not durable, was still in flight. A crash then: upstream
+    delivers r2 again, and it went behind r3. Now r3 stays behind r2 in memory until r2
+    settles, so after a crash both come again from upstream, in order."""
+    policy = RetryPolicy(
+        max_attempts=1, base_backoff=1.0, max_backoff=1.0, jitter=0.0, dlq_blocks=False
+    )
+    core = RetryCore(policy, seed=1)
+    log: list[LogEntry] = []
+
+    def run(event: Event) -> list[Command]:
+        out = core.handle(event, 0.0)
+        log.extend(c for c in out if isinstance(c, ParkInRetry | Released | SendToDlq | Discarded))
+        return out
+
+    run(Deliver("r0", "k"))
+    run(DeliveryFailed("r0", "injected"))  # dead-lettered at once; the key is not held
+    assert run(Deliver("r2", "k")) == [SendToSink("r2", "k", 0)]
+    assert run(Deliver("r3", "k")) == []  # waits behind r2
+    replayed = run(ReplayDlq("r0"))
+    assert [type(c).__name__ for c in replayed] == ["ParkInRetry"]  # r0 only, not r3
+    core.validate()
+    # the process dies here; a new core resumes from the log, upstream delivers r2, r3 again
+    core = from_log(log, policy, seed=2)
+    order: list[str] = []
+    flying: list[str] = []
+
+    def note(out: list[Command]) -> None:
+        for c in out:
+            if isinstance(c, SendToSink):
+                order.append(c.record_id)
+                flying.append(c.record_id)
+
+    for rid in ("r2", "r3"):
+        note(run(Deliver(rid, "k")))
+    for _ in range(10):  # the sink takes everything now
+        note(core.handle(Tick(), 10.0))
+        while flying:
+            note(run(DeliveryOk(flying.pop(0))))
+    later = [r for r in order if r != "r0"]
+    assert later.index("r2") < later.index("r3"), order
+
+
+def test_waiting_records_are_parked_once_the_one_in_flight_from_upstream_is_delivered() -> None:
+    policy = RetryPolicy(
+        max_attempts=1, base_backoff=1.0, max_backoff=1.0, jitter=0.0, dlq_blocks=False
+    )
+    core = RetryCore(policy, seed=1)
+    core.handle(Deliver("r0", "k"), 0.0)
+    core.handle(DeliveryFailed("r0", "injected"), 0.0)
+    core.handle(Deliver("r2", "k"), 0.0)
+    core.handle(Deliver("r3", "k"), 0.0)
+    core.handle(ReplayDlq("r0"), 0.0)
+    out = core.handle(DeliveryOk("r2"), 0.0)
+    assert [type(c).__name__ for c in out] == ["ParkInRetry", "SendToSink"]
+    assert isinstance(out[0], ParkInRetry)
+    assert out[0].record_id == "r3"
+    assert out[1] == SendToSink("r0", "k", 0)
+    core.validate()
