@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import IO, Self
 
 log = logging.getLogger(__name__)
+_KILL_WAIT_S = 5.0  # how long a SIGKILLed broker may take to be reaped
 
 LOOPBACK = "127.0.0.1"
 _METADATA_API_KEY = 3
@@ -312,13 +313,17 @@ class EmbeddedBroker:
 
     def _kill_and_wait(self) -> None:
         process = self._process
-        if process is not None and process.poll() is None:
-            process.kill()
-            try:
-                process.wait(self._stop_timeout_s)
-            except subprocess.TimeoutExpired as exc:
-                raise BrokerError(f"broker pid {process.pid} survived SIGKILL") from exc
-        self._cleanup()
+        try:
+            if process is not None and process.poll() is None:
+                process.kill()
+                try:
+                    # the kernel ends it at once, but reaping it may take a moment on a loaded
+                    # machine: not the (maybe tiny) SIGTERM grace
+                    process.wait(max(self._stop_timeout_s, _KILL_WAIT_S))
+                except subprocess.TimeoutExpired as exc:
+                    raise BrokerError(f"broker pid {process.pid} survived SIGKILL") from exc
+        finally:
+            self._cleanup()  # the log file is closed whatever happened
 
     def _cleanup(self) -> None:
         if self._log_file is not None:
