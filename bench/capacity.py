@@ -23,8 +23,8 @@ from contextlib import AsyncExitStack
 
 from actors.node import TaskNode
 from bench.common import MemoryCluster, rss_mb, static_stream, wait_for
-from runtime.memory import MemorySink
-from runtime.simsource import SimulatedSource
+from runtime.sim.memory import MemorySink
+from runtime.sim.source import SimulatedSource
 
 
 class LagProbe:

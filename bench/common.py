@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 from actors.node import NodeConfig, TaskNode
 from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
 from runtime.ports import ChangeStreamSource, Membership, Sink
-from runtime.simstream import StreamParams
+from runtime.sim.memory import MemoryGroup, MemorySink, MemorySyncLog
+from runtime.sim.stream import StreamParams
 
 
 def rss_mb() -> float:

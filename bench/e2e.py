@@ -34,10 +34,10 @@ from typing import Any
 from actors.node import NodeConfig, TaskNode
 from protocol.records import DataChange
 from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemorySyncLog
 from runtime.ports import Membership, Sink, SinkBatch
-from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.memory import MemoryGroup, MemorySyncLog
+from runtime.sim.source import SimulatedSource
+from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, read_output
 from runtime.spark.output import write_default
 from runtime.spark.rows import to_arrow

@@ -48,8 +48,8 @@ from protocol.task import TaskConfig
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.ports import GroupAssignment, GroupEvent, Membership, SinkBatch
-from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.source import SimulatedSource
+from runtime.sim.stream import StreamModel, StreamParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONNECTOR = "bench-rebalance"

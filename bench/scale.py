@@ -42,8 +42,8 @@ from protocol.cim import Cim
 from protocol.messages import CheckpointMessage
 from protocol.planner import plan
 from protocol.records import ChangeRecord
-from runtime.memory import MemorySyncLog
-from runtime.simsource import SimulatedSource
+from runtime.sim.memory import MemorySyncLog
+from runtime.sim.source import SimulatedSource
 
 
 class QuietableSource:

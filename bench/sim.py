@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from types import FrameType
 
-from runtime.faultsim import SimParams, SimResult, run
+from runtime.sim.faultsim import SimParams, SimResult, run
 
 # A seed normally takes well under a second and a few hundred MB at most. A seed that runs away
 # (a message storm, a livelock) is a failure of that seed, reported with its number, not a worker

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from actors.node import TaskNode
 from bench.common import MemoryCluster
-from runtime.memory import MemorySink
 from runtime.ports import SinkBatch
-from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.memory import MemorySink
+from runtime.sim.source import SimulatedSource
+from runtime.sim.stream import StreamModel, StreamParams
 
 
 class TimedSink(MemorySink):

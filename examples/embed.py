@@ -28,8 +28,8 @@ from actors.runtime import open_task
 from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.ports import SinkBatch
-from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.source import SimulatedSource
+from runtime.sim.stream import StreamModel, StreamParams
 
 
 async def run(seconds: float = 6.0) -> Counter[str]:

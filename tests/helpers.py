@@ -9,7 +9,7 @@ from pathlib import Path
 from actors.cli.progress import PartitionEnd
 from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
 from protocol.records import DataChange
-from runtime.simstream import StreamModel
+from runtime.sim.stream import StreamModel
 
 
 def part(token: str, watermark: int = 0, **kw: object) -> Partition:

@@ -57,7 +57,7 @@ from runtime.metrics import MetricsServer, Sample, TaskSample
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, prepare_sink
 
 if TYPE_CHECKING:
-    from runtime.simstream import StreamParams
+    from runtime.sim.stream import StreamParams
 
 log = logging.getLogger("shoal.runtime")
 
@@ -387,8 +387,8 @@ class Pipeline:
                 return source
 
     def _sim_source(self) -> ChangeStreamSource:
-        from runtime.simsource import SimulatedSource
-        from runtime.simstream import StreamModel
+        from runtime.sim.source import SimulatedSource
+        from runtime.sim.stream import StreamModel
 
         sim = self.config.sim
         start = sim.start_ts if sim.start_ts is not None else wall_micros()
@@ -757,7 +757,7 @@ def _transient(exc: BaseException) -> bool:
 
 def stream_params(sim: SimOptions, start: int) -> StreamParams:
     """The simulated stream of ``[sim]`` options starting at ``start`` (Unix micros)."""
-    from runtime.simstream import StreamParams
+    from runtime.sim.stream import StreamParams
 
     return StreamParams(
         seed=sim.seed,

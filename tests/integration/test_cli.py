@@ -26,7 +26,7 @@ from actors.cli.run import stream_params
 from actors.cli.sinks import read_rows
 from runtime.config import SimOptions
 from runtime.kafka.broker import EmbeddedBroker, free_port
-from runtime.simstream import StreamModel
+from runtime.sim.stream import StreamModel
 from runtime.spark import KEY_COLUMNS, read_output
 from tests.fixtures.kafka import kafka_broker
 from tests.helpers import REPO, expected_below_watermarks

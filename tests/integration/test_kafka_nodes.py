@@ -22,7 +22,7 @@ from protocol import messages, trace
 from protocol.events import Joined
 from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
-from runtime.simstream import StreamModel
+from runtime.sim.stream import StreamModel
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config, next_assignment
 from tests.fixtures.kafka_nodes import (
     STREAM,

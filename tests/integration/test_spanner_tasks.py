@@ -21,8 +21,8 @@ import pytest
 from actors.node import NodeConfig, TaskNode
 from protocol.records import ChangeRecord, ChildPartitions
 from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemorySink, MemorySyncLog
 from runtime.ports import Membership
+from runtime.sim.memory import MemoryGroup, MemorySink, MemorySyncLog
 from runtime.spanner.loadgen import LoadGenerator, expected_from_records
 from runtime.spanner.reader import SpannerSource
 from tests.fixtures.spanner import churn_emulator

@@ -15,7 +15,7 @@ import pytest
 
 from protocol.records import DataChange
 from runtime.ports import SinkBatch
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, read_output
 from runtime.spark.output import write_default
 from tests.fixtures.spark import Cluster, output_rows, spark, wait_for

@@ -20,7 +20,7 @@ import pytest
 
 from protocol.records import DataChange
 from runtime.ports import SinkBatch
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, SparkStartError, read_output
 from runtime.spark.output import write_default
 from runtime.spark.session import start_session

@@ -15,8 +15,8 @@ from protocol.records import DataChange
 from protocol.task import TaskConfig
 from runtime.kafka import KafkaConfig
 from runtime.ports import SinkBatch
-from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.source import SimulatedSource
+from runtime.sim.stream import StreamModel, StreamParams
 from tests.fixtures.kafka import kafka_broker, kafka_config
 
 __all__ = ["kafka_broker", "kafka_config"]

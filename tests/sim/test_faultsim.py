@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.faultsim import SimParams, run
+from runtime.sim.faultsim import SimParams, run
 
 CHUNK = 15
 CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the long sweep

@@ -13,10 +13,10 @@ import pytest
 from actors.node import NodeConfig, TaskNode
 from protocol.records import ChangeRecord, DataChange, Heartbeat
 from protocol.task import TaskConfig
-from runtime.memory import MemoryGroup, MemoryMembership, MemorySink, MemorySyncLog
 from runtime.ports import Membership
-from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.memory import MemoryGroup, MemoryMembership, MemorySink, MemorySyncLog
+from runtime.sim.source import SimulatedSource
+from runtime.sim.stream import StreamModel, StreamParams
 
 
 async def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
-from runtime.simsource import SimulatedSource
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.source import SimulatedSource
+from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spanner.reader import walk_stream
 
 START = StreamParams().start_ts

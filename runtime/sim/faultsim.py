@@ -69,7 +69,7 @@ from protocol.task import (
     TaskTick,
     own_state_ts,
 )
-from runtime.simstream import StreamModel, StreamParams
+from runtime.sim.stream import StreamModel, StreamParams
 
 Planner = Callable[..., Plan]
 

@@ -1,6 +1,6 @@
 """A seeded, deterministic model of a Spanner change stream: partitions that split, move and
 merge, and the data records each of them carries. Pure and synchronous: the embedded simulator
-source (``runtime/simsource.py``), the deterministic fault simulator and the tests all read it.
+source (``runtime/sim/source.py``), the deterministic fault simulator and the tests all read it.
 
 Time is cut into rounds of ``round_us``. At each round boundary every live partition may end and
 hand over to children: a split (1 -> 2), a move (1 -> 1) or a merge (2 -> 1, both parents name the

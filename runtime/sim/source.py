@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import msgspec
 
 from protocol.records import ChangeRecord, DataChange, Heartbeat
-from runtime.simstream import PartitionInfo, StreamModel, StreamParams
+from runtime.sim.stream import PartitionInfo, StreamModel, StreamParams
 
 __all__ = ["SimSourceStats", "SimulatedSource"]
 
