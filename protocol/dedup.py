@@ -18,10 +18,38 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import msgspec
+
 from protocol.records import DataChange
 
 Identity = tuple[int, str, str]
 """(commit timestamp, server transaction id, record sequence)."""
+
+
+class Position(msgspec.Struct, frozen=True, array_like=True):
+    """An exact read position in one partition, as it travels between tasks and sinks: every
+    record with a commit timestamp before ``ts`` is committed, and at ``ts`` exactly the records
+    whose (server transaction id, record sequence) are in ``ids``. A reader that starts at a
+    position reads from ``ts`` inclusive and skips ``ids``: nothing committed comes twice and
+    nothing is skipped (docs/design.md#exactly-once-output)."""
+
+    ts: int
+    ids: tuple[tuple[str, str], ...] = ()
+
+    def tail(self) -> PartitionTail:
+        """The de-duplication tail a reader starting here begins with."""
+        return PartitionTail(self.ts, ((self.ts, txn, seq) for txn, seq in self.ids))
+
+    def newer(self, other: Position | None) -> Position:
+        """The later of two positions of one partition (the resume rule: a take-over starts at
+        the newer of the sync topic's position and the sink's own durable one). At one
+        timestamp, the one that has committed more identities (positions of one partition at
+        one timestamp only ever grow)."""
+        if other is None or other.ts < self.ts:
+            return self
+        if other.ts > self.ts:
+            return other
+        return self if len(self.ids) >= len(other.ids) else other
 
 
 class PartitionTail:
@@ -76,6 +104,10 @@ class PartitionTail:
 
     def copy(self) -> PartitionTail:
         return PartitionTail(self.ts, self.ids)
+
+    def position(self) -> Position:
+        """This tail as a :class:`Position` (identities sorted: the same tail, the same bytes)."""
+        return Position(self.ts, tuple(sorted((txn, seq) for _, txn, seq in self.ids)))
 
 
 class Tails:

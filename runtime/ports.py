@@ -12,6 +12,7 @@ from typing import Protocol
 
 import msgspec
 
+from protocol.dedup import Position
 from protocol.records import ChangeRecord, DataChange
 
 
@@ -92,6 +93,12 @@ class SinkBatch(msgspec.Struct, frozen=True):
 class Sink(Protocol):
     """Where change records go (the Spark bridge, a Kafka output sink, a callback).
 
+    A sink that stores its progress atomically with its data may also have ``async def
+    committed(token) -> Position | None``: the position up to which it has durably written
+    partition ``token`` by its own record (:func:`sink_committed`). A new owner then resumes
+    from the newer of that and the sync topic's position, so a batch the sink committed but
+    whose watermark never reached the sync topic (a kill -9 in between) is not written twice.
+
     A sink may also have ``async def prepare(token)``: a reader of partition ``token`` awaits
     it before it hands over anything (:func:`prepare_sink`). Sinks with a shared retry queue
     catch up with it there, so what the partition's previous owner parked keeps its keys
@@ -108,3 +115,13 @@ async def prepare_sink(sink: Sink, token: str) -> None:
     prepare = getattr(sink, "prepare", None)
     if prepare is not None:
         await prepare(token)
+
+
+async def sink_committed(sink: Sink, token: str) -> Position | None:
+    """``await sink.committed(token)`` if the sink keeps its own durable record of what it
+    wrote (see :class:`Sink`), else None."""
+    committed = getattr(sink, "committed", None)
+    if committed is None:
+        return None
+    position: Position | None = await committed(token)
+    return position
