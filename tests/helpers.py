@@ -1,12 +1,14 @@
-"""What the tests share: the repository root, and small constructors of protocol messages for the
-core tests."""
+"""What the tests share: the repository root, small constructors of protocol messages for the
+core tests, waiting for a condition with a generous bound, and what the seeded stream model says
+a run's output must hold (computed from the model alone, never from what the run reports)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
-from actors.cli.progress import PartitionEnd
 from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
 from protocol.records import DataChange
 from runtime.sim.stream import StreamModel
@@ -32,27 +34,107 @@ REPO = Path(__file__).resolve().parents[1]
 """The repository's root (subprocesses of the tests run from there)."""
 
 
-def expected_below_watermarks(model: StreamModel, partitions: Sequence[PartitionEnd]) -> set[str]:
-    """Record ids (``commit/txn/seq/mod``) a restart would not read again: every record of a
-    finished partition, and those of an unfinished one strictly before its final watermark."""
-    out: set[str] = set()
-    if partitions:
-        model.generate_until(max(p.watermark for p in partitions))
-    for p in partitions:
-        info = model.partitions.get(p.token)
-        if info is None:
-            continue
-        if p.status == "finished":
-            assert info.end_ts is not None
-            until = info.end_ts - 1
-        else:
-            until = p.watermark - 1
-        if until < info.start_ts:
-            continue
-        for rec in model.records(p.token, info.start_ts, until):
-            if isinstance(rec, DataChange):
-                for i in range(len(rec.mods)):
-                    out.add(
-                        f"{rec.commit_ts}/{rec.server_transaction_id}/{rec.record_sequence}/{i}"
-                    )
+async def wait_for(condition: Callable[[], bool], timeout_s: float, message: str) -> None:
+    """Poll ``condition`` until it holds; fail with ``message`` after ``timeout_s``. Use it
+    instead of sleeping and then asserting: a loaded machine is slow, not wrong, so the bound
+    should be generous (several times what an idle machine takes)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout_s}s: {message}") from None
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, message: str) -> None:
+    """:func:`wait_for` for synchronous tests (subprocesses, blocking clients)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {message}")
+        time.sleep(0.05)
+
+
+def row_id(rec: DataChange, mod: int) -> str:
+    """The id of one output row: ``commit_ts/server_transaction_id/record_sequence/mod``."""
+    return f"{rec.commit_ts}/{rec.server_transaction_id}/{rec.record_sequence}/{mod}"
+
+
+def partition_rows(model: StreamModel, until_ts: int) -> dict[str, dict[str, int]]:
+    """Per partition token of ``model``, its rows committed at or before ``until_ts``: row id ->
+    commit timestamp."""
+    model.generate_until(until_ts)
+    out: dict[str, dict[str, int]] = {}
+    for token, info in list(model.partitions.items()):
+        rows: dict[str, int] = {}
+        if info.start_ts <= until_ts:
+            for rec in model.records(token, info.start_ts, until_ts):
+                if isinstance(rec, DataChange):
+                    rows.update({row_id(rec, i): rec.commit_ts for i in range(len(rec.mods))})
+        out[token] = rows
     return out
+
+
+def stream_rows(model: StreamModel, until_ts: int) -> dict[str, int]:
+    """Every row of the stream committed at or before ``until_ts``: row id -> commit ts."""
+    return {
+        row_id(rec, i): rec.commit_ts
+        for rec in model.expected(until_ts)
+        for i in range(len(rec.mods))
+    }
+
+
+def assert_one_cut(model: StreamModel, written: Collection[str], earliest: int, latest: int) -> int:
+    """A bounded run closes the stream at one instant and writes all of it: ``written`` is
+    exactly (no row missing, no row extra) the stream's rows up to one instant ``cut``, and that
+    instant is in ``[earliest, latest]`` (bounds the test measured with its own clock).
+    Returns ``cut`` (the newest commit timestamp written)."""
+    rows = stream_rows(model, latest)
+    ids = set(written)
+    extra = ids - rows.keys()
+    assert not extra, (
+        f"{len(extra)} rows the stream never produced by {latest}: {sorted(extra)[:3]}"
+    )
+    cut = max((rows[i] for i in ids), default=model.params.start_ts)
+    must = {i for i, ts in rows.items() if ts <= max(cut, earliest)}
+    missing = must - ids
+    assert not missing, (
+        f"{len(missing)} of {len(must)} rows up to {max(cut, earliest)} missing: "
+        f"{sorted(missing)[:3]}"
+    )
+    return cut
+
+
+def assert_read_without_gaps(
+    model: StreamModel, written: Collection[str], floor: int, latest: int
+) -> dict[str, int]:
+    """A run that stopped while reading (a drain, no catch-up) wrote, from the model's view:
+
+    * no row the stream did not produce by ``latest`` (no extra);
+    * per partition, a prefix of its rows: everything up to the newest row written (no gap);
+    * for a partition with any row written, every row of each of its parents (a child is read
+      only after its parents finished, and a drain loses nothing already read);
+    * every row of the stream up to ``floor`` (the run kept up to within a generous lag).
+
+    Returns, per partition with rows written, the commit timestamp of its newest row."""
+    per = partition_rows(model, latest)
+    ids = set(written)
+    known = {i for rows in per.values() for i in rows}
+    extra = ids - known
+    assert not extra, (
+        f"{len(extra)} rows the stream never produced by {latest}: {sorted(extra)[:3]}"
+    )
+    cuts: dict[str, int] = {}
+    for token, rows in per.items():
+        mine = ids & rows.keys()
+        if not mine:
+            continue
+        cuts[token] = cut = max(rows[i] for i in mine)
+        gap = {i for i, ts in rows.items() if ts <= cut} - mine
+        assert not gap, f"{token}: {len(gap)} rows before its newest written row missing"
+        for parent in model.partitions[token].parents:
+            unread = per[parent].keys() - ids
+            assert not unread, f"{token} was read but its parent {parent} lacks {len(unread)} rows"
+    below = stream_rows(model, floor).keys() - ids
+    assert not below, f"{len(below)} rows committed before {floor} (the lag bound) missing"
+    return cuts

@@ -1,7 +1,13 @@
 """``python -m actors.runtime`` end to end, in subprocesses: a bounded embedded run writes exactly
 the records the stream produced; SIGTERM mid-run drains and loses nothing (and the metrics
 endpoint, scraped during that run, shows the figures); bad options exit 2 naming the problem;
-production mode (one task per process against a shared Kafka) and the ``status`` subcommand."""
+production mode (one task per process against a shared Kafka) and the ``status`` subcommand.
+
+What a run must have written is computed from the seeded stream model alone (``StreamModel``
+built here from the seed, start and parameters the test hands the command line) and the test's
+own clock, never from the run's summary, its list of partitions or the CLI's helpers: a run
+that reports less than it should cannot shrink what it is checked against. The summary's
+figures are then checked against that, as claims."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +29,56 @@ import msgspec
 import pytest
 
 from actors.cli.progress import RunSummary
-from actors.cli.run import stream_params
 from actors.cli.sinks import read_rows
-from runtime.config import SimOptions
 from runtime.kafka.broker import EmbeddedBroker, free_port
-from runtime.sim.stream import StreamModel
+from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import KEY_COLUMNS, read_output
 from tests.fixtures.kafka import kafka_broker
-from tests.helpers import REPO, expected_below_watermarks
+from tests.helpers import (
+    REPO,
+    assert_one_cut,
+    assert_read_without_gaps,
+    partition_rows,
+    stream_rows,
+    wait_until,
+)
 
 __all__ = ["kafka_broker"]
 
-# A small, quick stream: 4 partitions, partition churn every 2 s of stream time.
-SIM = ["--sim-roots", "4", "--sim-records-per-s", "60", "--sim-round-s", "2"]
+# A small, quick stream: 4 partitions, partition churn every 2 s of stream time. Every parameter
+# is passed explicitly, so the model below is the stream the run reads whatever the defaults.
+SEED = 5
+PARAMS = StreamParams(
+    seed=SEED,
+    roots=4,
+    round_us=2_000_000,
+    split_p=0.05,
+    move_p=0.03,
+    merge_p=0.05,
+    records_per_s=60.0,
+)
+SIM = [
+    *("--sim-seed", str(PARAMS.seed), "--sim-roots", str(PARAMS.roots)),
+    *("--sim-records-per-s", "60", "--sim-round-s", "2"),
+    *("--sim-split-p", "0.05", "--sim-move-p", "0.03", "--sim-merge-p", "0.05"),
+]
 FILES = ["--sink", "files"]  # the pyarrow parquet sink: no JVM, for the tests about tasks
+LAG_S = 15  # a run that stops must have written every row older than this (a generous bound)
+
+# The output is not exactly-once yet: a partition handed to another process is read again from
+# its watermark inclusive, so the rows at that commit timestamp may be written by both (see
+# docs/operations.md, "Output and duplicates"). Set this to True once it is: the two-process
+# test then requires that no row is written twice across the processes.
+EXACTLY_ONCE = False
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _model(start: int) -> StreamModel:
+    """The stream the run reads: the test's own parameters and the start it passed."""
+    return StreamModel(msgspec.structs.replace(PARAMS, start_ts=start))
 
 
 def _env() -> dict[str, str]:
@@ -71,10 +114,17 @@ def _logs(tmp: Path, name: str) -> str:
     return (tmp / f"{name}.out").read_text() + (tmp / f"{name}.err").read_text()
 
 
-def _model(summary: RunSummary) -> StreamModel:
-    assert summary.stream_start is not None
-    sim = SimOptions(roots=4, records_per_s=60.0, round_s=2.0)
-    return StreamModel(stream_params(sim, summary.stream_start))
+def _unfinished(
+    model: StreamModel, per: dict[str, dict[str, int]], ids: Collection[str], stop: int
+) -> set[str]:
+    """Partitions the output does not hold in full as of ``stop``: not ended by then, or rows
+    missing."""
+    written = set(ids)
+    return {
+        token
+        for token, rows in per.items()
+        if (end := model.partitions[token].end_ts) is None or end > stop or rows.keys() - written
+    }
 
 
 def _summary(path: Path) -> RunSummary:
@@ -82,7 +132,8 @@ def _summary(path: Path) -> RunSummary:
 
 
 def _ids(directory: Path) -> list[str]:
-    """Row ids (``commit/txn/seq/mod``) of a file-sink or Spark output, duplicates kept."""
+    """Row ids (``commit/txn/seq/mod``) of a file-sink or Spark output, every raw row: duplicates
+    kept (``read_output(..., dedupe=False)``)."""
     if any(directory.glob("table=*")):  # Spark's output, partitioned by table and batch
         table = read_output(directory, dedupe=False)
         columns = [table.column(c).to_pylist() for c in KEY_COLUMNS]
@@ -100,11 +151,14 @@ def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
     but they start, sit in the path of every batch and stop): it exits 0 and the output rows are
     exactly the rows the stream produced."""
     out = tmp_path / "out"
+    start = _now_us()
     proc = _cli(
         [
             "--duration",
             "8",
             *SIM,
+            "--sim-start-ts",
+            str(start),
             "--spark-dead-letter",
             "--output-dir",
             str(out),
@@ -116,26 +170,31 @@ def test_bounded_embedded_run_writes_what_was_produced(tmp_path: Path) -> None:
         tmp_path,
     )
     code = _finish(proc, tmp_path, "run", 200)
+    ended = _now_us()
     logs = _logs(tmp_path, "run")
     assert code == 0, logs
     assert "starting Spark (local[2], embedded path, retry/dead-letter queues" in logs
     assert "rebalance:" in logs
     assert "progress: delivered" in logs
     assert "shoal run summary (duration" in logs
+    ids = _ids(out / "data")
+    print(f"bounded run: {len(ids)} raw rows, {len(ids) - len(set(ids))} duplicates")
+    assert len(ids) == len(set(ids)), "rows written twice"
+    # The stream was closed at one instant, after the 8 s the run was asked to last and before
+    # it exited; the output is exactly the model's rows up to that instant.
+    model = _model(start)
+    cut = assert_one_cut(model, ids, earliest=start + 8_000_000, latest=ended)
+    produced = stream_rows(model, cut)
+    # the summary's claims, checked against the model
     summary = _summary(tmp_path / "summary.json")
     assert summary.caught_up
     assert summary.drained
+    assert summary.stream_start == start
     assert summary.stream_end is not None
-    ids = _ids(out / "data")
-    expected = {
-        f"{r.commit_ts}/{r.server_transaction_id}/{r.record_sequence}/{i}"
-        for r in _model(summary).expected(summary.stream_end)
-        for i in range(len(r.mods))
-    }
-    assert len(ids) == len(set(ids)), "rows written twice"
-    assert set(ids) == expected
+    assert cut <= summary.stream_end <= ended
+    assert stream_rows(model, summary.stream_end).keys() == produced.keys()
     assert summary.sink == "spark"
-    assert summary.produced_rows == summary.rows_written == len(ids) > 0
+    assert summary.produced_rows == summary.rows_written == len(produced) == len(ids) > 0
     reread = summary.errors.get("records_read_twice", 0)  # dropped by the sink, counted
     assert summary.records_delivered - reread == summary.produced_records
     assert len(summary.tasks) == 3
@@ -167,9 +226,12 @@ def _metric(text: str, name: str) -> list[float]:
 def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path, sink: str) -> None:
     out = tmp_path / "out"
     port = free_port()
+    start = _now_us()
     proc = _cli(
         [
             *SIM,
+            "--sim-start-ts",
+            str(start),
             "--sink",
             sink,
             "--output-dir",
@@ -191,13 +253,17 @@ def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path, sink: 
             assert time.monotonic() < deadline, _get(f"{base}/readyz")
             time.sleep(0.2)
         assert _get(f"{base}/healthz") == (200, "ok\n")
-        while True:  # scrape until records flow and lag is reported
+        while True:  # scrape until records flow and the lag reported is under the bound
             status, text = _get(f"{base}/metrics")
             assert status == 200
-            if sum(_metric(text, "shoal_records_delivered_total")) > 0 and _metric(
-                text, "shoal_partition_lag_seconds"
+            lags = _metric(text, "shoal_partition_lag_seconds")
+            if (
+                sum(_metric(text, "shoal_records_delivered_total")) > 0
+                and lags
+                and max(lags) < LAG_S
             ):
                 break
+            assert proc.poll() is None, _logs(tmp_path, "run")
             assert time.monotonic() < deadline, text
             time.sleep(0.3)
         assert sum(_metric(text, "shoal_owned_partitions")) >= 4
@@ -212,35 +278,40 @@ def test_sigterm_drains_and_loses_nothing_metrics_scraped(tmp_path: Path, sink: 
         assert "shoal_rebalance_duration_seconds_bucket" in text
         assert _metric(text, "shoal_sink_inflight_batches")
         assert "# TYPE shoal_errors_total counter" in text
-        assert max(_metric(text, "shoal_partition_lag_seconds")) < 30
-        time.sleep(1.5)  # mid-run: batches in flight
+        # Mid-run, batches in flight, and the stream old enough that the lag bound below asks
+        # for something (at least 5 s of every partition's rows).
+        time.sleep(max(1.5, (start - _now_us()) / 1e6 + LAG_S + 5))
     finally:
-        stopped_at = time.time_ns() // 1000
+        stopped_at = _now_us()
         proc.send_signal(signal.SIGTERM)
     code = _finish(proc, tmp_path, "run", 60)
+    ended = _now_us()
     logs = _logs(tmp_path, "run")
     assert code == 0, logs
     assert "SIGTERM: draining" in logs
+    ids = _ids(out / "data")
+    print(f"SIGTERM run ({sink}): {len(ids)} raw rows, {len(ids) - len(set(ids))} duplicates")
+    assert len(ids) == len(set(ids)), "rows written twice"
+    model = _model(start)
+    cuts = assert_read_without_gaps(model, ids, floor=stopped_at - LAG_S * 1_000_000, latest=ended)
+    assert set(model.roots) <= cuts.keys(), "a root partition was never read"
+    # The summary's final state (what the tasks published to the sync topic) is checked against
+    # the model: it names every partition read but not finished (a finished one may have been
+    # removed), and no watermark claims a row that is not in the output (a restart resumes from
+    # these and would skip it).
     summary = _summary(tmp_path / "summary.json")
     assert summary.reason == "signal"
     assert summary.drained
-    ids = _ids(out / "data")
-    assert len(ids) == len(set(ids)), "rows written twice"
-    model = _model(summary)
-    must = expected_below_watermarks(model, summary.partitions)
-    assert must, "the run committed nothing"
-    missing = must - set(ids)
-    assert not missing, f"{len(missing)} records below the final watermarks are not in the output"
-    for p in summary.partitions:  # the final state reached the sync topic: recent watermarks
-        if p.status == "owned":
-            start = model.partitions[p.token].start_ts
-            assert max(p.watermark, start) >= stopped_at - 10_000_000, p
-    produced = {
-        f"{r.commit_ts}/{r.server_transaction_id}/{r.record_sequence}/{i}"
-        for r in model.expected(max(p.watermark for p in summary.partitions) + 10_000_000)
-        for i in range(len(r.mods))
-    }
-    assert set(ids) <= produced
+    assert summary.stream_start == start
+    per = partition_rows(model, ended)
+    reported = {p.token: p for p in summary.partitions}
+    assert _unfinished(model, per, ids, stopped_at) & cuts.keys() <= reported.keys()
+    for p in summary.partitions:
+        assert p.token in per, p
+        claimed = {
+            i for i, ts in per[p.token].items() if p.status == "finished" or ts < p.watermark
+        }
+        assert claimed <= set(ids), f"{p}: {len(claimed - set(ids))} rows claimed, not written"
 
 
 @pytest.mark.parametrize(
@@ -287,6 +358,9 @@ def test_bad_config_file_exits_2(tmp_path: Path) -> None:
     assert "unknown key 'bootstrap_server' in [kafka] (did you mean 'bootstrap_servers'?)" in err
 
 
+ALPHA_S = 20  # alpha's duration: more than LAG_S, so the lag bound asks for its first 5 s
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
 @pytest.mark.timeout(150)
@@ -295,7 +369,7 @@ def test_two_processes_share_a_kafka_then_status(
 ) -> None:
     """Production mode: one task per process; a second process with the same connector adds a
     task; stopping both leaves every partition's final state on the sync topic for `status`."""
-    start = str(time.time_ns() // 1000)
+    start = _now_us()
     common = [
         "--kafka-bootstrap-servers",
         kafka_broker.bootstrap,
@@ -306,7 +380,7 @@ def test_two_processes_share_a_kafka_then_status(
         "--connector",
         f"cli-{os.getpid()}-{time.monotonic_ns() % 10**6}",
         "--sim-start-ts",
-        start,
+        str(start),
         *SIM,
         *FILES,
         "--progress",
@@ -324,7 +398,7 @@ def test_two_processes_share_a_kafka_then_status(
                 "--summary-json",
                 str(tmp_path / f"{name}.json"),
                 "--duration",
-                "14" if name == "alpha" else "10",
+                str(ALPHA_S) if name == "alpha" else "10",
             ],
             tmp_path,
             name,
@@ -332,6 +406,7 @@ def test_two_processes_share_a_kafka_then_status(
         time.sleep(1.0)
     for name, proc in procs.items():
         assert _finish(proc, tmp_path, name, 90) == 0, _logs(tmp_path, name)
+    ended = _now_us()
     summaries = {name: _summary(tmp_path / f"{name}.json") for name in procs}
     assert all(s.drained for s in summaries.values())
     assert all(s.records_delivered > 0 for s in summaries.values()), "both tasks read"
@@ -354,9 +429,25 @@ def test_two_processes_share_a_kafka_then_status(
     assert all(len(ts) <= 2 for ts in stamps.values()), f"re-read across processes: {stamps}"
     for name, written in rows.items():
         assert len(written) == len({rid for _, rid in written}), f"{name} wrote a record twice"
-    must = expected_below_watermarks(_model(final), final.partitions)
-    assert must
-    assert not must - set(ids)
+    print(f"two processes: {len(ids)} raw rows, {len(ids) - len(set(ids))} written by both")
+    if EXACTLY_ONCE:
+        assert not both, f"{len(both)} rows written by both processes"
+    # From the model: every row written is a row of the stream, each partition was read without
+    # a gap and after its parents, and alpha (which ran until at least ALPHA_S after it was
+    # started) left nothing older than the lag bound unwritten.
+    model = _model(start)
+    floor = start + (ALPHA_S - LAG_S) * 1_000_000
+    cuts = assert_read_without_gaps(model, ids, floor=floor, latest=ended)
+    assert set(model.roots) <= cuts.keys()
+    per = partition_rows(model, ended)
+    unfinished = _unfinished(model, per, ids, ended) & cuts.keys()
+    assert unfinished <= {p.token for p in final.partitions}, "read, unfinished, not reported"
+    for p in final.partitions:  # the final published state claims nothing not written
+        assert p.token in per, p
+        claimed = {
+            i for i, ts in per[p.token].items() if p.status == "finished" or ts < p.watermark
+        }
+        assert claimed <= set(ids), f"{p}: {len(claimed - set(ids))} rows claimed, not written"
 
     result = subprocess.run(
         [sys.executable, "-m", "actors.runtime", "status", *common[:8], "--json"],
@@ -424,11 +515,12 @@ def test_second_signal_exits_at_once_and_stops_the_broker(tmp_path: Path) -> Non
     proc = _cli(
         [*SIM, *FILES, "--output-dir", str(tmp_path / "out"), "--progress", "off"], tmp_path
     )
-    deadline = time.monotonic() + 40
-    while "shoal: connector" not in (tmp_path / "run.out").read_text():
+
+    def started() -> bool:
         assert proc.poll() is None, _logs(tmp_path, "run")
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+        return "shoal: connector" in (tmp_path / "run.out").read_text()
+
+    wait_until(started, 60, "the run to start its tasks")
     log_text = (tmp_path / "out" / "broker.log").read_text()
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)

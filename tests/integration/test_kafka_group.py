@@ -27,6 +27,7 @@ from tests.fixtures.kafka import (
     next_assignment,
     spawn_group_member,
 )
+from tests.helpers import wait_for
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
@@ -71,23 +72,23 @@ def assert_agree(views: Sequence[GroupAssignment]) -> GroupAssignment:
 
 async def test_three_members_agree_on_one_leader(kafka_config: KafkaConfig, connector: str) -> None:
     ids = ["task-a", "task-b", "task-c"]
-    started = time.monotonic()
     async with members(kafka_config, connector, ids) as group:
-        views = await all_see(group, set(ids))
-        joined_after = time.monotonic() - started
+        views = await all_see(group, set(ids))  # bounded; how fast is bench rebalance's business
         view = assert_agree(views)
         assert view.members == tuple(sorted(ids))
-        assert joined_after < 10, joined_after
         for membership, _ in group:
             assert membership.generation == view.generation
             assert membership.current == view
             # A member's lease runs ahead of now while it heartbeats.
             assert membership.lease_valid_until() > time.monotonic()
-        # Leases are renewed by heartbeats (heartbeat interval 1 s).
+        # Leases are renewed by heartbeats (heartbeat interval 1 s; generous for a loaded box).
         before = [m.lease_valid_until() for m, _ in group]
-        await asyncio.sleep(2.2)
+        await wait_for(
+            lambda: all(m.lease_valid_until() > b for (m, _), b in zip(group, before, strict=True)),
+            20,
+            "every member's lease renewed by a heartbeat",
+        )
         after = [m.lease_valid_until() for m, _ in group]
-        assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
         assert all(m.statistics().heartbeats_ok >= 1 for m, _ in group)
         assert kafka_config.session_timeout_ms / 1000 > after[0] - time.monotonic() > 0
 
@@ -99,12 +100,9 @@ async def test_member_leaves_then_leader_leaves(kafka_config: KafkaConfig, conne
         # A follower leaves: the others get a new generation without it, same leader.
         follower = next(i for i, (m, _) in enumerate(group) if m.task_id != first.leader)
         gone = group.pop(follower)[0]
-        started = time.monotonic()
         await gone.close()
         second = assert_agree(await all_see(group, set(ids) - {gone.task_id}))
-        leave_s = time.monotonic() - started
         assert second.generation > first.generation
-        assert leave_s < 8, leave_s
         # The leader leaves: the last member is the new leader.
         leader_index = next(i for i, (m, _) in enumerate(group) if m.task_id == second.leader)
         old_leader = group.pop(leader_index)[0]
@@ -150,8 +148,9 @@ async def test_killed_member_is_removed_after_session_timeout(
             after = assert_agree(await all_see(group, {"task-a", "task-b"}))
             removed_s = time.monotonic() - killed
             assert after.generation > before.generation
-            # Session timeout 3 s: gone after about one to two session timeouts.
-            assert 2.0 < removed_s < 12.0, removed_s
+            # Session timeout 3 s: not removed before the broker could notice (a loaded
+            # machine only makes this later; all_see bounds how much later).
+            assert removed_s > 2.0, removed_s
     finally:
         if process.returncode is None:
             process.kill()

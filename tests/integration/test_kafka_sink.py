@@ -5,6 +5,7 @@ a killed sink's RQ resumed by a new one, DLQ list and replay."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import sys
@@ -272,11 +273,20 @@ async def test_each_shard_resumes_only_its_own_rq(
         assert s0.statistics().held == held
 
 
-def test_kafka_sink_is_a_sink() -> None:
+def test_kafka_sink_meets_the_sink_port_with_its_prepare_hook() -> None:
+    """mypy checks ``put`` against the ``Sink`` protocol (the annotated assignment); the optional
+    ``prepare`` hook is looked up by name (``prepare_sink``), which mypy cannot check. A Kafka
+    sink has a shared retry queue, so readers must find its ``prepare``: a coroutine function
+    taking the partition token, as the port calls it."""
     sink: Sink = KafkaSink(
         KafkaConfig(bootstrap_servers="localhost:9092"), KafkaSinkConfig(name="o")
     )
-    assert isinstance(sink, KafkaSink)
+    prepare = getattr(sink, "prepare", None)
+    assert prepare is not None, "prepare_sink would skip the retry queue's catch-up"
+    assert inspect.iscoroutinefunction(prepare)
+    assert list(inspect.signature(prepare).parameters) == ["token"]
+    assert inspect.iscoroutinefunction(sink.put)
+    assert list(inspect.signature(sink.put).parameters) == ["batch"]
 
 
 def test_output_records_one_per_mod() -> None:

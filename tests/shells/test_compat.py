@@ -5,10 +5,12 @@ fails clearly on one it was not written for; the patches themselves do what they
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+import tomllib
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -19,9 +21,21 @@ from runtime.compat import AIOKAFKA, SPANNER, IncompatibleLibraryError, Supporte
 from tests.helpers import REPO as REPO_ROOT
 
 
-def test_the_installed_libraries_are_supported() -> None:
-    compat.check(AIOKAFKA, "test")
-    compat.check(SPANNER, "test")
+@pytest.mark.parametrize("library", [AIOKAFKA, SPANNER], ids=lambda lib: lib.distribution)
+def test_the_installed_and_pinned_versions_are_the_supported_series(library: Supported) -> None:
+    """What is installed (read from the package metadata here, not through compat) belongs to
+    the supported series, and pyproject.toml pins exactly those series: a bump of the pin alone
+    fails here instead of at the first use of a private part."""
+    installed = importlib.metadata.version(library.distribution)
+    assert compat.supports(library, installed), installed
+    compat.check(library, "test")  # the check a private use makes passes on what is installed
+    pins = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pinned = sorted(
+        pin.split("==", 1)[1].removesuffix(".*")
+        for pin in pins
+        if pin.split("==", 1)[0].strip() == library.distribution
+    )
+    assert pinned == sorted(library.series), pins
 
 
 @pytest.mark.parametrize(

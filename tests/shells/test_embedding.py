@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 
 import pytest
 
@@ -18,6 +19,7 @@ from runtime.ports import SinkBatch
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
 from tests.fixtures.kafka import kafka_broker, kafka_config
+from tests.helpers import wait_for
 
 __all__ = ["kafka_broker", "kafka_config"]
 
@@ -46,6 +48,15 @@ async def test_leaving_the_block_hands_partitions_over(kafka_config: KafkaConfig
 
     async def on_batch(batch: SinkBatch) -> None:
         seen.update(r.identity for r in batch.records)
+
+    def below(watermarks: Mapping[str, int]) -> set[tuple[int, str, str]]:
+        """Identities of the records strictly below each partition's watermark."""
+        return {
+            r.identity
+            for token, wm in watermarks.items()
+            for r in model.records(token, model.partitions[token].start_ts, wm - 1)
+            if isinstance(r, DataChange)
+        }
 
     connector = f"embed-{uuid.uuid4().hex[:8]}"
     task = TaskConfig(task_id="stay", answer_timeout=1_000_000, publish_interval=100_000)
@@ -78,14 +89,14 @@ async def test_leaving_the_block_hands_partitions_over(kafka_config: KafkaConfig
                 >= {t for t, i in model.partitions.items() if i.end_ts is None}
             ):
                 await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
+        # until every partition's watermark covers some of its records, also those taken
+        # over (a loaded machine commits later, not differently): the check asks for something
+        await wait_for(
+            lambda: all(below({t: wm}) for t, wm in stay.status().watermarks.items()),
+            30,
+            "every watermark past some of its partition's records",
+        )
         assert stay.task is not None
         watermarks = dict(stay.status().watermarks)
-    below = {
-        r.identity
-        for token, wm in watermarks.items()
-        for r in model.records(token, model.partitions[token].start_ts, wm - 1)
-        if isinstance(r, DataChange)
-    }
-    assert below
-    assert below <= seen
+    assert below(watermarks)
+    assert below(watermarks) <= seen
