@@ -101,6 +101,22 @@ class SourceStats(msgspec.Struct, frozen=True):
     windows: int = 0  # partition queries continued past a query window's end
 
 
+def _request_options(rpc_priority: str | None) -> Any:
+    """``RequestOptions`` with the priority of the change-stream queries (None: unset)."""
+    if rpc_priority is None:
+        return None
+    from google.cloud.spanner_v1 import RequestOptions
+
+    priorities = {
+        "LOW": RequestOptions.Priority.PRIORITY_LOW,
+        "MEDIUM": RequestOptions.Priority.PRIORITY_MEDIUM,
+        "HIGH": RequestOptions.Priority.PRIORITY_HIGH,
+    }
+    if rpc_priority not in priorities:
+        raise ValueError(f"rpc_priority must be LOW, MEDIUM or HIGH, got {rpc_priority!r}")
+    return RequestOptions(priority=priorities[rpc_priority])
+
+
 def _service_errors() -> tuple[type[BaseException], ...]:
     import grpc
     from google.api_core import exceptions as api_exceptions
@@ -122,6 +138,7 @@ class SpannerSource:
         heartbeat_ms: int = 1000,
         max_batch: int = 1024,
         query_window_s: float | None = None,
+        rpc_priority: str | None = None,
         on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if not change_stream.replace("_", "").isalnum():
@@ -137,6 +154,7 @@ class SpannerSource:
             "end_timestamp => @end, partition_token => @token, heartbeat_milliseconds => @hb)"
         )
         self._heartbeat_ms = heartbeat_ms
+        self._request_options = _request_options(rpc_priority)
         self._max_batch = max_batch
         self._on_close = on_close
         self._layouts: dict[bytes, RecordLayout] = {}
@@ -158,7 +176,9 @@ class SpannerSource:
         from google.cloud.spanner_v1 import AsyncClient
 
         client: Any = AsyncClient(**config.client_kwargs())
-        database = await client.instance(config.instance).database(config.database)
+        database = await client.instance(config.instance).database(
+            config.database, database_role=config.database_role
+        )
 
         async def close() -> None:
             await close_async_database(database)
@@ -170,6 +190,7 @@ class SpannerSource:
             heartbeat_ms=config.heartbeat_ms,
             max_batch=max_batch,
             query_window_s=config.query_window_s,
+            rpc_priority=config.rpc_priority,
             on_close=close,
         )
 
@@ -276,7 +297,11 @@ class SpannerSource:
             async with self._db.snapshot() as snapshot:
                 t1 = time.monotonic()
                 rs = await snapshot.execute_sql(
-                    self._sql, params=params, param_types=types, lazy_decode=True
+                    self._sql,
+                    params=params,
+                    param_types=types,
+                    lazy_decode=True,
+                    request_options=self._request_options,
                 )
                 t2 = time.monotonic()
                 try:
