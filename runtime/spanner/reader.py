@@ -65,6 +65,7 @@ __all__ = [
     "PartitionQueryError",
     "SourceStats",
     "SpannerSource",
+    "UnsupportedDialect",
     "WalkResult",
     "micros_to_datetime",
     "walk_stream",
@@ -89,6 +90,40 @@ class PartitionQueryError(RuntimeError):
         self.token = token
         self.start_ts = start_ts
         self.retryable = retryable
+
+
+class UnsupportedDialect(RuntimeError):
+    """The database is not a GoogleSQL one: its change stream cannot be read by this source."""
+
+
+# The dialect, asked in SQL both dialects read alike (PostgreSQL folds the unquoted names to
+# the lower case its information schema uses); no admin permission needed, unlike GetDatabase.
+_DIALECT_SQL = (
+    "SELECT OPTION_VALUE FROM INFORMATION_SCHEMA.DATABASE_OPTIONS "
+    "WHERE OPTION_NAME = 'database_dialect'"
+)
+
+
+async def check_dialect(database: Any, name: str, change_stream: str) -> None:
+    """Raise :class:`UnsupportedDialect` for a PostgreSQL-dialect database: its change stream
+    is read with ``spanner.read_json_<stream>(start, end, token, heartbeat, null)`` and returns
+    JSONB records, which this source does not decode (yet); the GoogleSQL query would fail with
+    a syntax error that names neither. A dialect that cannot be asked (a role without access to
+    the information schema) is assumed to be GoogleSQL."""
+    try:
+        async with database.snapshot() as snapshot:
+            rs = await snapshot.execute_sql(_DIALECT_SQL)
+            rows = [row async for row in rs]
+    except _service_errors() as exc:
+        log.info("could not ask database %s for its dialect (%s); assuming GoogleSQL", name, exc)
+        return
+    dialect = str(rows[0][0]) if rows else "GOOGLE_STANDARD_SQL"
+    if dialect.upper() == "POSTGRESQL":
+        raise UnsupportedDialect(
+            f"database {name!r} is a PostgreSQL-dialect database: its change stream "
+            f"{change_stream!r} is read with spanner.read_json_{change_stream.lower()}(...) as "
+            "JSONB records, which shoal does not read yet; use a GoogleSQL-dialect database"
+        )
 
 
 class SourceStats(msgspec.Struct, frozen=True):
@@ -149,6 +184,7 @@ class SpannerSource:
             raise ValueError(f"query_window_s must be positive, got {query_window_s}")
         self._window_us = None if query_window_s is None else int(query_window_s * 1_000_000)
         self._db = database
+        self._stream = change_stream
         self._sql = (
             f"SELECT ChangeRecord FROM READ_{change_stream}(start_timestamp => @start, "
             "end_timestamp => @end, partition_token => @token, heartbeat_milliseconds => @hb)"
@@ -193,6 +229,10 @@ class SpannerSource:
             rpc_priority=config.rpc_priority,
             on_close=close,
         )
+
+    async def check_dialect(self, name: str = "") -> None:
+        """:func:`check_dialect` on this source's database (``name`` for the message)."""
+        await check_dialect(self._db, name or "?", self._stream)
 
     async def close(self) -> None:
         if self._closed:
