@@ -108,11 +108,15 @@ class RecordFilter:
             self._table_cache[table] = keep
         return keep
 
+    def keeps_change(self, table: str, mod_type: str) -> bool:
+        """Whether a change of ``mod_type`` to ``table`` passes every rule."""
+        if self.mod_types and mod_type not in self.mod_types:
+            return False
+        return self.keeps_table(table)
+
     def keeps(self, record: DataChange) -> bool:
         """Whether ``record`` passes every rule."""
-        if self.mod_types and record.mod_type not in self.mod_types:
-            return False
-        return self.keeps_table(record.table)
+        return self.keeps_change(record.table, record.mod_type)
 
     def __repr__(self) -> str:
         return (

@@ -689,10 +689,17 @@ class Pipeline:
         """Close the stream at the current time and wait until the sink holds all of it."""
         ledger = self._ledger
         assert ledger is not None
+        start, end, keeps = self._start_at, self._end_at, self._filter.keeps_change
         if self._model is not None:
-            self._cap = cap = self._now()
-            expected = {r.identity for r in self._model.expected(cap)}
-            self._expected_rows = sum(len(r.mods) for r in self._model.expected(cap))
+            self._cap = cap = self._now() if end is None else min(self._now(), end)
+            # what the tasks read: the stream up to the cap, from --start-at, through the filter
+            produced = [
+                r
+                for r in self._model.expected(cap)
+                if (start is None or r.commit_ts >= start) and keeps(r.table, r.mod_type)
+            ]
+            expected = {r.identity for r in produced}
+            self._expected_rows = sum(len(r.mods) for r in produced)
             self._expected_records = len(expected)
             self._say(f"shoal: stream closed; catching up on {len(expected)} records")
             while not expected <= ledger.ids:
@@ -703,9 +710,16 @@ class Pipeline:
         if self._loadgen is not None:
             self._load_stop.set()
             await asyncio.sleep(0.2)  # the commit in flight, if any
-            rows = sum(self._loadgen.expected_mods().values())
+            produced = [
+                c
+                for c in self._loadgen.committed
+                if (start is None or c.commit_ts >= start)
+                and (end is None or c.commit_ts <= end)
+                and keeps(c.table, c.mod_type)
+            ]
+            rows = sum(len(c.keys) for c in produced)
             self._expected_rows = rows
-            self._expected_records = len(self._loadgen.committed)
+            self._expected_records = len(produced)
             self._say(f"shoal: write load stopped; catching up on {rows} rows")
             while ledger.distinct_rows < rows:
                 if self.stop.is_set():

@@ -245,3 +245,38 @@ def test_a_different_start_on_a_started_connector_is_refused_the_same_resumes(
     assert code == 0, out + err
     assert "shoal run summary (end-at" in out
     assert _ids(tmp_path / "out" / "data") == first
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+def test_a_duration_run_with_a_start_and_a_filter_catches_up_on_what_it_reads(
+    tmp_path: Path,
+) -> None:
+    """``--duration`` closes the stream at the current time and waits for what the tasks read:
+    from ``--start-at`` on, through the filter (not the whole stream, or it never catches up)."""
+    start, _ = _window(ago_s=5, length_s=0)
+    args = [
+        *SIM,
+        "--sink",
+        "files",
+        "--progress",
+        "off",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--summary-json",
+        str(tmp_path / "summary.json"),
+        "--start-at",
+        _rfc3339(start),
+        "--duration",
+        "3",
+        "--mod-types",
+        "INSERT",
+    ]
+    code, out, err = _run(args, tmp_path, "run")
+    assert code == 0, out + err
+    summary = msgspec.json.decode((tmp_path / "summary.json").read_bytes(), type=RunSummary)
+    assert summary.reason == "duration"
+    assert summary.caught_up is True
+    assert summary.stream_end is not None
+    rule = RecordFilter.parse(None, None, "INSERT")
+    assert _ids(tmp_path / "out" / "data") == _expected(start, summary.stream_end, rule)
