@@ -29,6 +29,7 @@ import msgspec
 from actors.kernel import MailboxStats, Supervisor
 from actors.task import LeaderActor, NegotiatorActor, TaskActor, wall_micros
 from protocol import messages
+from protocol.bounds import nothing_left
 from protocol.messages import CheckpointMessage
 from protocol.task import Drain, SyncRead, TaskConfig
 from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
@@ -43,6 +44,9 @@ MembershipFactory = Callable[[str], Awaitable[Membership]]
 class NodeConfig(msgspec.Struct, frozen=True):
     task: TaskConfig
     stream_start: int = -1  # where a never-started stream is read from; -1: now
+    # an explicit start (--start-at): refuse to run, before joining the group, when the sync
+    # topic already records a different start of this connector (StartConflict); -1: none
+    require_start: int = -1
     tick_interval: float = 0.1
     replay_timeout: float = 60.0
     publish_timeout: float = 10.0
@@ -53,6 +57,19 @@ class NodeConfig(msgspec.Struct, frozen=True):
     # (replay with protocol.trace); debug: check the core's invariants after every event
     trace_dir: str | None = None
     debug_validate: bool = False
+
+
+class StartConflict(ValueError):
+    """An explicit start differs from the one the connector's sync topic records: the
+    connector already started there, and a restart resumes from its watermarks."""
+
+    def __init__(self, recorded: int, requested: int) -> None:
+        super().__init__(
+            f"the connector already started at {recorded} (Unix micros, in its sync topic), "
+            f"not at {requested}"
+        )
+        self.recorded = recorded
+        self.requested = requested
 
 
 class NodeStatus(msgspec.Struct, frozen=True):
@@ -133,6 +150,9 @@ class TaskNode:
         )
         await task.marker(cfg.replay_timeout)
         log.info("task %s replayed the sync topic to offset %d", self.task_id, task.last_offset)
+        recorded = task.core.cim.stream_start
+        if cfg.require_start >= 0 and recorded >= 0 and recorded != cfg.require_start:
+            raise StartConflict(recorded, cfg.require_start)
         self.membership = await self._join(self.task_id)
         # A membership that can (KafkaMembership) learns the newest epoch in the sync topic, so
         # that its group's epochs stay newer than it when Kafka's generations start over. Set
@@ -229,6 +249,11 @@ class TaskNode:
             log.warning("task %s: drain did not finish in %ss", self.task_id, timeout)
             return False
         return core.member
+
+    def nothing_left(self) -> bool:
+        """With an end (``--end-at``): whether this task's CIM shows every partition of the
+        connector read to its end (``protocol/bounds.py``); then the run may drain and stop."""
+        return self.task is not None and nothing_left(self.task.core.cim)
 
     def status(self) -> NodeStatus:
         assert self.task is not None

@@ -158,7 +158,9 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
         if isinstance(exc, BaseExceptionGroup) and all(
             isinstance(e, ConfigError) for e in _leaves(exc)
         ):
-            raise ConfigError(messages) from exc
+            # a bad option found while running (several tasks may find the same): its message
+            # alone, once, names the option
+            raise ConfigError("; ".join(dict.fromkeys(str(e) for e in _leaves(exc)))) from exc
         import logging
 
         logging.getLogger("shoal.runtime").debug("run failed", exc_info=exc)

@@ -25,8 +25,10 @@ message names the option and where it came from; the CLI prints it and exits wit
 from __future__ import annotations
 
 import argparse
+import datetime
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.filters import RecordFilter
 from protocol.task import TaskConfig
 
 if TYPE_CHECKING:
@@ -172,6 +175,37 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "it from being read.",
         ),
     ] = 60.0
+    start_at: Annotated[
+        str,
+        _d(
+            "Where a connector starts reading when it first starts: an RFC 3339 timestamp "
+            "(2024-05-01T12:00:00Z) or now. A restart resumes from its watermarks; a different "
+            "explicit start on a connector with state in its sync topic is refused. Not before "
+            "the database's version retention (Spanner refuses it)."
+        ),
+    ] = "now"
+    end_at: Annotated[
+        str | None,
+        _d(
+            "Read up to this RFC 3339 timestamp (inclusive), then drain and exit 0 once every "
+            "partition reached it; unset: no end."
+        ),
+    ] = None
+    tables: Annotated[
+        str | None,
+        _d(
+            "Keep only records of these tables: comma-separated glob patterns (Orders,Audit_*), "
+            "case-insensitive; unset: every table. Filtered records still advance watermarks."
+        ),
+    ] = None
+    exclude_tables: Annotated[
+        str | None,
+        _d("Drop records of these tables (glob patterns; wins over tables)."),
+    ] = None
+    mod_types: Annotated[
+        str | None,
+        _d("Keep only these kinds of change: comma-separated INSERT, UPDATE, DELETE; unset: all."),
+    ] = None
     summary_json: Annotated[
         str | None, _d("Also write the end-of-run summary as JSON to this file.")
     ] = None
@@ -265,6 +299,17 @@ class SpannerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     load_rate: Annotated[
         float, Meta(gt=0, description="Commits per second written to the emulator.")
     ] = 50.0
+    rpc_priority: Annotated[
+        Literal["LOW", "MEDIUM", "HIGH"] | None,
+        _d("RPC priority of the change-stream queries; unset: Spanner's default (HIGH)."),
+    ] = None
+    database_role: Annotated[
+        str | None,
+        _d(
+            "Database role of the connection (fine-grained access control); it needs SELECT on "
+            "the change stream and EXECUTE on its read function. Unset: the credentials' own."
+        ),
+    ] = None
 
 
 class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -663,6 +708,13 @@ def check(config: ShoalConfig) -> None:
         raise ConfigError(
             f"spanner.change_stream must be an identifier, got {spanner.change_stream!r}"
         )
+    start, end = start_micros(run), end_micros(run)
+    if start is not None and end is not None and end < start:
+        raise ConfigError(f"end_at {run.end_at} is before start_at {run.start_at}")
+    try:
+        record_filter(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     if config.spark.dead_letter and config.spark.path != "embedded":
         raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
     if kafka.bootstrap_servers is not None:
@@ -670,6 +722,53 @@ def check(config: ShoalConfig) -> None:
             kafka_config(config, kafka.bootstrap_servers)
         except ValueError as exc:
             raise ConfigError(f"kafka: {exc}") from exc
+
+
+_RFC3339 = re.compile(
+    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2})"
+)
+
+
+def parse_time(text: str, option: str) -> int:
+    """An RFC 3339 timestamp (with ``Z`` or an offset; up to nanoseconds, truncated to the
+    microseconds Spanner's commit timestamps have) as Unix microseconds."""
+    match = _RFC3339.fullmatch(text.strip())
+    if match is None:
+        raise ConfigError(
+            f"{option}: {text!r} is not an RFC 3339 timestamp with a time zone "
+            "(e.g. 2024-05-01T12:00:00Z or 2024-05-01T14:00:00.5+02:00)"
+        )
+    day, clock, fraction, zone = match.groups()
+    try:
+        moment = datetime.datetime.fromisoformat(
+            f"{day}T{clock}{'+00:00' if zone in 'Zz' else zone}"
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{option}: {text!r}: {exc}") from exc
+    micros = int((fraction or "0").ljust(6, "0")[:6])
+    return (moment - _EPOCH) // datetime.timedelta(microseconds=1) + micros
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+def start_micros(run: RunOptions) -> int | None:
+    """``start_at`` as Unix microseconds; None for ``now`` (decided when the connector first
+    starts)."""
+    if run.start_at.strip().lower() == "now":
+        return None
+    return parse_time(run.start_at, "start_at")
+
+
+def end_micros(run: RunOptions) -> int | None:
+    """``end_at`` as Unix microseconds; None: no end."""
+    return None if run.end_at is None else parse_time(run.end_at, "end_at")
+
+
+def record_filter(config: ShoalConfig) -> RecordFilter:
+    """The record filter of ``tables``, ``exclude_tables`` and ``mod_types``."""
+    run = config.run
+    return RecordFilter.parse(run.tables, run.exclude_tables, run.mod_types)
 
 
 # The Cloud Spanner emulator keeps running a cancelled partition query's server loop until the

@@ -69,6 +69,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     sink_rows: int = 0  # rows the sink committed (written)
     sink_inflight: int = 0  # batches (Spark: micro-batches) handed over and not committed yet
     sink_commit_latency_s: float = 0.0  # Spark: oldest put of the last micro-batch to commit
+    records_filtered: int = (
+        0  # data-change records dropped by --tables/--exclude-tables/--mod-types
+    )
 
 
 SampleProvider = Callable[[], Sample]
@@ -168,6 +171,12 @@ class _SampleCollector(Collector):
             "Spark: from the oldest record of the last micro-batch being handed over to its commit",
         )
         latency.add_metric([], sample.sink_commit_latency_s)
+        filtered = CounterMetricFamily(
+            "shoal_records_filtered",
+            "Change records dropped by the table and mod-type filters (re-reads counted again); "
+            "their commit timestamps still advance the watermarks",
+        )
+        filtered.add_metric([], sample.records_filtered)
         ready = GaugeMetricFamily("shoal_ready", "1 when /readyz answers 200")
         ready.add_metric([], 1.0 if readiness(sample)[0] else 0.0)
         yield from (
@@ -191,6 +200,7 @@ class _SampleCollector(Collector):
             sink_rows,
             inflight,
             latency,
+            filtered,
             ready,
         )
 

@@ -141,15 +141,30 @@ async def open_task(
     on_batch: Callable[[SinkBatch], Awaitable[None]] | None = None,
     task: TaskConfig | None = None,
     stream_start: int = -1,
+    start_at: int | None = None,
+    end_at: int | None = None,
     drain_timeout: float = 30.0,
 ) -> AsyncIterator[TaskNode]:
     """Run one task in the caller's event loop; see the module docstring. Give exactly one of
     ``sink`` and ``on_batch``. ``stream_start`` (Unix micros) is where a never-started stream
-    is read from (-1: now)."""
+    is read from (-1: now).
+
+    ``start_at`` and ``end_at`` (Unix micros) are ``--start-at`` and ``--end-at``: with
+    ``start_at`` the connector starts there when it first starts, no partition is read from
+    before it, and entering the block raises :class:`actors.node.StartConflict` when the sync
+    topic records a different start (a restart resumes from the watermarks); with ``end_at``
+    every partition is read up to it (inclusive) and then finishes, and
+    ``node.nothing_left()`` turns true once the whole connector got there (every task's CIM
+    shows it): leave the block then."""
+    from runtime.bounded import BoundedSource
     from runtime.kafka import KafkaMembership, KafkaSyncLog
 
     if (sink is None) == (on_batch is None):
         raise ValueError("give exactly one of sink and on_batch")
+    if start_at is not None:
+        stream_start = start_at
+    if start_at is not None or end_at is not None:
+        source = BoundedSource(source, start_at=start_at, end_at=end_at)
     task_config = task or TaskConfig(task_id=task_id)
     if task_config.task_id != task_id:
         raise ValueError(f"task.task_id {task_config.task_id!r} differs from {task_id!r}")
@@ -166,7 +181,11 @@ async def open_task(
         sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
         gate = GatedSource(source)
         node = TaskNode(
-            NodeConfig(task=task_config, stream_start=stream_start),
+            NodeConfig(
+                task=task_config,
+                stream_start=stream_start,
+                require_start=-1 if start_at is None else start_at,
+            ),
             sync_log=sync_log,
             join=join,
             source=gate,

@@ -135,6 +135,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     leader: str = ""
     rebalances: int = 0
     errors: dict[str, int] = {}
+    records_filtered: int = 0  # dropped by the table / mod-type filters
 
 
 def format_summary(s: RunSummary) -> str:
@@ -151,6 +152,8 @@ def format_summary(s: RunSummary) -> str:
         )
     if s.rows_written is not None:
         lines.append(f"  rows written: {s.rows_written}")
+    if s.records_filtered:
+        lines.append(f"  records filtered out: {s.records_filtered}")
     lines.append(
         f"  epoch {s.epoch}, leader {s.leader or '-'}, rebalances seen {s.rebalances}, "
         f"partitions {sum(1 for p in s.partitions if p.status != 'finished')} live / "

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import importlib
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
@@ -40,17 +41,21 @@ from actors.cli.embed import GatedSource, drain_node
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
-from actors.node import NodeConfig, TaskNode
+from actors.node import NodeConfig, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
+from protocol.records import ChangeRecord
 from protocol.retry import may_drive
 from runtime.config import (
     ConfigError,
     ShoalConfig,
     SimOptions,
+    end_micros,
     kafka_config,
     query_window,
+    record_filter,
+    start_micros,
     task_count,
 )
 from runtime.metrics import MetricsServer, Sample, TaskSample
@@ -170,6 +175,10 @@ class Pipeline:
         self._file_sink: FileSink | None = None
         self._bridge: Any = None  # runtime.spark.SparkBridge with --sink spark
         self._bounded = config.run.duration is not None or config.run.max_records is not None
+        self._start_at = start_micros(config.run)  # None: now
+        self._end_at = end_micros(config.run)  # None: no end
+        self._filter = record_filter(config)
+        self._filtered: Any = None  # runtime.filtered.FilteredSource, with a filter
         self.output_dir = Path(config.run.output_dir)
 
     # -- the sample every observer reads ---------------------------------------------------------
@@ -230,6 +239,9 @@ class Pipeline:
             sink_rows=rows,
             sink_inflight=inflight,
             sink_commit_latency_s=latency,
+            records_filtered=(
+                0 if self._filtered is None else self._filtered.statistics().records_filtered
+            ),
         )
 
     def _sink_figures(self) -> tuple[int, int, float]:
@@ -275,7 +287,7 @@ class Pipeline:
                 f"Kafka at {kafka.bootstrap_servers}",
             )
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
-            source = await self._start_source(stack)
+            source = self._bound_and_filter(await self._start_source(stack))
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(
@@ -302,7 +314,9 @@ class Pipeline:
                 reason = await self._wait_for_end()
                 try:
                     async with asyncio.timeout(cfg.run.drain_timeout):
-                        if self._bounded and reason != "signal" and self._alone():
+                        if reason == "end-at":
+                            caught_up = self._window_complete()
+                        elif self._bounded and reason != "signal" and self._alone():
                             caught_up = await self._catch_up()
                         self.stopping = True
                         self._load_stop.set()
@@ -360,6 +374,21 @@ class Pipeline:
         )
         return broker.bootstrap
 
+    def _bound_and_filter(self, source: ChangeStreamSource) -> ChangeStreamSource:
+        """The source as the tasks see it: read inside ``[start_at, end_at]``, an explicit
+        start the database refuses reported as a bad option, and filtered records turned
+        into heartbeats."""
+        from runtime.bounded import BoundedSource
+        from runtime.filtered import FilteredSource
+
+        if self._start_at is not None or self._end_at is not None:
+            source = BoundedSource(source, start_at=self._start_at, end_at=self._end_at)
+        if self._start_at is not None and self.config.run.source != "sim":
+            source = _StartChecked(source, self.config.run.start_at)
+        if not self._filter.keeps_everything:
+            source = self._filtered = FilteredSource(source, self._filter)
+        return source
+
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
         cfg = self.config
         match cfg.run.source:
@@ -381,9 +410,12 @@ class Pipeline:
                     emulator_host=s.emulator_host,
                     heartbeat_ms=s.heartbeat_ms,
                     query_window_s=query_window(s, emulator=s.emulator_host is not None),
+                    rpc_priority=s.rpc_priority,
+                    database_role=s.database_role,
                 )
                 source = await SpannerSource.connect(spanner)
                 stack.push_async_callback(source.close)
+                await source.check_dialect(spanner.database)
                 return source
 
     def _sim_source(self) -> ChangeStreamSource:
@@ -391,7 +423,13 @@ class Pipeline:
         from runtime.sim.stream import StreamModel
 
         sim = self.config.sim
-        start = sim.start_ts if sim.start_ts is not None else wall_micros()
+        # the simulated stream begins at --sim-start-ts, else at --start-at, else now
+        if sim.start_ts is not None:
+            start = sim.start_ts
+        elif self._start_at is not None:
+            start = self._start_at
+        else:
+            start = wall_micros()
         params = stream_params(sim, start)
         self._model = model = StreamModel(params)
         speed = sim.speedup
@@ -422,7 +460,12 @@ class Pipeline:
             spanner, DEFAULT_TABLES, seed=self.config.sim.seed
         )
         stack.push_async_callback(self._loadgen.close)
-        spanner = msgspec.structs.replace(spanner, query_window_s=query_window(s, emulator=True))
+        spanner = msgspec.structs.replace(
+            spanner,
+            query_window_s=query_window(s, emulator=True),
+            rpc_priority=s.rpc_priority,
+            database_role=s.database_role,
+        )
         source = await SpannerSource.connect(spanner)
         stack.push_async_callback(source.close)
         return source
@@ -459,7 +502,7 @@ class Pipeline:
                         takeover_grace_s=cfg.run.rq_takeover_grace_s,
                     )
                 )
-        self._ledger = Ledger(inner, keep_ids=self._bounded)
+        self._ledger = Ledger(inner, keep_ids=self._bounded or self._end_at is not None)
         return self._ledger
 
     async def _spark_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
@@ -507,7 +550,10 @@ class Pipeline:
             await membership.start()
             return membership
 
-        stream_start = self._stream_start if self._stream_start is not None else -1
+        if self._start_at is not None:
+            stream_start = self._start_at
+        else:
+            stream_start = self._stream_start if self._stream_start is not None else -1
         t = cfg.task
         for n, task_id in enumerate(default_task_ids(cfg)):
             if n == 0:
@@ -520,6 +566,7 @@ class Pipeline:
                 NodeConfig(
                     task=t.task_config(task_id),
                     stream_start=stream_start,
+                    require_start=-1 if self._start_at is None else self._start_at,
                     stuck_after=cfg.run.stuck_after_s,
                     trace_dir=cfg.run.trace_dir,
                     debug_validate=cfg.run.debug_validate,
@@ -555,6 +602,21 @@ class Pipeline:
 
     # -- phases ----------------------------------------------------------------------------------
     async def _run_task(self, t: _Task) -> None:
+        try:
+            await self._run_node(t)
+        except StartConflict as exc:
+            raise ConfigError(self._conflict(exc)) from exc
+
+    def _conflict(self, exc: StartConflict) -> str:
+        run = self.config.run
+        return (
+            f"start_at {run.start_at}: connector {run.connector!r} already started at "
+            f"{_rfc3339(exc.recorded)} (its sync topic records it) and resumes from its "
+            "watermarks; give that start or leave start_at unset to resume, or reset the "
+            "connector (see docs/operations.md, Resetting a connector)"
+        )
+
+    async def _run_node(self, t: _Task) -> None:
         async with t.node:
             await self._drain_requested(t)
             try:
@@ -582,7 +644,38 @@ class Pipeline:
                 return "duration"
             if run.max_records is not None and self._delivered() >= run.max_records:
                 return "max-records"
+            if self._end_at is not None and self._read_to_end():
+                return "end-at"
             await asyncio.sleep(0.05)
+
+    def _read_to_end(self) -> bool:
+        """With ``end_at``: every task of this process is a member of the group and its CIM
+        shows every partition of the connector finished (``protocol/bounds.py``). Each process
+        decides alone, from the sync topic they all replay. (A member: a process restarted
+        after the end knows from its replay that nothing is left, but drains cleanly, and
+        leaves the group, only once it joined.)"""
+        return bool(self.tasks) and all(
+            t.node.ready.is_set()
+            and t.node.task is not None
+            and t.node.task.core.member
+            and t.node.nothing_left()
+            for t in self.tasks
+        )
+
+    def _window_complete(self) -> bool | None:
+        """After an ``end-at`` ending of a simulated stream read by this process alone:
+        whether the sink holds every record of ``[start, end_at]`` the filter keeps, as the
+        stream model alone says. None where that is not known (other sources, shared runs)."""
+        ledger, model, end = self._ledger, self._model, self._end_at
+        if ledger is None or model is None or end is None or not self._alone():
+            return None
+        start = self._start_at if self._start_at is not None else model.params.start_ts
+        keeps = self._filter.keeps
+        window = [r for r in model.expected(end) if r.commit_ts >= start and keeps(r)]
+        self._expected_records = len(window)
+        self._expected_rows = sum(len(r.mods) for r in window)
+        self._cap = end
+        return {r.identity for r in window} <= ledger.ids
 
     def _alone(self) -> bool:
         """Only this process reads the stream (embedded broker): it can wait for all of it.
@@ -596,10 +689,17 @@ class Pipeline:
         """Close the stream at the current time and wait until the sink holds all of it."""
         ledger = self._ledger
         assert ledger is not None
+        start, end, keeps = self._start_at, self._end_at, self._filter.keeps_change
         if self._model is not None:
-            self._cap = cap = self._now()
-            expected = {r.identity for r in self._model.expected(cap)}
-            self._expected_rows = sum(len(r.mods) for r in self._model.expected(cap))
+            self._cap = cap = self._now() if end is None else min(self._now(), end)
+            # what the tasks read: the stream up to the cap, from --start-at, through the filter
+            produced = [
+                r
+                for r in self._model.expected(cap)
+                if (start is None or r.commit_ts >= start) and keeps(r.table, r.mod_type)
+            ]
+            expected = {r.identity for r in produced}
+            self._expected_rows = sum(len(r.mods) for r in produced)
             self._expected_records = len(expected)
             self._say(f"shoal: stream closed; catching up on {len(expected)} records")
             while not expected <= ledger.ids:
@@ -610,9 +710,16 @@ class Pipeline:
         if self._loadgen is not None:
             self._load_stop.set()
             await asyncio.sleep(0.2)  # the commit in flight, if any
-            rows = sum(self._loadgen.expected_mods().values())
+            produced = [
+                c
+                for c in self._loadgen.committed
+                if (start is None or c.commit_ts >= start)
+                and (end is None or c.commit_ts <= end)
+                and keeps(c.table, c.mod_type)
+            ]
+            rows = sum(len(c.keys) for c in produced)
             self._expected_rows = rows
-            self._expected_records = len(self._loadgen.committed)
+            self._expected_records = len(produced)
             self._say(f"shoal: write load stopped; catching up on {rows} rows")
             while ledger.distinct_rows < rows:
                 if self.stop.is_set():
@@ -727,7 +834,42 @@ class Pipeline:
             leader=leader,
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
+            records_filtered=final.records_filtered,
         )
+
+
+class _StartChecked:
+    """A source whose root query (the connector's first start, at ``--start-at``) failing is
+    reported as a bad ``start_at`` (exit 2) with the database's own limit, not as a crash: a
+    start before the database's version retention (or the change stream's retention) is
+    refused by Spanner with OUT_OF_RANGE and says which timestamps it accepts."""
+
+    def __init__(self, inner: ChangeStreamSource, start_at: str) -> None:
+        self.inner = inner
+        self.start_at = start_at
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        if token is not None:
+            async for batch in self.inner.query(token, start_ts, end_ts):
+                yield batch
+            return
+        try:
+            async for batch in self.inner.query(token, start_ts, end_ts):
+                yield batch
+        except Exception as exc:
+            detail = str(exc.__cause__ or exc).splitlines()[0]
+            raise ConfigError(
+                f"start_at {self.start_at}: the change stream refused this start: {detail}"
+            ) from exc
+
+
+def _rfc3339(micros: int) -> str:
+    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(
+        microseconds=micros
+    )
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 def _transient(exc: BaseException) -> bool:

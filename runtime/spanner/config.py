@@ -7,7 +7,7 @@ client uses Application Default Credentials, or ``credentials_file`` (a service-
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -24,6 +24,11 @@ class SpannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # each partition query spans at most this many seconds of commit time (None: to the
     # partition's end); see SpannerSource
     query_window_s: float | None = None
+    # RequestOptions.priority of the change-stream queries (None: Spanner's default, HIGH)
+    rpc_priority: Literal["LOW", "MEDIUM", "HIGH"] | None = None
+    # fine-grained access control: the database role the connection acts as (None: the
+    # credentials' own permissions)
+    database_role: str | None = None
 
     def __post_init__(self) -> None:
         if not self.change_stream.replace("_", "").isalnum():

@@ -65,6 +65,7 @@ __all__ = [
     "PartitionQueryError",
     "SourceStats",
     "SpannerSource",
+    "UnsupportedDialect",
     "WalkResult",
     "micros_to_datetime",
     "walk_stream",
@@ -91,6 +92,40 @@ class PartitionQueryError(RuntimeError):
         self.retryable = retryable
 
 
+class UnsupportedDialect(RuntimeError):
+    """The database is not a GoogleSQL one: its change stream cannot be read by this source."""
+
+
+# The dialect, asked in SQL both dialects read alike (PostgreSQL folds the unquoted names to
+# the lower case its information schema uses); no admin permission needed, unlike GetDatabase.
+_DIALECT_SQL = (
+    "SELECT OPTION_VALUE FROM INFORMATION_SCHEMA.DATABASE_OPTIONS "
+    "WHERE OPTION_NAME = 'database_dialect'"
+)
+
+
+async def check_dialect(database: Any, name: str, change_stream: str) -> None:
+    """Raise :class:`UnsupportedDialect` for a PostgreSQL-dialect database: its change stream
+    is read with ``spanner.read_json_<stream>(start, end, token, heartbeat, null)`` and returns
+    JSONB records, which this source does not decode (yet); the GoogleSQL query would fail with
+    a syntax error that names neither. A dialect that cannot be asked (a role without access to
+    the information schema) is assumed to be GoogleSQL."""
+    try:
+        async with database.snapshot() as snapshot:
+            rs = await snapshot.execute_sql(_DIALECT_SQL)
+            rows = [row async for row in rs]
+    except _service_errors() as exc:
+        log.info("could not ask database %s for its dialect (%s); assuming GoogleSQL", name, exc)
+        return
+    dialect = str(rows[0][0]) if rows else "GOOGLE_STANDARD_SQL"
+    if dialect.upper() == "POSTGRESQL":
+        raise UnsupportedDialect(
+            f"database {name!r} is a PostgreSQL-dialect database: its change stream "
+            f"{change_stream!r} is read with spanner.read_json_{change_stream.lower()}(...) as "
+            "JSONB records, which shoal does not read yet; use a GoogleSQL-dialect database"
+        )
+
+
 class SourceStats(msgspec.Struct, frozen=True):
     queries_started: int
     queries_active: int
@@ -99,6 +134,22 @@ class SourceStats(msgspec.Struct, frozen=True):
     records: int
     decode_seconds: float
     windows: int = 0  # partition queries continued past a query window's end
+
+
+def _request_options(rpc_priority: str | None) -> Any:
+    """``RequestOptions`` with the priority of the change-stream queries (None: unset)."""
+    if rpc_priority is None:
+        return None
+    from google.cloud.spanner_v1 import RequestOptions
+
+    priorities = {
+        "LOW": RequestOptions.Priority.PRIORITY_LOW,
+        "MEDIUM": RequestOptions.Priority.PRIORITY_MEDIUM,
+        "HIGH": RequestOptions.Priority.PRIORITY_HIGH,
+    }
+    if rpc_priority not in priorities:
+        raise ValueError(f"rpc_priority must be LOW, MEDIUM or HIGH, got {rpc_priority!r}")
+    return RequestOptions(priority=priorities[rpc_priority])
 
 
 def _service_errors() -> tuple[type[BaseException], ...]:
@@ -122,6 +173,7 @@ class SpannerSource:
         heartbeat_ms: int = 1000,
         max_batch: int = 1024,
         query_window_s: float | None = None,
+        rpc_priority: str | None = None,
         on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if not change_stream.replace("_", "").isalnum():
@@ -132,11 +184,13 @@ class SpannerSource:
             raise ValueError(f"query_window_s must be positive, got {query_window_s}")
         self._window_us = None if query_window_s is None else int(query_window_s * 1_000_000)
         self._db = database
+        self._stream = change_stream
         self._sql = (
             f"SELECT ChangeRecord FROM READ_{change_stream}(start_timestamp => @start, "
             "end_timestamp => @end, partition_token => @token, heartbeat_milliseconds => @hb)"
         )
         self._heartbeat_ms = heartbeat_ms
+        self._request_options = _request_options(rpc_priority)
         self._max_batch = max_batch
         self._on_close = on_close
         self._layouts: dict[bytes, RecordLayout] = {}
@@ -158,7 +212,9 @@ class SpannerSource:
         from google.cloud.spanner_v1 import AsyncClient
 
         client: Any = AsyncClient(**config.client_kwargs())
-        database = await client.instance(config.instance).database(config.database)
+        database = await client.instance(config.instance).database(
+            config.database, database_role=config.database_role
+        )
 
         async def close() -> None:
             await close_async_database(database)
@@ -170,8 +226,13 @@ class SpannerSource:
             heartbeat_ms=config.heartbeat_ms,
             max_batch=max_batch,
             query_window_s=config.query_window_s,
+            rpc_priority=config.rpc_priority,
             on_close=close,
         )
+
+    async def check_dialect(self, name: str = "") -> None:
+        """:func:`check_dialect` on this source's database (``name`` for the message)."""
+        await check_dialect(self._db, name or "?", self._stream)
 
     async def close(self) -> None:
         if self._closed:
@@ -276,7 +337,11 @@ class SpannerSource:
             async with self._db.snapshot() as snapshot:
                 t1 = time.monotonic()
                 rs = await snapshot.execute_sql(
-                    self._sql, params=params, param_types=types, lazy_decode=True
+                    self._sql,
+                    params=params,
+                    param_types=types,
+                    lazy_decode=True,
+                    request_options=self._request_options,
                 )
                 t2 = time.monotonic()
                 try:

@@ -1,0 +1,38 @@
+"""When a bounded connector (``--end-at``) has nothing left to read: a pure rule over the CIM.
+
+With an end, every partition query ends at the end timestamp, so every partition finishes
+(``runtime/bounded.py``): those that split or merge before the end hand over to children, which
+finish in turn; the rest end at the end with no children. The connector is done when its CIM
+says so:
+
+1. the stream was started: the leader's epoch recorded ``stream_start`` (before that the roots
+   are not even known), and
+2. no task's state holds a partition that is not ``finished`` (owned, whether read, queued or
+   waiting for a parent; or ``incoming``), and
+3. no task's share section holds an offer (an offered partition, a child or one dealt out by
+   the leader, is not in its new owner's state yet).
+
+A child is registered in the same state message that finishes its parent (in the finder's own
+state or as an offer in its share section), and the roots arrive in the epoch message that
+records ``stream_start``; so no partition to read can hide between two messages. Every process
+replays the same sync topic, so each decides alone, from its own CIM, that nothing is left:
+several processes end a bounded run without talking to each other.
+"""
+
+from __future__ import annotations
+
+from protocol.cim import Cim
+
+__all__ = ["nothing_left"]
+
+
+def nothing_left(cim: Cim) -> bool:
+    """Whether the CIM shows a started stream with every partition finished (the rules above)."""
+    if cim.stream_start < 0:
+        return False
+    for view in cim.tasks.values():
+        if view.share:
+            return False
+        if any(p.status != "finished" for p in view.partitions.values()):
+            return False
+    return True
