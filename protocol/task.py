@@ -311,12 +311,17 @@ class TaskCore:
                 self._plan_due(),
                 self._checkpoint_due(),
                 self._publish_due(),
-                self._negotiate_due(now),
                 self._permission_ends(now),
             )
             if d is not None
         ]
-        return max(min(due), now) if due else None
+        first = min(due, default=None)
+        # the negotiation's dry run costs O(partitions of the group): only when it could be first
+        if first is None or self._last_negotiate + self.config.negotiate_interval < first:
+            negotiate = self._negotiate_due(now)
+            if negotiate is not None and (first is None or negotiate < first):
+                first = negotiate
+        return None if first is None else max(first, now)
 
     def _leads(self) -> bool:
         return self.member and self.leader == self.me
