@@ -6,7 +6,7 @@
    checkpoint, if one was recorded), until a marker it wrote itself is read back;
 2. only then does it join the heartbeat-topic group (the subscription order of docs/design.md#sync-topic-and-cim: a new task
    is ready to read partitions before the others learn about it);
-3. the leader actor, the negotiator actor and the partition readers do the rest.
+3. the leader actor, the task's timer and the partition readers do the rest.
 
 Leaving the block leaves the group and stops every actor; partitions are handed over by the
 group's next epoch. :meth:`TaskNode.drain` first stops reading for good, lets in-flight batches
@@ -27,7 +27,7 @@ from typing import BinaryIO, Self
 import msgspec
 
 from actors.kernel import MailboxStats, Supervisor
-from actors.task import LeaderActor, NegotiatorActor, TaskActor, wall_micros
+from actors.task import LeaderActor, TaskActor, wall_micros
 from protocol import messages
 from protocol.bounds import nothing_left
 from protocol.messages import CheckpointMessage
@@ -47,7 +47,6 @@ class NodeConfig(msgspec.Struct, frozen=True):
     # an explicit start (--start-at): refuse to run, before joining the group, when the sync
     # topic already records a different start of this connector (StartConflict); -1: none
     require_start: int = -1
-    tick_interval: float = 0.1
     replay_timeout: float = 60.0
     publish_timeout: float = 10.0
     # an owned partition whose committed watermark stands still this long, though nothing
@@ -164,9 +163,7 @@ class TaskNode:
         await sup.spawn(leader)
         task.leader = leader
         sup.start_soon(task.membership_loop(self.membership), name=f"group:{self.task_id}")
-        negotiator = NegotiatorActor(task, self.membership, cfg.tick_interval)
-        await sup.spawn(negotiator)
-        sup.start_soon(negotiator.pace(), name=f"pace:{self.task_id}")
+        sup.start_soon(task.timer_loop(self.membership), name=f"timer:{self.task_id}")
         if not task.core.member:  # time out of the group counts from here, not from replay
             task.out_of_group_since = time.monotonic()
         self.ready.set()

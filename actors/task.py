@@ -1,8 +1,8 @@
-"""The regular-task actor, the leader actor and the share-negotiator actor: thin async shells
+"""The regular-task actor (with its timer) and the leader actor: thin async shells
 around ``protocol.task.TaskCore``.
 
 ``TaskActor`` owns the core. Its mailbox takes the core's events from everywhere: the sync-topic
-tail, the group membership, the partition readers, the leader actor and the negotiator's pacing.
+tail, the group membership, the partition readers, the leader actor and its own timer.
 It carries out the core's commands: a ``Publish`` goes to the publisher loop (which appends to
 the sync topic in order and reports a failed append back as ``PublishFailed``), ``StartReader`` /
 ``StopReader`` start and stop :class:`~actors.reader.PartitionReader` actors, ``RequestPlan``
@@ -12,14 +12,17 @@ goes to the ``LeaderActor`` with an immutable snapshot of the CIM.
 thousand partitions must not stall the mailbox), discovering the root partitions first when the
 stream was never started, and tells the task ``PlanReady``.
 
-``NegotiatorActor`` paces the sharing protocol: it renews the task's lease from the membership
-and ticks the core, which decides offers and pick-ups (``protocol/share.py``).
+``TaskActor.timer_loop`` is the task's only timer, as aioquic's ``get_timer()``: it sleeps until
+the core's ``next_deadline()`` or until the core handled another event (which may move the
+deadline), whichever comes first, then hands the core a ``TaskTick``; an idle task with nothing
+due does not wake. It also renews the core's lease from the membership before it runs out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,6 +60,9 @@ from protocol.task import (
 from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
 
 log = logging.getLogger("shoal.task")
+
+_MIN_GAP = 0.005  # seconds: the least time between two ticks of a deadline that did not move
+_LEASE_RECHECK = 0.1  # seconds: the least time between two looks at the membership's lease
 
 
 def wall_micros() -> int:
@@ -117,6 +123,9 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self._flush_queued = False
         self._still: dict[str, tuple[int, float]] = {}  # token -> (watermark, unchanged since)
         self.stuck = 0  # owned partitions whose watermark stood still too long (last watch)
+        self._stepped = asyncio.Event()  # set whenever the core handled an event
+        self.ticks = 0  # TaskTicks the timer handed the core
+        self._lease_checked = 0  # core time the membership's lease was last looked at
         # Monotonic time since which the task has not been a group member (None: it is one).
         self.out_of_group_since: float | None = time.monotonic()
 
@@ -149,6 +158,7 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             self._trace.write(tracing.encode(tracing.TraceStep(now, message, tuple(commands))))
         if self._validate:
             self.core.validate()
+        self._stepped.set()  # the core's deadline may have moved: the timer looks again
         for command in commands:
             self.execute(command)
         if self.core.member:
@@ -356,6 +366,52 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         remaining = max(0.0, membership.lease_valid_until() - time.monotonic())
         return Lease(self.clock() + int(remaining * 1_000_000))
 
+    # -- the timer ----------------------------------------------------------------------------
+    async def timer_loop(self, membership: Membership) -> None:
+        """Sleep until the core's next deadline or the lease's renewal, or until the core handled
+        another event, whichever comes first; then renew the lease if the membership has a newer
+        one and, when the deadline is reached, tick the core and wait until it handled the tick.
+        One tick in flight at a time; a deadline the tick did not move (a core bug) is retried
+        at most every ``_MIN_GAP`` seconds, never in a busy loop."""
+        loop = asyncio.get_running_loop()
+        last_tick = -math.inf
+        while True:
+            self._stepped.clear()
+            now = self.clock()
+            deadline = self.core.next_deadline()
+            renew = self._renewal_due(now)
+            wake = min((t for t in (deadline, renew) if t is not None), default=None)
+            at = None if wake is None else loop.time() + max(0, wake - now) / 1_000_000
+            if deadline is not None and deadline <= now:
+                at = max(loop.time(), last_tick + _MIN_GAP)
+            if at is None or at > loop.time():
+                try:
+                    async with asyncio.timeout_at(at):
+                        await self._stepped.wait()
+                    continue  # the core handled an event: its deadline may have moved
+                except TimeoutError:
+                    pass
+            now = self.clock()
+            lease = self.lease(membership)
+            self._lease_checked = now
+            if lease.until > self.core.lease_until:
+                await self.tell(lease)
+            deadline = self.core.next_deadline()
+            if deadline is not None and deadline <= now:
+                last_tick = loop.time()
+                self.ticks += 1
+                await self.ask(TaskTick())
+
+    def _renewal_due(self, now: int) -> int | None:
+        """When to look at the membership's lease again (core time): half-way through what is
+        left of the core's lease since it was last looked at (as DHCP renews at half the lease),
+        at least ``_LEASE_RECHECK`` later; ``None`` while not a member (a join brings a lease)."""
+        core = self.core
+        if not core.member:
+            return None
+        recheck = self._lease_checked + int(_LEASE_RECHECK * 1_000_000)
+        return max(recheck, (self._lease_checked + core.lease_until) // 2)
+
     async def marker(self, timeout: float) -> None:
         """Write a marker and wait until it is read back: everything before it is in the CIM."""
         marker = f"{self.core.me}:{Random().getrandbits(64):016x}"
@@ -421,22 +477,3 @@ class LeaderActor(Actor[PlanRequest]):
                         for c in record.children
                     ]
         return tuple(roots)
-
-
-class NegotiatorActor(Actor[TaskTick]):
-    """Paces the sharing protocol: lease renewal and a tick every ``interval`` seconds."""
-
-    def __init__(self, task: TaskActor, membership: Membership, interval: float) -> None:
-        super().__init__(f"negotiator:{task.core.me}", capacity=4)
-        self.task = task
-        self.membership = membership
-        self.interval = interval
-
-    async def receive(self, message: TaskTick) -> None:
-        await self.task.tell(self.task.lease(self.membership))
-        await self.task.tell(message)
-
-    async def pace(self) -> None:
-        while self.alive:
-            await self.tell(TaskTick())
-            await asyncio.sleep(self.interval)

@@ -57,14 +57,12 @@ class MemoryCluster:
         sink: Sink | None = None,
         rebalance_delay: float = 0.1,
         session_timeout: float = 5.0,
-        tick_interval: float = 0.1,
     ) -> None:
         self.source = source
         self.stream_start = stream_start
         self.log = log if log is not None else MemorySyncLog()
         self.group = MemoryGroup(rebalance_delay=rebalance_delay, session_timeout=session_timeout)
         self.sink: Sink = sink if sink is not None else MemorySink(max_in_flight=100_000)
-        self.tick_interval = tick_interval
 
     async def _join(self, task_id: str) -> Membership:
         return self.group.join(task_id)
@@ -73,7 +71,6 @@ class MemoryCluster:
         config = NodeConfig(
             task=TaskConfig(task_id=name, **task),  # type: ignore[arg-type]
             stream_start=self.stream_start,
-            tick_interval=self.tick_interval,
         )
         return TaskNode(
             config, sync_log=self.log, join=self._join, source=self.source, sink=self.sink

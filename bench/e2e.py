@@ -93,7 +93,6 @@ def _nodes(source: SimulatedSource, sink: Sink, start_ts: int) -> list[TaskNode]
             NodeConfig(
                 task=TaskConfig(task_id=f"t{i}", answer_timeout=500_000, publish_interval=200_000),
                 stream_start=start_ts,
-                tick_interval=0.05,
             ),
             sync_log=log,
             join=join,

@@ -86,7 +86,6 @@ def node_config(task_id: str, params: StreamParams) -> NodeConfig:
             checkpoint_interval=10_000_000,
         ),
         stream_start=params.start_ts,
-        tick_interval=0.05,
     )
 
 

@@ -129,7 +129,6 @@ async def measure(partitions: int, tasks: int) -> dict[str, object]:
         log=log,
         rebalance_delay=0.2,
         session_timeout=10.0,
-        tick_interval=0.2,
     )
 
     def node(name: str) -> TaskNode:
@@ -237,7 +236,7 @@ async def measure_one_task(partitions: int) -> float:
     """RSS (KB) per idle partition owned and read by one task."""
     params = static_stream(6, partitions, records_per_s=0.01)
     source = SimulatedSource.from_params(params, heartbeat_ms=5000, poll_s=1.0)
-    cluster = MemoryCluster(source, params.start_ts, session_timeout=30.0, tick_interval=0.2)
+    cluster = MemoryCluster(source, params.start_ts, session_timeout=30.0)
     gc.collect()
     before = rss_mb()
     async with cluster.node("solo", cap=0, publish_interval=1_000_000) as n:

@@ -207,6 +207,7 @@ class TaskCore:
         self.log: deque[tuple[int, str]] = deque(maxlen=256)
         self._alerts: list[Alert] = []
         self._double_owners: set[tuple[str, str, int]] = set()  # (token, other task, epoch)
+        self._unsettled = False  # the last step changed the offers: see next_deadline
 
     # -- the entry point ------------------------------------------------------------------
     def handle(self, event: TaskEvent, now: int) -> list[TaskCommand]:
@@ -277,6 +278,102 @@ class TaskCore:
 
     def sharing_enabled(self, now: int) -> bool:
         return self.may_read(now) and self.cim.epoch >= self.generation
+
+    # -- timers -------------------------------------------------------------------------------
+    def next_deadline(self) -> int | None:
+        """The earliest ``now`` at which ``handle(TaskTick(), now)`` has something to do, or
+        ``None`` while only an event can give this task work (aioquic's ``get_timer()``).
+
+        A tick before it returns no commands and changes nothing but the log of inputs and the
+        pacing mark of a negotiation round that would find nothing to do (such a round only
+        gates the next one: skipping it keeps rounds at most ``negotiate_interval`` apart). The
+        shell sleeps until then or until the next event, whichever comes first; every event
+        can move it, so it is asked again after each. The time-driven rules of :meth:`_step`:
+
+        * the leader's bounded wait for rebalance answers (``answer_timeout``);
+        * the leader's periodic checkpoint (``checkpoint_interval``);
+        * publishing: a message held by group commit (``coalesce_wait``), or watermark-only
+          changes coalesced for ``publish_interval``;
+        * a negotiation round (``negotiate_interval``), only when one would offer something;
+        * the end of the permission to read, when readers run: the lease runs out, or appends
+          have failed for ``sync_timeout``.
+
+        (A failed epoch append is re-sent on its ``PublishFailed``, not on a timer.) When the
+        last step changed this task's offers, following them may take another pass (a move
+        aborted and re-offered to its planned target, which may have left too): due at once.
+        """
+        now = self._now
+        if self._unsettled:
+            return now
+        due = [
+            d
+            for d in (
+                self._plan_due(),
+                self._checkpoint_due(),
+                self._publish_due(),
+                self._permission_ends(now),
+            )
+            if d is not None
+        ]
+        first = min(due, default=None)
+        # the negotiation's dry run costs O(partitions of the group): only when it could be first
+        if first is None or self._last_negotiate + self.config.negotiate_interval < first:
+            negotiate = self._negotiate_due(now)
+            if negotiate is not None and (first is None or negotiate < first):
+                first = negotiate
+        return None if first is None else max(first, now)
+
+    def _leads(self) -> bool:
+        return self.member and self.leader == self.me
+
+    def _plan_due(self) -> int | None:
+        gen = self.generation
+        if (
+            self._leads()
+            and self._plan_deadline >= 0
+            and self._plan_requested < gen
+            and self.cim.epoch < gen
+        ):
+            return self._plan_deadline  # (all answers in: requested at the event that brought it)
+        return None
+
+    def _checkpoint_due(self) -> int | None:
+        if self._leads() and self.cim.epoch == self.generation and self.cim.leader == self.me:
+            return self._last_checkpoint + self.config.checkpoint_interval
+        return None
+
+    def _publish_due(self) -> int | None:
+        """When :meth:`_maybe_publish` gets past its holds, if it then publishes or clears a
+        flag (an urgent change with nothing new to say still clears ``_urgent``)."""
+        if not self.member or self.generation < 0:
+            return None
+        probe = self._sync_failing_since >= 0 and not self._unread
+        flagged = self._urgent or self._answer or probe
+        if not (flagged or self.mine != self._sent_parts or self.shares != self._sent_share):
+            return None
+        at = -(10**18)
+        if not (flagged or self.draining):
+            at = self._last_publish + self.config.publish_interval
+        if self._unread:
+            at = max(at, self._last_publish + self.config.coalesce_wait)
+        return at
+
+    def _negotiate_due(self, now: int) -> int | None:
+        at = max(self._last_negotiate + self.config.negotiate_interval, now)
+        if self.sharing_enabled(at) and any(self._negotiation()):
+            return at
+        return None
+
+    def _permission_ends(self, now: int) -> int | None:
+        """When :meth:`may_read` turns false (it never turns true with time alone), if readers
+        run then (they are stopped; with none running, losing the permission changes nothing
+        a tick would see: sharing only does less)."""
+        if all(t in self.stopping for t in self.reading) or not self.may_read(now):
+            return None
+        ends = self.lease_until
+        if self._sync_failing_since >= 0:
+            ends = min(ends, self._sync_failing_since + self.config.sync_timeout)
+        return ends
 
     # -- event handlers ---------------------------------------------------------------------
     def _on_sync(self, event: SyncRead, now: int) -> None:
@@ -565,8 +662,10 @@ class TaskCore:
     def _step(self, now: int) -> list[TaskCommand]:
         out: list[TaskCommand] = []
         out += self._leader_duties(now)
+        offers = dict(self.shares)
         self._follow_offers(now)
         self._negotiate(now)
+        self._unsettled = self.shares != offers
         self._remove_finished()
         out += self._reconcile_readers(now)
         message = self._maybe_publish(now)
@@ -766,30 +865,45 @@ class TaskCore:
         if now - self._last_negotiate < self.config.negotiate_interval:
             return
         self._last_negotiate = now
+        targeted, moves = self._negotiation()
+        for token, offer in targeted:
+            self.shares[token] = offer
+            self._urgent = True
+        for token, move in moves:
+            assert move.pending is not None
+            self.moves[token] = move
+            self.shares[token] = Share(
+                self.mine[token], target=move.pending, kind="move", since=self._now
+            )
+            self.counters["moves_offered"] += 1
+            self._urgent = True
+
+    def _negotiation(self) -> tuple[list[tuple[str, Share]], list[tuple[str, Move]]]:
+        """What a negotiation round would change, without changing anything (so
+        :meth:`next_deadline` can ask whether a round is worth a tick): parked offers given a
+        target, and moves offered (one round of moves at a time)."""
         loads = self._loads()
-        for token, offer in list(self.shares.items()):
+        targeted: list[tuple[str, Share]] = []
+        for token, offer in self.shares.items():
             if offer.target is None:
                 target = share.room_for_parked(loads, self.config.cap)
                 if target is not None:
-                    self.shares[token] = msgspec.structs.replace(offer, target=target)
+                    targeted.append((token, msgspec.structs.replace(offer, target=target)))
                     loads[target] += 1
-                    self._urgent = True
-        if any(o.target is not None and o.kind == "move" for o in self.shares.values()):
-            return  # one round of moves at a time
+        moves: list[tuple[str, Move]] = []
+        if any(o.target is not None and o.kind == "move" for o in self.shares.values()) or any(
+            o.kind == "move" for _, o in targeted
+        ):
+            return targeted, moves  # one round of moves at a time
         revision = self.cim.offset
         movable = iter(self._movable())
         for target, count in share.balance(self.me, loads, self.config.cap):
             for token in itertools.islice(movable, count):
                 move = self.moves.get(token) or Move(token, stable=self.me)
                 move = move.request(target, revision)
-                if move.pending is None:
-                    continue
-                self.moves[token] = move
-                self.shares[token] = Share(
-                    self.mine[token], target=move.pending, kind="move", since=self._now
-                )
-                self.counters["moves_offered"] += 1
-                self._urgent = True
+                if move.pending is not None:
+                    moves.append((token, move))
+        return targeted, moves
 
     def _movable(self) -> list[str]:
         """Own partitions to offer, cheapest to move first: not being read, then being read."""

@@ -415,13 +415,16 @@ async def test_a_recorded_trace_of_a_real_run_replays_to_the_same_commands(
     await nodes.wait_settled({"n0"}, TOKENS, timeout=40)
     await nodes.stop_node("n0")
 
+    ticked: set[str] = set()
     for task_id in ("n0", "n1"):
         with (traces / f"{task_id}.trace.jsonl").open("rb") as f:
             lines = list(trace.decode(f))
         steps = [line for line in lines if isinstance(line, trace.TraceStep)]
         events = {type(s.event).__name__ for s in steps}
         commands = {type(c).__name__ for s in steps for c in s.commands}
-        assert {"SyncRead", "Joined", "Lease", "TaskTick", "Drain"} <= events, events
+        assert {"SyncRead", "Joined", "Lease", "Drain"} <= events, events
+        if "TaskTick" in events:  # ticks come only at deadlines: a short-lived task may have none
+            ticked.add(task_id)
         assert {"Publish", "StartReader", "StopReader"} <= commands, commands
         assert trace.mismatches(lines) == [], task_id
 
@@ -433,3 +436,4 @@ async def test_a_recorded_trace_of_a_real_run_replays_to_the_same_commands(
         )
         skipped = [*lines[:joined], *lines[joined + 1 :]]
         assert trace.mismatches(skipped), "a trace without its Joined replays the same"
+    assert "n0" in ticked  # the leader's checkpoints are timer-driven

@@ -78,7 +78,7 @@ async def test_three_tasks_read_the_churning_emulator_exactly_once(churn_emulato
     def node(name: str) -> TaskNode:
         task = TaskConfig(task_id=name, answer_timeout=500_000, publish_interval=200_000)
         return TaskNode(
-            NodeConfig(task=task, stream_start=start, tick_interval=0.05),
+            NodeConfig(task=task, stream_start=start),
             sync_log=log,
             join=join,
             source=ledger,

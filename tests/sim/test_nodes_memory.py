@@ -50,7 +50,6 @@ async def test_three_nodes_share_and_hand_over() -> None:
         config = NodeConfig(
             task=TaskConfig(task_id=name, answer_timeout=500_000, publish_interval=100_000),
             stream_start=params.start_ts,
-            tick_interval=0.05,
         )
         return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)
 
@@ -121,7 +120,6 @@ async def test_drain_stops_reading_for_good_and_publishes_the_final_watermarks()
     config = NodeConfig(
         task=TaskConfig(task_id="solo", answer_timeout=300_000, publish_interval=500_000),
         stream_start=params.start_ts,
-        tick_interval=0.05,
     )
     async with TaskNode(config, sync_log=log, join=join, source=source, sink=sink) as node:
         await _wait_for(lambda: node.status().reading == 4, 10)
@@ -164,7 +162,6 @@ async def test_readers_stopped_by_a_lapsed_lease_start_again_when_it_is_renewed(
     config = NodeConfig(
         task=TaskConfig(task_id="solo", answer_timeout=300_000, publish_interval=200_000),
         stream_start=params.start_ts,
-        tick_interval=0.05,
     )
     async with TaskNode(config, sync_log=log, join=join, source=source, sink=sink) as node:
         assert node.task is not None
@@ -256,7 +253,6 @@ async def test_a_partition_that_talks_but_does_not_advance_is_reported_stuck(
     config = NodeConfig(
         task=TaskConfig(task_id="n0", answer_timeout=200_000, publish_interval=50_000),
         stream_start=params.start_ts,
-        tick_interval=0.05,
         stuck_after=1.0,
     )
     caplog.set_level(logging.WARNING, logger="shoal")
