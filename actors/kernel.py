@@ -120,6 +120,26 @@ class Actor(Generic[M]):
         except asyncio.QueueFull:
             self._dead = True  # full: the loop sees _dead after its current message
 
+    async def next_message(self) -> M | None:
+        """For an actor that runs its own loop (overrides :meth:`run`): the next message told
+        to it, or None once :meth:`stop` was called. Asks are refused (they fail with
+        ``TypeError``): such an actor only takes ``tell``s."""
+        while True:
+            item = await self._queue.get()
+            if item is _STOP:
+                return None
+            if isinstance(item, _Ask):
+                if not item.future.done():
+                    item.future.set_exception(TypeError(f"actor {self.name!r} takes no asks"))
+                continue
+            return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """For an actor that runs its own loop: it is dead from now on (``alive`` is False,
+        every ``tell`` fails), and asks still in its mailbox fail with :class:`ActorDead`."""
+        self._dead = True
+        self._fail_pending()
+
     def statistics(self) -> MailboxStats:
         return MailboxStats(
             self.name, self._queue.qsize(), self._capacity, self._received, self._failed

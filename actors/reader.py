@@ -1,20 +1,23 @@
-"""The partition reader actor: reads one change-stream partition and hands its records to the
-sink in batches.
+"""The partition reader actor: the async shell around :class:`protocol.reader.ReaderCore`, which
+holds every rule of reading a partition (docs/design.md#reading-a-partition: chunks into
+batches, heartbeats, child partitions, re-reads dropped by identity, commits in order, restarts
+with backoff, stalls, the lease check, stops and drains, the end).
 
-* It reads from the resume point its task gave it (the committed watermark, else the partition's
-  start) and puts batches into the sink; the sink's future for a batch resolves when the batch is
-  durably committed, and only then does the committed watermark advance (``ReaderCommitted``).
-* Heartbeats advance the read position without data. ``ChildPartitions`` records are collected;
-  when the query ends the partition has finished: once every batch is committed the reader
-  reports ``ReaderFinished`` with the children.
-* A query error, or a batch the sink failed, restarts the partition from its committed
-  watermark with exponential backoff; records at exactly the watermark that were already
-  committed are dropped by their identity (commit ts, transaction id, record sequence).
-* ``request_stop`` stops reading; for a hand-off it first lets in-flight batches commit (bounded
-  by ``drain_timeout``) so the new owner starts as late as possible; then it reports
-  ``ReaderStopped`` with the committed watermark.
-* Before every batch it checks ``permit()`` (the membership lease): a zombie that wakes up after
-  its lease ran out stops before it hands the sink anything.
+The shell only does what the core's commands say and feeds it what happens:
+
+* before the first query it prepares the sink (``Sink.prepare``) and asks the sink for its own
+  durable position of the partition (``sink_committed``): the core resumes from the newer of
+  that and the task's (``Start``);
+* ``StartQuery`` runs the source's query in a task that feeds each answer back as a ``Chunk``
+  (with ``permit()``, the membership lease, read when the chunk is handled) and waits until the
+  core has handed its batches to the sink (backpressure); the query's end or error comes back as
+  an event; ``CancelQuery`` cancels that task (its stream is closed);
+* ``PutBatch`` puts a batch into the sink; the sink's future comes back as ``BatchCommitted`` or
+  ``BatchFailed``;
+* it calls the core again at ``next_deadline()`` (stalls, backoff, the drain's end);
+* ``Report`` goes to the task at once; ``Done``'s event is reported **once, as the last thing,
+  when this reader is no longer alive** (the task may start a new reader for the partition as
+  soon as it hears of it).
 """
 
 from __future__ import annotations
@@ -22,23 +25,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 
 from actors.kernel import Actor
-from actors.mailbox import Flag
-from protocol.dedup import PartitionTail
-from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
-from protocol.task import ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped, TaskEvent
-from runtime.ports import ChangeStreamSource, Sink, SinkBatch, prepare_sink
+from protocol.dedup import Position
+from protocol.events import Ids, ReaderFailed, ReaderStopped, StopReason, TaskEvent
+from protocol.reader import (
+    BatchCommitted,
+    BatchFailed,
+    CancelQuery,
+    Chunk,
+    Done,
+    PutBatch,
+    QueryEnded,
+    QueryError,
+    ReaderCommand,
+    ReaderConfig,
+    ReaderCore,
+    ReaderEvent,
+    ReaderTick,
+    Report,
+    Start,
+    StartQuery,
+    StopRequested,
+)
+from protocol.records import ChangeRecord
+from runtime.ports import ChangeStreamSource, Sink, SinkBatch, prepare_sink, sink_committed
 
 log = logging.getLogger("shoal.reader")
 
 
 class Stop(msgspec.Struct, frozen=True):
-    reason: str
+    reason: StopReason
     drain: bool
 
 
@@ -54,22 +74,11 @@ class ReaderProgress(msgspec.Struct, frozen=True):
     restarts: int
 
 
-class _Seen:
-    """What a reader saw last (for :class:`ReaderProgress`), and whether the sink is prepared."""
-
-    __slots__ = ("committed_at", "position", "prepared", "source_at", "source_kind", "stalls")
-
-    def __init__(self, position: int, now: float) -> None:
-        self.committed_at = now
-        self.position = position
-        self.source_at = now
-        self.source_kind = "none"
-        self.prepared = False
-        self.stalls = 0  # queries in a row abandoned as stalled (each waits twice as long)
+def _micros() -> int:
+    return int(time.monotonic() * 1_000_000)
 
 
-class NotPermitted(Exception):
-    """The task's lease ran out: stop reading at once."""
+_Item = tuple[ReaderEvent, asyncio.Future[None] | None]
 
 
 class PartitionReader(Actor[Stop]):
@@ -86,276 +95,206 @@ class PartitionReader(Actor[Stop]):
         drain_timeout: float = 5.0,
         batch_records: int = 2000,
         stall_timeout: float = 30.0,
+        tail: Ids = (),
     ) -> None:
         super().__init__(f"reader:{token}", capacity=4)
         self.token = token
-        self.committed = start_ts
         self._source = source
         self._sink = sink
         self._report = report
         self._permit = permit
         self._max_backoff = max_backoff
-        self._drain_timeout = drain_timeout
-        self._batch_records = batch_records
-        self._pending: deque[tuple[asyncio.Future[None], int, tuple[DataChange, ...]]] = deque()
-        # the committed watermark and the records committed at exactly it (protocol/dedup.py):
-        # a restarted query reads from the watermark inclusive, and those are dropped
-        self._tail = PartitionTail(start_ts)
-        self._records = 0
-        self._batches = 0
-        self._restarts = 0
-        self._dups = 0
-        self._wake = Flag()
-        self._sink_error: BaseException | None = None
-        self._end: ReaderStopped | ReaderFinished | None = None  # how the read loop ended
         # A partition query sends a heartbeat at least every few seconds: one that sends
-        # nothing for this long is stalled and is restarted from the committed watermark. Each
-        # stall in a row doubles the wait (up to 8x): a slow source answers late rather than
-        # never (the emulator's first answer took 30 s and more when it was overloaded, and
-        # every restart loaded it further).
-        self.stall_timeout = stall_timeout
-        # one attribute, not five: past 30 attributes an instance's dict is no longer shared
-        # with its class's (1.6 KB instead of 0.3 KB per reader, with thousands of readers)
-        self._seen = _Seen(start_ts, time.monotonic())
+        # nothing for ``stall_timeout`` is stalled and is restarted (rule 9 of the core).
+        config = ReaderConfig(
+            token,
+            batch_records=batch_records,
+            max_backoff=int(max_backoff * 1e6),
+            drain_timeout=int(drain_timeout * 1e6),
+            stall_timeout=int(stall_timeout * 1e6),
+        )
+        self.core = ReaderCore(config, Position(start_ts, tail))
+        self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        self._query: asyncio.Task[None] | None = None
+        self._group: asyncio.TaskGroup | None = None
 
-    def request_stop(self, reason: str, drain: bool) -> None:
+    @property
+    def committed(self) -> int:
+        return self.core.committed.ts
+
+    def request_stop(self, reason: StopReason | str, drain: bool) -> None:
         if self.alive:
             try:
-                self.tell_nowait(Stop(reason, drain))
+                self.tell_nowait(Stop(StopReason(reason), drain))
             except Exception as exc:  # a full mailbox: a stop is already queued
                 log.debug("reader %s: stop not queued (%r)", self.token, exc)
 
     def progress(self) -> ReaderProgress:
-        seen = self._seen
+        core = self.core
         return ReaderProgress(
-            self.committed,
-            seen.committed_at,
-            seen.position,
-            seen.source_at,
-            seen.source_kind,
-            len(self._pending),
-            self._restarts,
+            core.committed.ts,
+            core.committed_at / 1e6,
+            core.position,
+            core.source_at / 1e6,
+            core.source_kind,
+            len(core.pending),
+            core.restarts,
         )
 
     async def run(self) -> None:
-        """Read until the partition finishes, the lease lapses or a stop arrives; then report
-        that end **once, as the last thing, when this reader is no longer alive** (the core may
-        start a new reader for the partition as soon as it hears of it)."""
+        """Read until the core is done; then report its end once this reader is dead."""
         end: TaskEvent | None = None
         cancelled = False  # shutdown: the task is going away too, nothing to tell it
         try:
             async with asyncio.TaskGroup() as group:
-                reading = group.create_task(self._read_loop(), name=f"read:{self.token}")
-                committing = group.create_task(self._commit_loop(), name=f"commit:{self.token}")
+                self._group = group
+                stops = group.create_task(self._stops(), name=f"stops:{self.token}")
                 self.started.set()
-                stop = await self._next_stop(reading)
-                reading.cancel()
-                committing.cancel()
-                await asyncio.wait({reading, committing})
-                if stop is not None and stop.drain:
-                    await self._drain()
-            if isinstance(self._end, ReaderFinished):
-                end = self._end
-            elif stop is not None or self._end is not None:  # stopped, or the lease lapsed
-                end = ReaderStopped(self.token, self.committed)
+                end = await self._drive()
+                stops.cancel()
+                if self._query is not None:
+                    self._query.cancel()
         except asyncio.CancelledError:
             cancelled = True
             raise
         finally:
-            self._dead = True
-            self._fail_pending()
+            self._group = None
+            self.close()
             if end is None and not cancelled:
                 # An exception (it propagates to whoever awaits us): the partition is not read
                 # any more, so say so, or the task would believe it still is.
-                end = ReaderStopped(self.token, self.committed)
+                position = self.core.committed_position()
+                end = ReaderStopped(self.token, position.ts, position.ids)
             if end is not None:
                 log.info(
-                    "reader %s: %s at %d (%d records)",
+                    "reader %s: %s at %d (%d records, %d re-reads dropped)",
                     self.token,
                     type(end).__name__,
-                    self.committed,
-                    self._records,
+                    self.core.committed.ts,
+                    self.core.records,
+                    self.core.dropped,
                 )
                 self._report(end)
 
-    async def _next_stop(self, reading: asyncio.Task[None]) -> Stop | None:
-        getter = asyncio.ensure_future(self._queue.get())
-        try:
-            await asyncio.wait({getter, reading}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not getter.done():
-                getter.cancel()
-        if getter.done() and not getter.cancelled():
-            item = getter.result()
-            return item if isinstance(item, Stop) else Stop("stop", drain=False)
-        return None  # the partition finished (reported by the read loop)
-
-    async def _drain(self) -> None:
-        """Let in-flight batches commit before stopping (bounded). A batch the sink fails here
-        ends the drain: the committed watermark stays before it, so the next owner re-reads it."""
-        try:
-            async with asyncio.timeout(self._drain_timeout):
-                while self._pending:
-                    await self._advance()
-        except TimeoutError:
-            log.warning("reader %s: drain timed out at %d", self.token, self.committed)
-        except Exception as exc:
-            log.warning(
-                "reader %s: the sink failed a batch while draining: %r; stopping at %d",
-                self.token,
-                exc,
-                self.committed,
-            )
-
-    async def _advance(self) -> None:
-        future, watermark, records = self._pending[0]
-        await asyncio.shield(future)
-        self._pending.popleft()
-        self._tail.commit(watermark, records)
-        if watermark > self.committed:
-            self.committed = watermark
-            self._seen.committed_at = time.monotonic()
-
-    async def _commit_loop(self) -> None:
+    async def _stops(self) -> None:
+        """The mailbox: stop requests become core events (``stop()`` itself: stop at once)."""
         while True:
-            if not self._pending:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                await self._advance()
-            except Exception as exc:
-                log.warning("reader %s: the sink failed a batch: %r; re-reading", self.token, exc)
-                self._sink_error = exc
-                self._pending.clear()
-                continue
-            if not self._pending or self._pending[0][0].done() is False:
-                self._report(ReaderCommitted(self.token, self.committed))
+            message = await self.next_message()
+            if message is None:
+                self._inbox.put_nowait((StopRequested(StopReason.NOT_WANTED, False), None))
+                return
+            self._inbox.put_nowait((StopRequested(message.reason, message.drain), None))
 
-    async def _read_loop(self) -> None:
+    async def _prepare(self) -> Position | None:
+        """Prepare the sink and ask it for its own position, retrying with backoff: the sink
+        catches up with what the partition's previous owner left before anything is handed."""
         attempt = 0
         while True:
             try:
-                children, child_start = await self._read_once()
-            except NotPermitted:
-                log.warning("reader %s: lease expired, stopping", self.token)
-                self._end = ReaderStopped(self.token, self.committed)
-                return
+                await prepare_sink(self._sink, self.token)
+                return await sink_committed(self._sink, self.token)
             except Exception as exc:
-                self._restarts += 1
                 attempt += 1
                 self._report(ReaderFailed(self.token, f"{type(exc).__name__}: {exc}"))
                 delay = min(self._max_backoff, 0.05 * 2**attempt)
                 log.warning(
-                    "reader %s: %r; restarting from %d in %.2fs",
-                    self.token,
-                    exc,
-                    self.committed,
-                    delay,
+                    "reader %s: preparing the sink: %r; again in %.2fs", self.token, exc, delay
                 )
                 await asyncio.sleep(delay)
-                continue
-            while self._pending:
-                await asyncio.sleep(0.005)
-                if self._sink_error is not None:
-                    break
-            if self._sink_error is not None:
-                self._sink_error = None
-                continue
-            self._end = ReaderFinished(self.token, self.committed, children, child_start)
-            return
 
-    async def _read_once(self) -> tuple[tuple[ChildPartition, ...], int]:
-        if not self._seen.prepared:
-            # the sink catches up with what the partition's previous owner left (its retry
-            # queue), before this reader hands it anything
-            await prepare_sink(self._sink, self.token)
-            self._seen.prepared = True
-        self._sink_error = None
-        start = self.committed
-        position = start
-        children: list[ChildPartition] = []
-        child_start = start
-        buffer: list[DataChange] = []
-        async for batch in _watched(self._source.query(self.token, start, None), self):
-            if self._sink_error is not None:
-                raise _SinkFailed(self._sink_error)
-            self._seen.source_at = time.monotonic()
-            if batch:
-                self._seen.source_kind = type(batch[-1]).__name__
-            for record in batch:
-                match record:
-                    case DataChange():
-                        if self._tail.seen(record.commit_ts, record.identity):
-                            self._dups += 1
-                            continue
-                        buffer.append(record)
-                        position = max(position, record.commit_ts)
-                    case Heartbeat():
-                        position = max(position, record.timestamp)
-                    case ChildPartitions():
-                        children.extend(record.children)
-                        child_start = max(child_start, record.start_ts)
-                        # The partition ends here. Commit just short of it: a restarted
-                        # query must see this record again, and a start past the end is
-                        # refused (the emulator accepts [start, end] and says OUT_OF_RANGE).
-                        position = max(position, record.start_ts - 1)
-            self._seen.position = position
-            await self._put(buffer, position)
-            buffer = []
-        if self._sink_error is not None:
-            raise _SinkFailed(self._sink_error)
-        return tuple(children), child_start
-
-    async def _put(self, records: list[DataChange], position: int) -> None:
-        if not records and position <= self.committed:
-            return
-        if not self._permit():
-            raise NotPermitted(self.token)
-        for i in range(0, max(1, len(records)), self._batch_records):
-            chunk = tuple(records[i : i + self._batch_records])
-            last = i + self._batch_records >= len(records)
-            watermark = position if last else chunk[-1].commit_ts
-            future = await self._sink.put(SinkBatch(self.token, chunk, watermark))
-            self._pending.append((future, watermark, chunk))
-            self._records += len(chunk)
-            self._batches += 1
-            self._wake.set()
-
-
-class _SinkFailed(Exception):
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(f"sink failed a batch: {cause!r}")
-
-
-class QueryStalled(Exception):
-    """A partition query sent nothing (not even a heartbeat) for ``stall_timeout`` seconds."""
-
-
-async def _watched(
-    batches: AsyncIterator[Sequence[ChangeRecord]], reader: PartitionReader
-) -> AsyncIterator[Sequence[ChangeRecord]]:
-    """``batches``, failing with :class:`QueryStalled` when the next one takes longer than the
-    reader's ``stall_timeout``, doubled for each stall in a row (the read loop then restarts
-    the query, like any failure)."""
-    seen = reader._seen
-    try:
+    async def _drive(self) -> TaskEvent:
+        sink_position = await self._prepare()
+        commands = self.core.handle(Start(sink_position), _micros())
         while True:
-            timeout = reader.stall_timeout * 2 ** min(seen.stalls, 3)
+            for command in commands:
+                end = await self._execute(command)
+                if end is not None:
+                    return end
+            event, handled = await self._next_event()
+            if isinstance(event, Chunk):
+                event = msgspec.structs.replace(event, permitted=self._permit())
             try:
-                async with asyncio.timeout(timeout):
-                    batch = await anext(batches)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                seen.stalls += 1
-                raise QueryStalled(
-                    f"partition {reader.token}: nothing from the source for "
-                    f"{timeout:g}s (not even a heartbeat)"
-                ) from None
-            seen.stalls = 0
-            yield batch
-    finally:
-        aclose = getattr(batches, "aclose", None)
-        if aclose is not None:
-            await aclose()
+                commands = self.core.handle(event, _micros())
+            finally:
+                if handled is not None and not handled.done():
+                    handled.set_result(None)
+
+    async def _next_event(self) -> _Item:
+        deadline = self.core.next_deadline()
+        if deadline is None:
+            return await self._inbox.get()
+        try:
+            async with asyncio.timeout(max(0.0, (deadline - _micros()) / 1e6)):
+                return await self._inbox.get()
+        except TimeoutError:
+            return ReaderTick(), None
+
+    async def _execute(self, command: ReaderCommand) -> TaskEvent | None:
+        match command:
+            case StartQuery():
+                assert self._group is not None
+                self._query = self._group.create_task(
+                    self._run_query(command.query, command.start_ts), name=f"read:{self.token}"
+                )
+            case CancelQuery():
+                if self._query is not None:
+                    self._query.cancel()
+                    self._query = None
+            case PutBatch():
+                await self._put(command)
+            case Report():
+                if isinstance(command.event, ReaderFailed):
+                    log.warning(
+                        "reader %s: %s; restarting from %d",
+                        self.token,
+                        command.event.error,
+                        self.core.committed.ts,
+                    )
+                self._report(command.event)
+            case Done():
+                return command.end
+        return None
+
+    async def _put(self, command: PutBatch) -> None:
+        batch_id = command.batch
+        try:
+            future = await self._sink.put(SinkBatch(self.token, command.records, command.watermark))
+        except Exception as exc:
+            self._inbox.put_nowait((BatchFailed(batch_id, repr(exc)), None))
+            return
+
+        def settled(done: asyncio.Future[None]) -> None:
+            if done.cancelled():
+                self._inbox.put_nowait((BatchFailed(batch_id, "cancelled"), None))
+            elif (exc := done.exception()) is not None:
+                self._inbox.put_nowait((BatchFailed(batch_id, repr(exc)), None))
+            else:
+                self._inbox.put_nowait((BatchCommitted(batch_id), None))
+
+        future.add_done_callback(settled)
+
+    async def _run_query(self, query: int, start_ts: int) -> None:
+        """One query of the source: each answer is a ``Chunk``, handled (its batches in the
+        sink) before the next is read; the end or an error is an event too."""
+        loop = asyncio.get_running_loop()
+        stream = self._source.query(self.token, start_ts, None)
+        try:
+            async for records in stream:
+                handled: asyncio.Future[None] = loop.create_future()
+                self._inbox.put_nowait((Chunk(query, _records(records)), handled))
+                await handled
+            self._inbox.put_nowait((QueryEnded(query), None))
+        except Exception as exc:
+            self._inbox.put_nowait((QueryError(query, f"{type(exc).__name__}: {exc}"), None))
+        finally:
+            await _close(stream)
+
+
+def _records(records: Sequence[ChangeRecord]) -> tuple[ChangeRecord, ...]:
+    return records if isinstance(records, tuple) else tuple(records)
+
+
+async def _close(stream: AsyncIterator[Sequence[ChangeRecord]]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

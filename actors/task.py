@@ -36,6 +36,7 @@ from actors.reader import PartitionReader
 from protocol import messages, planner
 from protocol import trace as tracing
 from protocol.cim import Cim
+from protocol.events import Ids
 from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncMessage
 from protocol.records import ChildPartitions
 from protocol.task import (
@@ -118,7 +119,8 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self.last_offset = -1
         self.readers_idle = asyncio.Event()
         self.readers_idle.set()
-        self._commits: dict[str, int] = {}  # readers' newest committed watermarks, not handed over
+        # readers' newest committed positions (watermark, tail), not handed over yet
+        self._commits: dict[str, tuple[int, Ids]] = {}
         self._overflow: deque[TaskEvent] = deque()  # readers' other reports, not handed over
         self._flush_queued = False
         self._still: dict[str, tuple[int, float]] = {}  # token -> (watermark, unchanged since)
@@ -143,7 +145,9 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self._flush_queued = False
         if self._commits:
             commits, self._commits = self._commits, {}
-            self._apply(ReadersCommitted(tuple(commits.items())))
+            watermarks = tuple((token, wm) for token, (wm, _) in commits.items())
+            tails = tuple((token, tail) for token, (_, tail) in commits.items() if tail)
+            self._apply(ReadersCommitted(watermarks, tails))
 
     def _apply(self, message: TaskEvent) -> None:
         if isinstance(message, SyncRead):
@@ -175,8 +179,8 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         if not self.alive:
             return
         if isinstance(event, ReaderCommitted):
-            if event.watermark > self._commits.get(event.token, -1):
-                self._commits[event.token] = event.watermark
+            if (event.watermark, len(event.tail)) > _rank(self._commits.get(event.token)):
+                self._commits[event.token] = (event.watermark, event.tail)
         else:
             self._overflow.append(event)
         if not self._flush_queued:
@@ -231,6 +235,7 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             sink=self.sink,
             report=self.report,
             permit=self.permit,
+            tail=command.tail,
         )
         log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)
         self.readers[token] = reader
@@ -477,3 +482,8 @@ class LeaderActor(Actor[PlanRequest]):
                         for c in record.children
                     ]
         return tuple(roots)
+
+
+def _rank(commit: tuple[int, Ids] | None) -> tuple[int, int]:
+    """A committed position's order: its watermark, then how many identities it holds."""
+    return (-1, 0) if commit is None else (commit[0], len(commit[1]))

@@ -148,7 +148,9 @@ class Cim:
         for token, offer in list(view.share.items()):
             newer = best.get(token, 0)
             if offer.kind == "new" and newer > offer.partition.watermark:
-                part = msgspec.structs.replace(offer.partition, watermark=newer)
+                # the newer watermark's identities are not at hand: resume at it without
+                # skipping any (a re-read there is dropped by the sinks that keep positions)
+                part = msgspec.structs.replace(offer.partition, watermark=newer, tail=())
                 view.share[token] = msgspec.structs.replace(offer, partition=part)
 
     def _ignore(self, reason: str) -> str:

@@ -54,9 +54,15 @@ class TaskTick(_Event, frozen=True, tag="tick"):
     """A timer: nothing happened, but time passed."""
 
 
+Ids = tuple[tuple[str, str], ...]
+"""The (server transaction id, record sequence) of the records committed at exactly a
+watermark: with it, a watermark is an exact :class:`~protocol.dedup.Position`."""
+
+
 class ReaderCommitted(_Event, frozen=True, tag="reader-committed"):
     token: str
     watermark: int
+    tail: Ids = ()  # the identities committed at exactly ``watermark``
 
 
 class ReadersCommitted(_Event, frozen=True, tag="readers-committed"):
@@ -64,6 +70,7 @@ class ReadersCommitted(_Event, frozen=True, tag="readers-committed"):
     watermark of a partition supersedes an older one)."""
 
     watermarks: tuple[tuple[str, int], ...]
+    tails: tuple[tuple[str, Ids], ...] = ()  # each partition's ``ReaderCommitted.tail``
 
 
 class ReaderFinished(_Event, frozen=True, tag="reader-finished"):
@@ -71,11 +78,13 @@ class ReaderFinished(_Event, frozen=True, tag="reader-finished"):
     watermark: int
     children: tuple[ChildPartition, ...]
     child_start: int
+    tail: Ids = ()
 
 
 class ReaderStopped(_Event, frozen=True, tag="reader-stopped"):
     token: str
     watermark: int
+    tail: Ids = ()
 
 
 class ReaderFailed(_Event, frozen=True, tag="reader-failed"):
@@ -137,6 +146,7 @@ class StartReader(_Command, frozen=True, tag="start-reader"):
     token: str
     start_ts: int
     parents: tuple[str, ...]
+    tail: Ids = ()  # the identities committed at exactly ``start_ts``: skip them
 
 
 class StopReason(enum.StrEnum):

@@ -43,10 +43,17 @@ class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True)
     watermark: int = 0  # the sink has committed every record before this time
     source: str = ""  # for ``incoming``: the offerer it moves from
     children: tuple[str, ...] = ()  # for ``finished``: the partitions it handed over to
+    # the (transaction id, record sequence) of the records committed at exactly ``watermark``:
+    # with it the watermark is an exact position (protocol/dedup.py, ``Position``)
+    tail: tuple[tuple[str, str], ...] = ()
 
     def resume_ts(self) -> int:
         """Where a reader of this partition starts: its committed watermark, else its start."""
         return max(self.start_ts, self.watermark)
+
+    def resume_tail(self) -> tuple[tuple[str, str], ...]:
+        """The identities a reader starting at :meth:`resume_ts` skips."""
+        return self.tail if self.watermark >= self.start_ts else ()
 
 
 class Share(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):

@@ -62,6 +62,7 @@ from protocol.cim import Cim, TaskView
 from protocol.events import (
     Alert,
     Drain,
+    Ids,
     Joined,
     Lease,
     Lost,
@@ -229,10 +230,11 @@ class TaskCore:
             case TaskTick():
                 pass
             case ReaderCommitted():
-                self._on_committed(event.token, event.watermark)
+                self._on_committed(event.token, event.watermark, event.tail)
             case ReadersCommitted():
+                tails = dict(event.tails)
                 for token, watermark in event.watermarks:
-                    self._on_committed(token, watermark)
+                    self._on_committed(token, watermark, tails.get(token, ()))
             case ReaderFinished():
                 self._on_finished(event)
             case ReaderStopped():
@@ -547,17 +549,23 @@ class TaskCore:
         else:
             self._plan_deadline = -1
 
-    def _on_committed(self, token: str, watermark: int) -> None:
+    def _on_committed(self, token: str, watermark: int, tail: Ids = ()) -> None:
         part = self.mine.get(token)
-        if part is not None and part.status == "owned" and watermark > part.watermark:
-            self.mine[token] = msgspec.structs.replace(part, watermark=watermark)
+        if part is not None and part.status == "owned" and _newer(part, watermark, tail):
+            self.mine[token] = msgspec.structs.replace(part, watermark=watermark, tail=tail)
 
     def _on_stopped(self, event: ReaderStopped) -> None:
         self.reading.pop(event.token, None)
         self.stopping.discard(event.token)
         part = self.mine.get(event.token)
-        if part is not None and part.status == "owned" and event.watermark > part.watermark:
-            part = self.mine[event.token] = msgspec.structs.replace(part, watermark=event.watermark)
+        if (
+            part is not None
+            and part.status == "owned"
+            and _newer(part, event.watermark, event.tail)
+        ):
+            part = self.mine[event.token] = msgspec.structs.replace(
+                part, watermark=event.watermark, tail=event.tail
+            )
         if event.token in self.releasing and part is not None:
             self._release(event.token)
 
@@ -574,6 +582,7 @@ class TaskCore:
             part,
             status="finished",
             watermark=max(part.watermark, event.watermark),
+            tail=event.tail if _newer(part, event.watermark, event.tail) else part.tail,
             children=tuple(c.token for c in event.children),
         )
         self.shares.pop(event.token, None)  # a finished partition does not move
@@ -704,7 +713,10 @@ class TaskCore:
             token = offer.token
             have = self.mine.get(token)
             if have is not None:
-                if have.status == "incoming" and offer.kind == "move" and offer.released:
+                # the release of the move it answered: from the offerer it named, not a stale
+                # released offer another holder still shows for the partition
+                released = offer.kind == "move" and offer.released and have.source == holder
+                if have.status == "incoming" and released:
                     self.mine[token] = msgspec.structs.replace(
                         offer.partition, status="owned", source=""
                     )
@@ -963,7 +975,7 @@ class TaskCore:
                 out.append(StopReader(token, reason, drain))
         for part in start:
             self.reading[part.token] = part.resume_ts()
-            out.append(StartReader(part.token, part.resume_ts(), part.parents))
+            out.append(StartReader(part.token, part.resume_ts(), part.parents, part.resume_tail()))
         return out
 
     # -- publishing -----------------------------------------------------------------------------
@@ -1123,3 +1135,11 @@ class TaskCore:
                 ), f"{self.me} both owns and offers {token} as new"
         for token in self.moves:
             assert token in self.shares or token in self.mine, f"{self.me}: move of unknown {token}"
+
+
+def _newer(part: Partition, watermark: int, tail: Ids) -> bool:
+    """Whether a reader's committed position is past the partition's (the same rule as
+    ``Position.newer``: at one watermark, more committed identities)."""
+    return watermark > part.watermark or (
+        watermark == part.watermark and len(tail) > len(part.tail)
+    )

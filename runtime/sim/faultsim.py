@@ -20,8 +20,15 @@ At the end, after a quiet period without faults and without partition churn:
 
 * every live partition is owned by exactly one live task and is being read;
 * owned counts are within one of each other across live tasks (when no cap binds);
-* every data record committed up to the horizon reached the sink at least once, and nothing
-  else did.
+* **exactly once**: every data record committed up to the horizon reached the sink exactly
+  once (a record counts when the sink commits its batch), and nothing else did.
+
+Each simulated reader runs the real reader core (``protocol/reader.py``) against the model as
+its source and a simulated sink that commits each batch after a delay, in order, or fails it
+(``sink_fail_p``), and refuses the batches of a task whose lease ran out. The sink keeps each
+partition's position atomically with every batch it commits; a crashed task's committed batches
+stay committed, and a new owner starts from the newer of the sync log's and the sink's position
+(a kill -9 between the sink's commit and the watermark's publication writes nothing twice).
 
 ``run(seed)`` returns a :class:`SimResult`; a failure names its seed so it can be replayed.
 """
@@ -38,6 +45,7 @@ import msgspec
 
 from protocol import epochs, messages
 from protocol.cim import Cim
+from protocol.dedup import Identity, PartitionTail, Position
 from protocol.messages import (
     EpochMessage,
     Partition,
@@ -45,7 +53,25 @@ from protocol.messages import (
     SyncMessage,
 )
 from protocol.planner import Plan, plan
-from protocol.records import ChildPartitions, DataChange
+from protocol.reader import (
+    BatchCommitted,
+    BatchFailed,
+    CancelQuery,
+    Chunk,
+    Done,
+    PutBatch,
+    QueryEnded,
+    ReaderCommand,
+    ReaderConfig,
+    ReaderCore,
+    ReaderRules,
+    ReaderTick,
+    Report,
+    Start,
+    StartQuery,
+    StopRequested,
+)
+from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
 from protocol.task import (
     Alert,
     Joined,
@@ -54,9 +80,7 @@ from protocol.task import (
     PlanReady,
     Publish,
     PublishFailed,
-    ReaderCommitted,
     ReaderFinished,
-    ReaderStopped,
     RequestPlan,
     Rules,
     StartReader,
@@ -118,6 +142,15 @@ class SimParams(msgspec.Struct, frozen=True):
     adopt_own_state: bool = True
     resend_failed_epoch: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
+    # the simulated sink: each batch commits after a delay (in order per reader), and fails
+    # with this chance (the reader then re-reads from its committed position). It draws from
+    # its own random generator, so the group's and the faults' sequences stay as they were.
+    sink_fail_p: float = 0.0
+    batch_records: int = 1  # cut every chunk: watermarks fall on records (their tails matter)
+    # the teeth tests break one rule of the reader core (protocol/reader.py)
+    reader_rules: ReaderRules = ReaderRules()
+    # the teeth test ignores the sink's durable position at take-over (exactly-once rule 2)
+    sink_position: bool = True
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -136,13 +169,20 @@ class SimResult(msgspec.Struct, frozen=True):
 
 
 class _Reader:
-    __slots__ = ("commits", "ended", "pos", "token")
+    """One simulated partition reader: a :class:`ReaderCore`, its source query (the model read
+    step by step) and its batches in the simulated sink, committed in order."""
 
-    def __init__(self, token: str, pos: int) -> None:
+    __slots__ = ("committed_ids", "core", "inflight", "pos", "query", "token")
+
+    def __init__(self, token: str, core: ReaderCore) -> None:
         self.token = token
-        self.pos = pos
-        self.commits: list[tuple[int, int]] = []  # (commit step, watermark)
-        self.ended: ChildPartitions | None = None
+        self.core = core
+        self.query = -1  # the running query (-1: none)
+        self.pos = 0  # where the running query reads next
+        # (due step, batch id, records, watermark): the sink commits them in order
+        self.inflight: deque[tuple[int, int, tuple[DataChange, ...], int]] = deque()
+        # what this reader got committed, and what it started past: none may come again
+        self.committed_ids: set[Identity] = set()
 
 
 class _Node:
@@ -154,7 +194,6 @@ class _Node:
         self.paused_until = -1
         self.read_offset = 0
         self.readers: dict[str, _Reader] = {}
-        self.committed: dict[str, int] = {}
         self.inbox: list[tuple[int, int, TaskEvent]] = []  # (due step, seq, event)
         self.expelled = False
         self.last_land = 0
@@ -212,6 +251,10 @@ class Simulation:
             resend_failed_epoch=params.resend_failed_epoch,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
+        self.sink_rng = Random(f"sink:{params.seed}")
+        # the sink's own durable record: each partition's position, moved atomically with
+        # every batch it commits (docs/design.md#exactly-once-output, rule 2)
+        self.sink_tails: dict[str, PartitionTail] = {}
 
     # -- clock -------------------------------------------------------------------------------
     def now(self) -> int:
@@ -272,10 +315,10 @@ class Simulation:
             case StartReader():
                 self.start_reader(node, command)
             case StopReader():
-                reader = node.readers.pop(command.token, None)
-                wm = node.committed.get(command.token, 0)
+                reader = node.readers.get(command.token)
                 if reader is not None:
-                    self.deliver(node, ReaderStopped(command.token, wm), 1)
+                    stop = StopRequested(command.reason, command.drain)
+                    self.reader_do(node, reader, reader.core.handle(stop, self.now()))
             case Alert():
                 self.stats[f"alert.{command.kind}"] += 1
             case RequestPlan():
@@ -308,9 +351,21 @@ class Simulation:
             busy = other is not node and other.alive and token in other.readers
             if busy and self.active(other):
                 raise Violation(f"{node.id} and {other.id} both read {token}")
-        node.readers[token] = _Reader(token, command.start_ts)
-        node.committed[token] = command.start_ts
+        config = ReaderConfig(
+            token,
+            batch_records=self.p.batch_records,
+            max_backoff=1_000_000,
+            drain_timeout=2_000_000,
+            stall_timeout=10_000_000,
+            rules=self.p.reader_rules,
+        )
+        start = Position(command.start_ts, command.tail)
+        reader = node.readers[token] = _Reader(token, ReaderCore(config, start))
+        reader.committed_ids = {(start.ts, txn, seq) for txn, seq in start.ids}
         self.stats["readers_started"] += 1
+        durable = self.sink_tails.get(token)
+        sink = durable.position() if durable is not None and self.p.sink_position else None
+        self.reader_do(node, reader, reader.core.handle(Start(sink), self.now()))
 
     # -- the sync log --------------------------------------------------------------------------
     def land_messages(self) -> None:
@@ -418,36 +473,85 @@ class Simulation:
         reader checks before every batch (``TaskCore.lease_valid``, through ``permit()``)."""
         return not node.paused(self.step) and node.core.lease_valid(self.now())
 
+    def reader_do(self, node: _Node, reader: _Reader, commands: list[ReaderCommand]) -> None:
+        """Carry out a reader core's commands."""
+        for command in commands:
+            match command:
+                case StartQuery():
+                    reader.query = command.query
+                    reader.pos = command.start_ts
+                case CancelQuery():
+                    reader.query = -1
+                case PutBatch():
+                    lo, hi = self.p.commit_delay_steps
+                    due = self.step + self.sink_rng.randint(lo, hi)
+                    if reader.inflight:
+                        due = max(due, reader.inflight[-1][0])
+                    reader.inflight.append((due, command.batch, command.records, command.watermark))
+                case Report():
+                    self.deliver(node, command.event)
+                case Done():
+                    if node.readers.get(reader.token) is reader:
+                        del node.readers[reader.token]
+                    if isinstance(command.end, ReaderFinished):
+                        self.finished.add(reader.token)
+                        self.deliver(node, command.end)
+                    else:
+                        self.deliver(node, command.end, 1)
+
+    def run_sink(self, node: _Node, reader: _Reader) -> None:
+        """The sink's side: batches whose commit is due commit, in order, or fail (with
+        ``sink_fail_p``, or when the lease of the task that put them ran out: the sink checks
+        it right before the commit point, so a zombie commits nothing). A failed batch fails
+        every later one of the reader too (they commit in order). Committed records count as
+        delivered, whatever becomes of the reader after."""
+        lease = node.core.lease_valid(self.now())
+        while reader.inflight and reader.inflight[0][0] <= self.step:
+            _, batch, records, watermark = reader.inflight.popleft()
+            if not lease or self.sink_rng.random() < self.p.sink_fail_p:
+                self.stats["sink_failures"] += 1
+                failed = [batch] + [b for _, b, _, _ in reader.inflight]
+                reader.inflight.clear()
+                for b in failed:
+                    self.reader_do(
+                        node, reader, reader.core.handle(BatchFailed(b, "injected"), self.now())
+                    )
+                return
+            for record in records:
+                identity = record.identity
+                if identity in reader.committed_ids:
+                    raise Violation(
+                        f"re-read not dropped: {reader.token} record {identity} reached the "
+                        f"sink again from the reader that had it committed"
+                    )
+                reader.committed_ids.add(identity)
+                self.delivered[identity] += 1
+            durable = self.sink_tails.setdefault(reader.token, PartitionTail())
+            durable.commit(watermark, records)
+            self.reader_do(node, reader, reader.core.handle(BatchCommitted(batch), self.now()))
+
     def run_readers(self, node: _Node) -> None:
         now = self.now()
-        if not node.core.lease_valid(now):
-            return
-        for token, reader in list(node.readers.items()):
-            while reader.commits and reader.commits[0][0] <= self.step:
-                _, wm = reader.commits.pop(0)
-                node.committed[token] = max(node.committed.get(token, 0), wm)
-                self.deliver(node, ReaderCommitted(token, wm))
-            if reader.ended is not None:
-                if not reader.commits:
-                    del node.readers[token]
-                    self.finished.add(token)
-                    end = reader.ended
-                    self.deliver(
-                        node, ReaderFinished(token, end.start_ts, end.children, end.start_ts)
-                    )
+        lease = node.core.lease_valid(now)
+        for reader in list(node.readers.values()):
+            self.run_sink(node, reader)
+            if not lease or node.readers.get(reader.token) is not reader:
                 continue
-            batch: list[DataChange] = []
-            for record in self.model.records(token, reader.pos, now):
-                if isinstance(record, DataChange):
-                    batch.append(record)
-                elif isinstance(record, ChildPartitions):
-                    reader.ended = record
-            for record in batch:
-                self.delivered[record.identity] += 1
-            wm = reader.ended.start_ts if reader.ended is not None else now + 1
-            reader.pos = wm
-            lo, hi = self.p.commit_delay_steps
-            reader.commits.append((self.step + self.rng.randint(lo, hi), wm))
+            if reader.query >= 0:
+                query = reader.query
+                chunk: list[ChangeRecord] = []
+                ended = False
+                for record in self.model.records(reader.token, reader.pos, now):
+                    chunk.append(record)
+                    ended = ended or isinstance(record, ChildPartitions)
+                if not ended:
+                    chunk.append(Heartbeat(now))
+                reader.pos = now + 1
+                self.reader_do(node, reader, reader.core.handle(Chunk(query, tuple(chunk)), now))
+                if ended and reader.query == query:
+                    reader.query = -1
+                    self.reader_do(node, reader, reader.core.handle(QueryEnded(query), now))
+            self.reader_do(node, reader, reader.core.handle(ReaderTick(), now))
 
     # -- faults -----------------------------------------------------------------------------------
     def faults(self) -> None:
@@ -614,6 +718,12 @@ class Simulation:
         extra = {i for i in self.delivered if i[0] <= horizon} - expected
         if extra:
             raise Violation(f"{len(extra)} records reached the sink that were never committed")
+        twice = sorted(i for i in expected if self.delivered[i] > 1)
+        if twice:
+            raise Violation(
+                f"not exactly once: {len(twice)} records reached the sink more than once, e.g. "
+                f"{twice[0]} {self.delivered[twice[0]]} times"
+            )
 
 
 def _first_parent(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:

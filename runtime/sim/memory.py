@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
+from protocol.dedup import PartitionTail, Position
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost, SinkBatch
 
 
@@ -124,13 +125,16 @@ class MemoryMembership:
 
 
 class MemorySink:
-    """Commits every batch after ``commit_delay`` seconds; ``fail_next`` fails that many puts."""
+    """Commits every batch after ``commit_delay`` seconds; ``fail_next`` fails that many puts.
+    It keeps each partition's position with every batch it commits (``committed``), as a sink
+    with its own durable record does (docs/design.md#exactly-once-output, rule 2)."""
 
     def __init__(self, commit_delay: float = 0.0, max_in_flight: int = 64) -> None:
         self.commit_delay = commit_delay
         self.rows: Counter[tuple[int, str, str]] = Counter()
         self.batches: list[SinkBatch] = []
         self.fail_next = 0
+        self._tails: dict[str, PartitionTail] = {}
         self._slots = asyncio.Semaphore(max_in_flight)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
@@ -147,9 +151,16 @@ class MemorySink:
             self.batches.append(batch)
             for record in batch.records:
                 self.rows[record.identity] += 1
+            tail = self._tails.setdefault(batch.token, PartitionTail())
+            tail.commit(batch.watermark, batch.records)
             self._slots.release()
             if not future.done():
                 future.set_result(None)
 
         loop.call_later(self.commit_delay, commit)
         return future
+
+    async def committed(self, token: str) -> Position | None:
+        """The position up to which this sink has committed partition ``token``, if any."""
+        tail = self._tails.get(token)
+        return None if tail is None else tail.position()

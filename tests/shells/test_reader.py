@@ -11,8 +11,9 @@ import pytest
 from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
-from protocol.task import ReaderFailed, ReaderStopped, TaskEvent
+from protocol.task import ReaderFailed, ReaderStopped, StopReason, TaskEvent
 from runtime.ports import ChangeStreamSource, SinkBatch
+from runtime.sim.memory import MemorySink
 
 T0 = 1_700_000_000_000_000
 
@@ -169,7 +170,7 @@ async def _read_until(
         async with asyncio.timeout(within):
             while not done():
                 await asyncio.sleep(0.02)
-        reader.request_stop("test", drain=False)
+        reader.request_stop(StopReason.NOT_WANTED, drain=False)
     return events
 
 
@@ -215,3 +216,32 @@ async def test_stalls_in_a_row_wait_longer_each_time() -> None:
     )
     waits = [e.error.split("for ")[1].split("s ")[0] for e in events if isinstance(e, ReaderFailed)]
     assert waits[:5] == ["0.05", "0.1", "0.2", "0.4", "0.4"]
+
+
+@pytest.mark.asyncio
+async def test_a_reader_resumes_from_the_sinks_newer_position() -> None:
+    """The memory sink keeps each partition's position; a new reader of the partition, given
+    an older one by its task, starts from the sink's and writes nothing twice."""
+    sink = MemorySink()
+    first = await _read_until_committed(sink, T0, 3)
+    position = await sink.committed("p1")
+    assert position is not None
+    assert position.ts >= first
+    before = dict(sink.rows)
+    await _read_until_committed(sink, T0, position.ts + 2000)
+    assert all(count == 1 for count in sink.rows.values())
+    assert set(before) < set(sink.rows)
+
+
+async def _read_until_committed(sink: MemorySink, start: int, until: int) -> int:
+    events: list[TaskEvent] = []
+    async with Supervisor("test") as sup:
+        reader = PartitionReader(
+            "p1", start, source=SteadySource(), sink=sink, report=events.append, permit=lambda: True
+        )
+        await sup.spawn(reader)
+        async with asyncio.timeout(5):
+            while reader.committed < (until if until > T0 else T0 + until * 1000):
+                await asyncio.sleep(0.01)
+        reader.request_stop(StopReason.HANDOFF, drain=True)
+    return reader.committed
