@@ -94,7 +94,7 @@ class Sink(Protocol):
     """Where change records go (the Spark bridge, a Kafka output sink, a callback).
 
     A sink that stores its progress atomically with its data may also have ``async def
-    committed(token) -> Position | None``: the position up to which it has durably written
+    durable_position(token) -> Position | None``: the position up to which it has durably written
     partition ``token`` by its own record (:func:`sink_committed`). A new owner then resumes
     from the newer of that and the sync topic's position, so a batch the sink committed but
     whose watermark never reached the sync topic (a kill -9 in between) is not written twice.
@@ -118,10 +118,10 @@ async def prepare_sink(sink: Sink, token: str) -> None:
 
 
 async def sink_committed(sink: Sink, token: str) -> Position | None:
-    """``await sink.committed(token)`` if the sink keeps its own durable record of what it
-    wrote (see :class:`Sink`), else None."""
-    committed = getattr(sink, "committed", None)
-    if committed is None:
+    """``await sink.durable_position(token)`` if the sink keeps its own durable record of what
+    it wrote (see :class:`Sink`), else None."""
+    lookup = getattr(sink, "durable_position", None)
+    if lookup is None:
         return None
-    position: Position | None = await committed(token)
+    position: Position | None = await lookup(token)
     return position

@@ -160,7 +160,7 @@ class MemorySink:
         loop.call_later(self.commit_delay, commit)
         return future
 
-    async def committed(self, token: str) -> Position | None:
+    async def durable_position(self, token: str) -> Position | None:
         """The position up to which this sink has committed partition ``token``, if any."""
         tail = self._tails.get(token)
         return None if tail is None else tail.position()

@@ -224,7 +224,7 @@ async def test_a_reader_resumes_from_the_sinks_newer_position() -> None:
     an older one by its task, starts from the sink's and writes nothing twice."""
     sink = MemorySink()
     first = await _read_until_committed(sink, T0, 3)
-    position = await sink.committed("p1")
+    position = await sink.durable_position("p1")
     assert position is not None
     assert position.ts >= first
     before = dict(sink.rows)
