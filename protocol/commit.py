@@ -63,6 +63,7 @@ __all__ = [
     "manifest_name",
     "next_position",
     "progress_name",
+    "records_identity",
     "recovery_plan",
 ]
 
@@ -271,3 +272,13 @@ def batch_identity(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> str:
         h.update(b"\n")
     # a letter first: Spark would infer a partition value of digits (or "1e5...") as a number
     return "b" + h.hexdigest()
+
+
+def records_identity(record_ids: Iterable[str]) -> str:
+    """The identity of a batch that is a set of output rows rather than partition runs (the
+    Spark bridge's isolation halves and retries): the same rows, the same id, in any order."""
+    h = hashlib.blake2b(digest_size=8)
+    for record_id in sorted(record_ids):
+        h.update(record_id.encode())
+        h.update(b"\n")
+    return "r" + h.hexdigest()
