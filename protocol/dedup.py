@@ -142,6 +142,12 @@ class Tails:
             tail = self._tails[token] = PartitionTail()
         return tail.fresh(records)
 
+    def resume(self, token: str, position: Position) -> None:
+        """Start ``token``'s tail at ``position`` unless it already has a tail (a sink learning
+        what an earlier process committed)."""
+        if token not in self._tails:
+            self._tails[token] = position.tail()
+
     def copy(self) -> Tails:
         other = Tails()
         other._tails = {token: tail.copy() for token, tail in self._tails.items()}

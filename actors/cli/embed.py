@@ -4,8 +4,8 @@
 block, over a Kafka (the coordination topics) and a change-stream source, handing batches to a
 sink or to a plain async callback::
 
-    async def on_batch(batch: SinkBatch) -> None:   # returns = committed
-        await my_store.write(batch.records)
+    async def on_batch(batch: SinkBatch, batch_id: str) -> None:   # returns = committed
+        await my_store.write(batch.records, idempotency_key=batch_id)
 
     async with open_task(kafka, connector="orders", task_id="app-1",
                          source=source, on_batch=on_batch) as node:
@@ -13,6 +13,11 @@ sink or to a plain async callback::
         ...                              # node.status() any time
     # leaving the block: the task stops taking work, lets in-flight batches commit,
     # publishes its final watermarks, and leaves the group; others take its partitions.
+
+``on_batch(batch)`` also works; with a second parameter it gets the batch identity
+(``protocol.commit.batch_identity``): computed from the batch's contents, the same when the
+batch is delivered again after a failure or a take-over, so a write keyed on it is idempotent
+(docs/operations.md, "Output and duplicates").
 
 Any number of processes (or ``open_task`` blocks) with the same ``connector`` and Kafka share the
 stream's partitions. ``examples/embed.py`` is a complete, tested program.
@@ -22,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from actors.node import NodeConfig, TaskNode
+from protocol.commit import batch_identity
 from protocol.records import ChangeRecord
 from protocol.task import TaskConfig
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch
@@ -67,16 +74,19 @@ class GatedSource:
             yield batch
 
 
-class CallbackSink:
-    """A ``Sink`` that calls ``on_batch(batch)`` for every batch, one at a time, in the order
-    handed over; a batch is committed when the callback returns, and failed (the partition is
-    re-read from its committed watermark) when it raises. At most ``max_pending`` batches wait
-    (``put`` blocks beyond: backpressure)."""
+OnBatch = Callable[[SinkBatch], Awaitable[None]] | Callable[[SinkBatch, str], Awaitable[None]]
 
-    def __init__(
-        self, on_batch: Callable[[SinkBatch], Awaitable[None]], *, max_pending: int = 64
-    ) -> None:
-        self._on_batch = on_batch
+
+class CallbackSink:
+    """A ``Sink`` that calls ``on_batch(batch)`` — or ``on_batch(batch, batch_id)`` if it takes
+    two parameters, ``batch_id`` being the deterministic batch identity — for every batch, one
+    at a time, in the order handed over; a batch is committed when the callback returns, and
+    failed (the partition is re-read from its committed watermark) when it raises. At most
+    ``max_pending`` batches wait (``put`` blocks beyond: backpressure)."""
+
+    def __init__(self, on_batch: OnBatch, *, max_pending: int = 64) -> None:
+        self._on_batch: Callable[..., Awaitable[None]] = on_batch
+        self._with_id = _positional_params(on_batch) >= 2
         self._queue: asyncio.Queue[tuple[SinkBatch, asyncio.Future[None]]] = asyncio.Queue(
             max_pending
         )
@@ -108,7 +118,10 @@ class CallbackSink:
         while True:
             batch, future = await self._queue.get()
             try:
-                await self._on_batch(batch)
+                if self._with_id:
+                    await self._on_batch(batch, batch_identity([(batch.token, batch.records)]))
+                else:
+                    await self._on_batch(batch)
             except Exception as exc:
                 self.failures += 1
                 log.warning("on_batch failed for %s: %r; it will be re-read", batch.token, exc)
@@ -117,6 +130,16 @@ class CallbackSink:
             else:
                 if not future.done():
                     future.set_result(None)
+
+
+def _positional_params(fn: Callable[..., object]) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 async def drain_node(node: TaskNode, gate: GatedSource) -> bool:
@@ -138,7 +161,7 @@ async def open_task(
     task_id: str,
     source: ChangeStreamSource,
     sink: Sink | None = None,
-    on_batch: Callable[[SinkBatch], Awaitable[None]] | None = None,
+    on_batch: OnBatch | None = None,
     task: TaskConfig | None = None,
     stream_start: int = -1,
     start_at: int | None = None,

@@ -45,6 +45,7 @@ from actors.node import NodeConfig, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
+from protocol.dedup import Position
 from protocol.records import ChangeRecord
 from protocol.retry import may_drive
 from runtime.config import (
@@ -59,7 +60,14 @@ from runtime.config import (
     task_count,
 )
 from runtime.metrics import MetricsServer, Sample, TaskSample
-from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, prepare_sink
+from runtime.ports import (
+    ChangeStreamSource,
+    Membership,
+    Sink,
+    SinkBatch,
+    prepare_sink,
+    sink_committed,
+)
 
 if TYPE_CHECKING:
     from runtime.sim.stream import StreamParams
@@ -87,6 +95,9 @@ class Ledger:
 
     async def prepare(self, token: str) -> None:
         await prepare_sink(self.inner, token)
+
+    async def durable_position(self, token: str) -> Position | None:
+        return await sink_committed(self.inner, token)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)
@@ -470,6 +481,17 @@ class Pipeline:
         stack.push_async_callback(source.close)
         return source
 
+    def _leased(self) -> bool:
+        """Whether every task of this process that reads partitions holds a valid lease: the
+        file sink checks it right before each commit point (a micro-batch may hold any of
+        their partitions), so a zombie whose lease ran out commits nothing
+        (docs/design.md#exactly-once-output)."""
+        return all(
+            task.permit()
+            for task in (t.node.task for t in self.tasks)
+            if task is not None and task.readers
+        )
+
     def _leads(self) -> bool:
         """Whether a task of this process leads the heartbeat group now (with a valid lease):
         its process drives the shared retry queue (one driver among the processes)."""
@@ -484,7 +506,7 @@ class Pipeline:
         inner: Sink
         match cfg.run.sink:
             case "files":
-                self._file_sink = FileSink(self.output_dir / "data")
+                self._file_sink = FileSink(self.output_dir / "data", permit=self._leased)
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
                 inner = await self._spark_sink(stack, kafka)
@@ -527,7 +549,7 @@ class Pipeline:
         )
         self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path{where})")
         bridge: Any = await stack.enter_async_context(
-            spark_module.SparkBridge(settings, rq_driver=self._leads)
+            spark_module.SparkBridge(settings, rq_driver=self._leads, permit=self._leased)
         )
         self._bridge = bridge
         return cast(Sink, bridge)

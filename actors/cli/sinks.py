@@ -2,17 +2,24 @@
 the per-task counting view every task node writes through.
 
 ``FileSink`` buffers the rows of many batches (one row per mod, the output-record shape of
-``runtime.kafka.sink.output_records``) and writes them as one parquet file once ``max_rows`` rows
-or ``max_age_s`` seconds have gathered; a file is written under a temporary name and renamed, so
-a reader never sees half a file. A batch's future resolves when the file holding its rows is
-renamed into place: that is its commit. ``max_buffered_rows`` bounds what is accepted and not yet
-written (``put`` waits: backpressure).
+``runtime.kafka.sink.output_records``) and commits them as one micro-batch once ``max_rows`` rows
+or ``max_age_s`` seconds have gathered. A micro-batch is committed atomically with the sink's own
+durable position (docs/design.md#exactly-once-output, ``runtime.commit``): its parquet file is
+staged under ``_staging/<batch>/`` (readers skip ``_`` names), the lease (``permit``) is checked,
+a manifest with every partition's new position is written (the commit point), then the staged
+``batch=<id>`` directory is renamed into place and each partition's progress file written. A
+process killed at any step leaves either nothing visible or a manifest the next ``FileSink`` over
+the same directory applies when it opens. ``<id>`` is the batch identity
+(``protocol.commit.batch_identity``): the same records give the same directory, so a batch
+committed twice appears once. A batch's future resolves when its micro-batch committed;
+``durable_position(token)`` answers a partition's committed position from its progress file (a new
+owner resumes after it). ``max_buffered_rows`` bounds what is accepted and not yet written
+(``put`` waits: backpressure).
 
-The file sink is idempotent against re-reads at a partition's watermark: a task that takes a
-partition over resumes at its committed watermark, inclusive, and so reads again the records at
-exactly that commit timestamp. Per partition the sink remembers the newest commit timestamp it
-wrote and the records at it, and drops (and counts, ``duplicates_dropped``) a record it already
-wrote. Batches of one partition are written in order, so that is enough, in O(partitions).
+The sink also drops re-reads itself, as a defence (a reader resuming at an exact position sends
+none): per partition it remembers the newest commit timestamp it wrote and the records at it
+(seeded from the progress file when a partition's position is asked for), and drops (and
+counts, ``duplicates_dropped``) a record it already wrote.
 
 ``CountingSink`` wraps the shared sink for one task and counts records handed over and
 committed, so the progress display and the metrics can show them per task.
@@ -27,19 +34,21 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 
-from protocol.dedup import Tails
+from protocol.commit import STAGING_DIR, batch_identity
+from protocol.dedup import Position, Tails
 from protocol.records import DataChange
+from runtime.commit import CommitIncomplete, CommitRefused, Committer
 from runtime.kafka.sink import output_records
-from runtime.ports import Sink, SinkBatch, prepare_sink
+from runtime.ports import Sink, SinkBatch, prepare_sink, sink_committed
 
 if TYPE_CHECKING:
     from runtime.config import ShoalConfig
@@ -86,6 +95,8 @@ class FileSink:
         max_rows: int = 50_000,
         max_age_s: float = 0.5,
         max_buffered_rows: int = 500_000,
+        permit: Callable[[], bool] | None = None,
+        fsync: bool = True,
     ) -> None:
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
             raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
@@ -95,6 +106,8 @@ class FileSink:
         self._max_buffered = max_buffered_rows
         self._columns: dict[str, list[Any]] = {c: [] for c in COLUMNS}
         self._waiting: list[tuple[asyncio.Future[None], int]] = []
+        self._entries: list[tuple[str, tuple[DataChange, ...], int]] = []
+        self.committer = Committer(self.directory, permit=permit, fsync=fsync)
         self._first_at: float | None = None
         self._buffered = 0
         self._room = asyncio.Condition()
@@ -114,6 +127,7 @@ class FileSink:
 
     async def __aenter__(self) -> Self:
         self.directory.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.committer.recover)
         self._writer = asyncio.create_task(self._write_loop(), name="file-sink")
         return self
 
@@ -144,6 +158,14 @@ class FileSink:
     def waiting(self) -> list[asyncio.Future[None]]:
         """Futures of the batches buffered and not written yet."""
         return [future for future, _ in self._waiting]
+
+    async def durable_position(self, token: str) -> Position | None:
+        """Partition ``token``'s committed position by this output's own record (after
+        applying what a killed process left): a new owner resumes after it."""
+        position = await asyncio.to_thread(self.committer.committed, token)
+        if position is not None:
+            self._tails.resume(token, position)
+        return position
 
     def _fresh(self, batch: SinkBatch) -> list[DataChange]:
         tail = self._tails.get(batch.token)
@@ -189,6 +211,7 @@ class FileSink:
                 cols["old_values"].append(out.old_values)
         self._buffered += rows
         self._waiting.append((future, rows))
+        self._entries.append((batch.token, batch.records, batch.watermark))
         if self._first_at is None:
             self._first_at = time.monotonic()
             self._kick.set()  # the writer starts the age clock of this file
@@ -215,15 +238,30 @@ class FileSink:
 
     async def _flush(self) -> None:
         columns, waiting, rows = self._columns, self._waiting, self._buffered
+        entries = self._entries
         self._columns = {c: [] for c in COLUMNS}
         self._waiting = []
+        self._entries = []
         self._first_at = None
         try:
-            if rows:
-                await asyncio.to_thread(self._write_file, columns)
+            await asyncio.to_thread(self._commit_batch, columns, entries, rows)
+        except CommitRefused as exc:
+            self._failures += 1
+            log.warning("%s; its batches will be re-read by the partitions' owners", exc)
+            for future, _ in waiting:
+                if not future.done():
+                    future.set_exception(SinkError(str(exc)))
+        except CommitIncomplete as exc:
+            # committed, not visible yet: stop here; the next open applies the manifest
+            self._failures += 1
+            self._error = exc
+            log.exception("%r: a batch is committed but not applied yet; the sink stops", self)
+            for future, _ in waiting:
+                if not future.done():
+                    future.set_exception(SinkError(str(exc)))
         except Exception as exc:
             self._failures += 1
-            log.exception("%r: writing %d rows failed", self)
+            log.exception("%r: committing %d rows failed", self, rows)
             for future, _ in waiting:
                 if not future.done():
                     future.set_exception(
@@ -242,7 +280,26 @@ class FileSink:
             self._buffered -= rows
             self._room.notify_all()
 
-    def _write_file(self, columns: dict[str, list[Any]]) -> None:
+    def _commit_batch(
+        self,
+        columns: dict[str, list[Any]],
+        entries: list[tuple[str, tuple[DataChange, ...], int]],
+        rows: int,
+    ) -> None:
+        """In a worker thread: stage the micro-batch's file (if it has rows) and commit it."""
+        batch = batch_identity((token, records) for token, records, _ in entries)
+        moves = []
+        if rows:
+            staging = self.committer.staging(batch)
+            try:
+                self._write_file(columns, staging / f"batch={batch}")
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            moves.append((f"{STAGING_DIR}/{batch}/batch={batch}", f"batch={batch}"))
+        self.committer.commit(batch, moves, entries)
+
+    def _write_file(self, columns: dict[str, list[Any]], directory: Path) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -254,10 +311,8 @@ class FileSink:
                 for name, values in columns.items()
             }
         )
-        name = f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
-        tmp = self.directory / f".{name}.tmp"
-        pq.write_table(table, tmp)
-        tmp.rename(self.directory / name)
+        directory.mkdir(parents=True)
+        pq.write_table(table, directory / "part-00000.parquet")
 
     def _fail_waiting(self, error: BaseException) -> None:
         for future, _ in self._waiting:
@@ -267,11 +322,14 @@ class FileSink:
 
 
 def read_rows(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Every row the file sink (or a Spark parquet writer) left in ``directory``."""
+    """Every row the file sink (or a Spark parquet writer) committed in ``directory``: files
+    under a name starting with ``.`` or ``_`` (staged, Spark's ``_temporary``, the sink's own
+    records) are not output."""
     import pyarrow.parquet as pq
 
-    for path in sorted(Path(directory).rglob("*.parquet")):
-        if path.name.startswith((".", "_")):
+    root = Path(directory)
+    for path in sorted(root.rglob("*.parquet")):
+        if any(part.startswith((".", "_")) for part in path.relative_to(root).parts):
             continue
         yield from pq.read_table(path).to_pylist()
 
@@ -301,6 +359,9 @@ class CountingSink:
 
     async def prepare(self, token: str) -> None:
         await prepare_sink(self.inner, token)
+
+    async def durable_position(self, token: str) -> Position | None:
+        return await sink_committed(self.inner, token)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)

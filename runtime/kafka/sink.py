@@ -23,9 +23,11 @@ and the per-record delivery port:
 A batch's future (``put``) resolves when each of its records is settled: delivered to the output
 topic, or durably written to the RQ or the DLQ. It fails if the sink dies first; the caller then
 re-delivers from its watermark, and records the sink already holds are recognised by id.
-Delivery is at least once: a crash after a retried record reached the output but before its
-``Released`` entry was written delivers it again (``OutputRecord.record_id`` is the de-duplication
-key).
+Delivery is at least once (docs/design.md#exactly-once-output: aiokafka cannot use Kafka's
+transactions against every broker shoal supports): a crash after a record reached the output but
+before its batch's watermark was committed delivers it again. Every message carries its row key
+(``OutputRecord.record_id``) in the header ``shoal-record-id`` (:data:`ROW_KEY_HEADER`), so a
+consumer de-duplicates without decoding the payload.
 
 :func:`list_dlq` and :func:`replay_dlq` are the operator helpers (the CLI calls them). Replay runs
 a sink over the topics that drives the RQ itself, so stop the shoal processes over those topics
@@ -72,6 +74,7 @@ from runtime.kafka.retry_queue import (
 from runtime.ports import SinkBatch
 
 __all__ = [
+    "ROW_KEY_HEADER",
     "DlqRecord",
     "InternalMessage",
     "KafkaSink",
@@ -95,6 +98,11 @@ class KafkaSinkError(RetryQueueError):
 
 
 # --- wire formats --------------------------------------------------------------------------
+
+
+ROW_KEY_HEADER = "shoal-record-id"
+"""The header holding a message's row key (``OutputRecord.record_id``): consumers de-duplicate
+on it (the output is at least once)."""
 
 
 class OutputRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -426,7 +434,11 @@ class KafkaSink:
         topic = self.output.storage_topics[idx].name
         try:
             fut = await self._queue.producer.send(
-                topic, payload, key=key.encode(), partition=partition
+                topic,
+                payload,
+                key=key.encode(),
+                partition=partition,
+                headers=[(ROW_KEY_HEADER, rid.encode())],
             )
         except KafkaError as exc:
             log.warning("%r: producing %s failed: %r", self, rid, exc)

@@ -31,14 +31,28 @@ futures, so a crash anywhere loses nothing.
   each of its rows is committed in Spark or durably in the RQ/DLQ, so watermarks never pass a
   lost row; the RQ/DLQ state lives in Kafka and a new bridge over the same topics resumes it.
   Spark jobs (micro-batches, halves, retries) run one at a time.
-* The default output: parquet under ``output_dir``, partitioned by ``table`` and by ``batch``
-  (``<run>-<batch id>``), one row per mod; ``read_output`` reads it back.
+* The default output: parquet under ``output_dir``, partitioned by ``table`` and by ``batch``,
+  one row per mod; ``read_output`` reads it back. On the embedded path (without
+  ``dead_letter``) each micro-batch is committed atomically with the sink's own durable position
+  (docs/design.md#exactly-once-output, ``runtime.commit``): Spark writes it, with its own
+  ``_temporary`` commit, under ``<output_dir>/_staging/<batch>/`` where no reader looks; the lease
+  (``permit``) is checked; a manifest is written (the commit point); each ``table=<t>/batch=<id>``
+  directory is renamed into place and each partition's position recorded. ``<id>`` is the batch
+  identity (``protocol.commit.batch_identity``), so a micro-batch written twice appears once.
+  ``durable_position(token)`` answers a partition's committed position. The renames are done by this
+  process: over Spark Connect the output must be a path this process sees as the server does
+  (a shared or local file system); ``SparkConfig.atomic_commit=False`` writes straight into
+  place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
+* ``foreach_batch(df, batch_id)`` gets a run-local batch number; a ``foreach_batch`` taking a
+  third parameter gets ``(df, batch_id, identity)`` with the deterministic batch identity,
+  stable across re-delivery: key an idempotent write on it (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import shutil
 import tempfile
@@ -51,7 +65,10 @@ from typing import Any, Self
 
 import msgspec
 
+from protocol.commit import STAGING_DIR, batch_identity, records_identity
+from protocol.dedup import Position
 from protocol.records import DataChange
+from runtime.commit import CommitIncomplete, CommitRefused, Committer
 from runtime.kafka.retry_queue import PendingSend, RetryQueue, RetryQueueError
 from runtime.ports import SinkBatch
 from runtime.spark.config import BridgeError, BridgeStats, ForeachBatch, SparkConfig
@@ -94,6 +111,7 @@ class SparkBridge:
         foreach_batch: ForeachBatch | None = None,
         spark: Any = None,
         rq_driver: Callable[[], bool] | None = None,
+        permit: Callable[[], bool] | None = None,
     ) -> None:
         if config.max_rows < 1 or config.max_age_s <= 0 or config.max_inflight_batches < 1:
             raise ValueError("max_rows, max_age_s and max_inflight_batches must be positive")
@@ -105,6 +123,17 @@ class SparkBridge:
         # several processes share the RQ/DLQ (dead_letter); this one drives it while true
         self._rq_driver = rq_driver
         self.foreach_batch = foreach_batch
+        self._foreach_identity = foreach_batch is not None and _takes_identity(foreach_batch)
+        # the default output's atomic commits (embedded path, no RQ): see the module docstring
+        self.committer: Committer | None = None
+        if (
+            foreach_batch is None
+            and config.path == "embedded"
+            and config.dead_letter is None
+            and config.atomic_commit
+            and ":/" not in config.output_dir
+        ):
+            self.committer = Committer(config.output_dir, permit=permit)
         self.spark: Any = spark
         self._owns_spark = spark is None
         self.run_id = f"{time.time_ns():020d}"
@@ -180,12 +209,14 @@ class SparkBridge:
                 await asyncio.to_thread(warm, self.spark)
             if self.foreach_batch is None and cfg.path == "embedded" and cfg.remote is None:
                 await asyncio.to_thread(self._warm_write)
+            if self.committer is not None:
+                await asyncio.to_thread(self.committer.recover)
             if self.foreach_batch is None and cfg.resume_dedupe:
                 await asyncio.to_thread(self._seed_tails)
             if cfg.path == "streaming":
                 from runtime.spark.streaming import StreamingBackend
 
-                self._streaming = StreamingBackend(self.spark, cfg, self.foreach_batch)
+                self._streaming = StreamingBackend(self.spark, cfg, self._streaming_foreach())
                 self._next_seq = await asyncio.to_thread(self._streaming.next_seq)
                 await asyncio.to_thread(self._streaming.start)
                 async with asyncio.timeout(cfg.start_timeout_s):
@@ -335,6 +366,27 @@ class SparkBridge:
         """The ``SinkBatch``es of micro-batch ``batch_id`` while it is in flight (else ())."""
         cut = self._inflight_cuts.get(batch_id)
         return () if cut is None else cut.entries
+
+    def _streaming_foreach(self) -> Callable[[Any, int], None] | None:
+        """The ``foreach_batch`` as Spark's streaming query calls it: Spark's own batch id is
+        stable across re-delivery (its checkpoint replays a batch under the same id), so it is
+        the identity there (``s<batch id>``)."""
+        foreach: Callable[..., None] | None = self.foreach_batch
+        if foreach is None or not self._foreach_identity:
+            return foreach
+
+        def with_identity(df: Any, batch_id: int) -> None:
+            assert foreach is not None
+            foreach(df, batch_id, f"s{batch_id}")
+
+        return with_identity
+
+    async def durable_position(self, token: str) -> Position | None:
+        """Partition ``token``'s committed position by the default output's own record (None
+        without atomic commits: then the sync topic's position is the one)."""
+        if self.committer is None:
+            return None
+        return await asyncio.to_thread(self.committer.committed, token)
 
     def _stopping(self) -> bool:
         return self._closing
@@ -487,8 +539,15 @@ class SparkBridge:
                 self._fail_permanently([cut], self._broken)
             return
         error = None
-        if rows or self.foreach_batch is not None:
-            error = await self._attempts(cut.batch_id, table, rows)
+        if self.committer is not None:
+            error = await self._attempts(cut.batch_id, table, rows, cut, commit=True)
+            if isinstance(error, CommitRefused | CommitIncomplete):
+                if isinstance(error, CommitIncomplete):
+                    self._broken = BridgeError(str(error))
+                self._fail_permanently([cut], BridgeError(str(error)))
+                return
+        elif rows or self.foreach_batch is not None:
+            error = await self._attempts(cut.batch_id, table, rows, cut)
         if error is not None:
             self._fail_permanently(
                 [cut],
@@ -500,15 +559,33 @@ class SparkBridge:
             return
         self._succeed(cut, fresh, rows)
 
-    async def _attempts(self, batch_id: int, table: Any, rows: int) -> Exception | None:
-        """Run one micro-batch up to ``max_attempts`` times (with backoff); the last error, or
-        None once it committed."""
+    async def _attempts(
+        self,
+        batch_id: int,
+        table: Any,
+        rows: int,
+        cut: Cut,
+        *,
+        commit: bool = False,
+        identity: str | None = None,
+    ) -> Exception | None:
+        """Run micro-batch ``cut`` (its rows: ``table``) up to ``max_attempts`` times (with
+        backoff); the last error, or None once it committed. With ``commit`` it goes through
+        the committer (a refused or incomplete commit is not retried: it is returned at once).
+        ``identity``: the batch identity, if not the cut's (its rows were filtered)."""
         cfg = self.config
         error: Exception | None = None
+        if identity is None:
+            identity = _cut_identity(cut)
         for attempt in range(1, cfg.max_attempts + 1):
             try:
                 async with self._spark_lock:
-                    await asyncio.to_thread(self._run_batch, batch_id, table)
+                    if commit:
+                        await asyncio.to_thread(self._run_committed, cut, table, identity)
+                    else:
+                        await asyncio.to_thread(self._run_batch, batch_id, table, identity)
+            except (CommitRefused, CommitIncomplete) as exc:
+                return exc
             except Exception as exc:
                 error = exc
                 self._attempts_failed += 1
@@ -558,7 +635,10 @@ class SparkBridge:
         committed = direct_rows
         error = None
         if direct_rows or self.foreach_batch is not None:
-            error = await self._attempts(cut.batch_id, table, direct_rows)
+            identity = None
+            if by_entry is not None:  # rows parked: the identity of the rows written
+                identity = records_identity(r.record_id for rs in by_entry for r in rs)
+            error = await self._attempts(cut.batch_id, table, direct_rows, cut, identity=identity)
         if error is not None:
             if by_entry is None:
                 by_entry = await asyncio.to_thread(_records_by_entry, fresh)
@@ -627,9 +707,10 @@ class SparkBridge:
         batch_id = self._batcher.take_id()
         self._isolation_runs += 1
         table = await asyncio.to_thread(records_table, records)
+        identity = records_identity(r.record_id for r in records)
         try:
             async with self._spark_lock:
-                await asyncio.to_thread(self._run_batch, batch_id, table)
+                await asyncio.to_thread(self._run_batch, batch_id, table, identity)
         except Exception as exc:
             self._attempts_failed += 1
             log.info("%r: batch %d (%d rows) failed: %r", self, batch_id, len(records), exc)
@@ -843,18 +924,45 @@ class SparkBridge:
                 await self._done(cut)
             await asyncio.sleep(self.config.ack_poll_s)
 
-    def _run_batch(self, batch_id: int, table: Any) -> None:
-        """In a worker thread: one attempt of one micro-batch."""
+    def _run_committed(self, cut: Cut, table: Any, identity: str | None) -> None:
+        """In a worker thread: one attempt of micro-batch ``cut`` into the default output,
+        committed atomically (see the module docstring)."""
+        committer = self.committer
+        assert committer is not None
+        assert identity is not None
+        moves: list[tuple[str, str]] = []
+        if table.num_rows:
+            staging = committer.staging(identity)
+            write_default(self._dataframe(table), str(staging), identity)
+            tables = sorted(p.name for p in staging.glob("table=*") if p.is_dir())
+            if not tables:
+                raise BridgeError(
+                    f"Spark wrote {table.num_rows} rows but {staging} holds none here: over "
+                    "Spark Connect the output must be on a file system this process shares "
+                    "(or set SparkConfig.atomic_commit=False)"
+                )
+            rel = f"{STAGING_DIR}/{identity}"
+            moves = [(f"{rel}/{t}/batch={identity}", f"{t}/batch={identity}") for t in tables]
+        committer.commit(identity, moves, [(e.token, e.records, e.watermark) for e in cut.entries])
+
+    def _dataframe(self, table: Any) -> Any:
         if table.num_rows == 0:
             # Spark Connect cannot infer a schema from an empty table (CANNOT_INFER_EMPTY_SCHEMA);
             # a foreach_batch still gets the micro-batch (a heartbeat moved a watermark).
             from pyspark.sql.pandas.types import from_arrow_schema
 
-            df = self.spark.createDataFrame(table, schema=from_arrow_schema(table.schema))
-        else:
-            df = self.spark.createDataFrame(table)
+            return self.spark.createDataFrame(table, schema=from_arrow_schema(table.schema))
+        return self.spark.createDataFrame(table)
+
+    def _run_batch(self, batch_id: int, table: Any, identity: str) -> None:
+        """In a worker thread: one attempt of one micro-batch."""
+        df = self._dataframe(table)
         if self.foreach_batch is not None:
-            self.foreach_batch(df, batch_id)
+            foreach: Callable[..., None] = self.foreach_batch
+            if self._foreach_identity:
+                foreach(df, batch_id, identity)
+            else:
+                foreach(df, batch_id)
         else:
             write_default(df, self.config.output_dir, f"{self.run_id}-{batch_id:010d}")
 
@@ -891,6 +999,24 @@ class SparkBridge:
                 _fail(future, error)
         self._futures.clear()
         self._put_at.clear()
+
+
+def _cut_identity(cut: Cut) -> str:
+    return batch_identity((e.token, e.records) for e in cut.entries)
+
+
+def _takes_identity(foreach_batch: Callable[..., Any]) -> bool:
+    """Whether ``foreach_batch`` takes a third positional parameter (the batch identity)."""
+    try:
+        params = inspect.signature(foreach_batch).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional)
 
 
 def _records_by_entry(fresh: list[tuple[str, list[DataChange]]]) -> list[list[SparkRecord]]:

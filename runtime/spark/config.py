@@ -10,7 +10,9 @@ import msgspec
 
 from runtime.spark.dead_letter import DeadLetterConfig
 
-ForeachBatch = Callable[[Any, int], None]
+ForeachBatch = Callable[[Any, int], None] | Callable[[Any, int, str], None]
+"""``foreach_batch(df, batch_id)``, or ``foreach_batch(df, batch_id, identity)`` to get the
+deterministic batch identity too (docs/design.md#exactly-once-output)."""
 
 
 class SparkConfig(msgspec.Struct, frozen=True):
@@ -32,6 +34,10 @@ class SparkConfig(msgspec.Struct, frozen=True):
     trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger
     ack_poll_s: float = 0.1  # streaming: how often Spark's checkpoint is read for commits
     resume_dedupe: bool = True  # on start, learn each partition's tail from the output
+    # embedded default output: commit each micro-batch atomically with its partitions'
+    # positions (docs/design.md#exactly-once-output); needs the output on a file system this
+    # process shares with Spark (always on local Spark; over Spark Connect, a shared one)
+    atomic_commit: bool = True
     dead_letter: DeadLetterConfig | None = None  # RQ/DLQ for rows Spark keeps failing (opt-in)
 
 

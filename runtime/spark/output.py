@@ -18,10 +18,14 @@ def read_output(
 
     ``read_output("dir")`` reads it with pyarrow and returns a ``pyarrow.Table`` (no Spark
     needed); ``read_output(spark, "dir")`` returns a Spark ``DataFrame``. Both carry the
-    partition columns ``table`` and ``batch``. With ``dedupe`` (the default) a row whose key
-    (commit timestamp, server transaction id, record sequence, mod index) was already read is
-    dropped; the bridge never writes such a row, but a run that crashed between Spark's commit
-    and the ack re-delivers its last batch after a restart.
+    partition columns ``table`` and ``batch``, and skip every name starting with ``_`` or
+    ``.`` (staged batches, Spark's ``_temporary``, the sink's ``_shoal`` records).
+
+    ``dedupe=False`` is the honest raw read: exactly the committed rows on disk. With atomic
+    commits (docs/design.md#exactly-once-output) it holds each change once. With ``dedupe``
+    (the default) a row whose key (commit timestamp, server transaction id, record sequence,
+    mod index) was already read is dropped as well, for outputs written without atomic commits
+    (``foreach_batch`` into this layout, the streaming path's raw files, ``atomic_commit=False``).
     """
     if isinstance(spark_or_path, str | os.PathLike):
         return _read_arrow(Path(spark_or_path), dedupe)
@@ -35,7 +39,10 @@ def _read_arrow(directory: Path, dedupe: bool) -> Any:
     import pyarrow as pa
     import pyarrow.dataset as ds
 
-    if not directory.exists() or not any(directory.rglob("*.parquet")):
+    if not directory.exists() or not any(
+        not any(part.startswith(("_", ".")) for part in p.relative_to(directory).parts)
+        for p in directory.rglob("*.parquet")
+    ):
         from runtime.spark.rows import arrow_schema
 
         schema = arrow_schema()

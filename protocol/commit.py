@@ -1,0 +1,284 @@
+"""Atomic micro-batch commits with the sink's own durable position
+(docs/design.md#exactly-once-output, rules 2 and 3).
+
+A sink that writes files commits a micro-batch in four steps, and this core says which:
+
+1. Its files are **staged** under ``_staging/<batch>/`` of the output, where no reader looks
+   (readers skip names starting with ``_``).
+2. The lease is checked, then the **manifest** is written atomically: the batch id, the moves
+   (staged directory → final directory, one per table) and the new :class:`Position` of every
+   partition in the batch. Writing it is the commit point.
+3. The manifest is **applied**: each move is one rename, then each partition's position is
+   written to its progress file (``_shoal/progress/<progress_name(token)>``), then the manifest
+   is deleted. :func:`apply_plan` gives these operations; it is idempotent: a move whose source
+   is gone and whose target exists is done, so a manifest can be applied again by whoever finds
+   it after a crash.
+4. **Recovery** (:func:`recovery_plan`): at open, and before a sink answers ``durable_position(token)``,
+   every manifest found is applied; a staged directory that no manifest names was never
+   committed and is garbage, deleted once older than a bound (a younger one may belong to a
+   batch another process is staging right now).
+
+A position only moves forward: a progress file is rewritten only with a newer position
+(:meth:`Position.newer`), so applying an old manifest late never moves a partition back.
+
+The **batch identity** (:func:`batch_identity`) is computed from the batch's contents only: its
+partitions and, per partition, the number of records and the identities of the first and last
+ones. The same records cut the same way give the same id in any process and after any restart,
+so a user's write keyed on it (or the final directory named by it) is idempotent.
+
+No I/O here: the shell observes the file system (which paths exist, the manifests, the current
+positions) and passes what it saw in; the core returns the operations to carry out, in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import assert_never
+
+import msgspec
+
+from protocol.dedup import Identity, PartitionTail, Position
+from protocol.records import DataChange
+
+__all__ = [
+    "COMMITS_DIR",
+    "PROGRESS_DIR",
+    "STAGING_DIR",
+    "CommitError",
+    "DeleteManifest",
+    "DeleteStaged",
+    "Manifest",
+    "Move",
+    "Op",
+    "PartitionPosition",
+    "Rename",
+    "WriteProgress",
+    "apply_plan",
+    "batch_identity",
+    "decode_manifest",
+    "decode_position",
+    "encode_manifest",
+    "encode_position",
+    "manifest_name",
+    "next_position",
+    "progress_name",
+    "records_identity",
+    "recovery_plan",
+]
+
+STAGING_DIR = "_staging"  # <output>/_staging/<batch>/...
+COMMITS_DIR = "_shoal/commits"  # <output>/_shoal/commits/<manifest_name(batch)>
+PROGRESS_DIR = "_shoal/progress"  # <output>/_shoal/progress/<progress_name(token)>
+
+
+class CommitError(RuntimeError):
+    """A manifest that cannot be applied (a move with neither its source nor its target)."""
+
+
+class Move(msgspec.Struct, frozen=True, array_like=True):
+    """One rename, paths relative to the output directory."""
+
+    staged: str
+    final: str
+
+
+class PartitionPosition(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    position: Position
+
+
+class Manifest(msgspec.Struct, frozen=True, tag="commit-v1", tag_field="kind"):
+    """The commit record of one micro-batch (see the module docstring). ``staging`` is the
+    batch's staging directory, relative to the output (removed once the moves are done)."""
+
+    batch: str
+    staging: str
+    moves: tuple[Move, ...]
+    positions: tuple[PartitionPosition, ...]
+
+
+_manifest_encoder = msgspec.json.Encoder()
+_manifest_decoder = msgspec.json.Decoder(Manifest)
+_position_decoder = msgspec.json.Decoder(Position)
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    return _manifest_encoder.encode(manifest)
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Raises ``msgspec.DecodeError`` on anything that is not a complete manifest."""
+    return _manifest_decoder.decode(data)
+
+
+def encode_position(position: Position) -> bytes:
+    return _manifest_encoder.encode(position)
+
+
+def decode_position(data: bytes) -> Position:
+    return _position_decoder.decode(data)
+
+
+def manifest_name(batch: str) -> str:
+    """The manifest's file name under :data:`COMMITS_DIR`."""
+    return f"{batch}.json"
+
+
+def progress_name(token: str) -> str:
+    """The progress file's name of partition ``token`` under :data:`PROGRESS_DIR`: a hash (a
+    token is long and may hold any character); collisions are impossible in practice."""
+    return hashlib.blake2b(token.encode(), digest_size=16).hexdigest()
+
+
+# --- operations ------------------------------------------------------------------------------
+
+
+class Rename(msgspec.Struct, frozen=True):
+    """Rename ``staged`` to ``final`` (create ``final``'s parent first). If, when it is carried
+    out, ``staged`` is gone and ``final`` exists, another process did it: that is success."""
+
+    staged: str
+    final: str
+
+
+class DeleteStaged(msgspec.Struct, frozen=True):
+    """Delete a staged directory (recursively): a left-over, or already in place."""
+
+    path: str
+
+
+class WriteProgress(msgspec.Struct, frozen=True):
+    """Write ``position`` to partition ``token``'s progress file, atomically."""
+
+    token: str
+    position: Position
+
+
+class DeleteManifest(msgspec.Struct, frozen=True):
+    batch: str
+
+
+Op = Rename | DeleteStaged | WriteProgress | DeleteManifest
+
+
+def apply_plan(
+    manifest: Manifest,
+    present: frozenset[str] | set[str],
+    current: Mapping[str, Position | None],
+) -> list[Op]:
+    """The operations that apply ``manifest``, in order. ``present``: which of the moves'
+    ``staged`` and ``final`` paths exist now; ``current``: each partition's recorded position
+    (None: none yet), as read from its progress file.
+
+    A move whose source exists is a :class:`Rename` (if its target exists too, the same batch
+    was committed before — same id, same records — and the staged copy is dropped instead); a
+    move whose source is gone and target exists is done; a move with neither is a
+    :class:`CommitError` (the batch's files are lost). Then the positions that move a
+    partition forward, the staging directory's removal and the manifest's deletion."""
+    ops: list[Op] = []
+    for move in manifest.moves:
+        if move.staged in present:
+            if move.final in present:
+                ops.append(DeleteStaged(move.staged))
+            else:
+                ops.append(Rename(move.staged, move.final))
+        elif move.final not in present:
+            raise CommitError(
+                f"batch {manifest.batch}: neither {move.staged} nor {move.final} exists"
+            )
+    ops.extend(
+        WriteProgress(entry.token, entry.position)
+        for entry in manifest.positions
+        if _moves_forward(entry.position, current.get(entry.token))
+    )
+    ops.append(DeleteStaged(manifest.staging))
+    ops.append(DeleteManifest(manifest.batch))
+    return ops
+
+
+def _moves_forward(new: Position, old: Position | None) -> bool:
+    return old is None or (new != old and new.newer(old) is new)
+
+
+def recovery_plan(
+    manifests: Sequence[Manifest],
+    staged: Iterable[tuple[str, float]],
+    now: float,
+    max_age_s: float,
+) -> list[DeleteStaged]:
+    """The staged directories to delete at recovery, after every manifest in ``manifests`` was
+    applied (with :func:`apply_plan`, each in turn). ``staged``: each directory found under
+    :data:`STAGING_DIR` (relative to the output) with its modification time, on the clock of
+    ``now``. A directory a manifest names is the manifest's; any other one older than
+    ``max_age_s`` was never committed (its process died before the commit point) and goes; a
+    younger one may be a batch being staged right now, and stays."""
+    named = {m.staging for m in manifests}
+    return [
+        DeleteStaged(path)
+        for path, mtime in sorted(staged)
+        if path not in named and now - mtime > max_age_s
+    ]
+
+
+def describe(op: Op) -> str:
+    """One line for the log."""
+    match op:
+        case Rename():
+            return f"rename {op.staged} -> {op.final}"
+        case DeleteStaged():
+            return f"delete {op.path}"
+        case WriteProgress():
+            return f"progress {op.token} = {op.position.ts} (+{len(op.position.ids)} ids)"
+        case DeleteManifest():
+            return f"delete manifest {op.batch}"
+        case _:
+            assert_never(op)
+
+
+def next_position(
+    previous: Position | None, records: Sequence[DataChange], watermark: int
+) -> Position:
+    """A partition's position after a batch of ``records`` read up to ``watermark`` was
+    committed on top of ``previous`` (its position before the batch): the tail moves to the
+    watermark (or the last record, if later) and remembers the identities at exactly that
+    timestamp, those of ``previous`` included when the timestamp did not move."""
+    tail = previous.tail() if previous is not None else PartitionTail()
+    last = max((r.commit_ts for r in records), default=watermark)
+    tail.commit(max(watermark, last), records)
+    return tail.position()
+
+
+# --- batch identity --------------------------------------------------------------------------
+
+
+def batch_identity(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> str:
+    """The deterministic identity of a micro-batch (see the module docstring): ``b`` and 16 hex
+    digits. ``entries``: (partition token, records) in the batch's order; several entries of
+    one partition count as one run of records. Partitions without records count by token."""
+    parts: dict[str, tuple[Identity | None, Identity | None, int]] = {}
+    for token, records in entries:
+        first, last, count = parts.get(token, (None, None, 0))
+        if records:
+            if first is None:
+                first = records[0].identity
+            last = records[-1].identity
+            count += len(records)
+        parts[token] = (first, last, count)
+    h = hashlib.blake2b(digest_size=8)
+    for token in sorted(parts):
+        first, last, count = parts[token]
+        h.update(msgspec.json.encode((token, count, first, last)))
+        h.update(b"\n")
+    # a letter first: Spark would infer a partition value of digits (or "1e5...") as a number
+    return "b" + h.hexdigest()
+
+
+def records_identity(record_ids: Iterable[str]) -> str:
+    """The identity of a batch that is a set of output rows rather than partition runs (the
+    Spark bridge's isolation halves and retries): the same rows, the same id, in any order."""
+    h = hashlib.blake2b(digest_size=8)
+    for record_id in sorted(record_ids):
+        h.update(record_id.encode())
+        h.update(b"\n")
+    return "r" + h.hexdigest()

@@ -1,0 +1,272 @@
+"""The file-system committer of the file sinks (docs/design.md#exactly-once-output): the shell
+around ``protocol.commit``, used by the parquet file sink and the Spark bridge's default output.
+
+Layout under the output directory ``root``::
+
+    _staging/<batch>/...          files of a batch being written (readers skip ``_`` names)
+    _shoal/commits/<batch>.json   the manifest of a batch being applied (the commit point)
+    _shoal/progress/<hash>        one partition's committed Position (JSON)
+    <final paths>                 what readers see: each appeared by one rename
+
+A commit (:meth:`Committer.commit`, blocking: run it in a worker thread) checks ``permit()`` (the
+lease) right before the commit point, writes the manifest atomically (a temporary file, fsync,
+``os.replace``), renames each staged directory into place, writes each partition's progress
+file atomically and deletes the manifest. :meth:`recover` applies the manifests a killed
+process left and deletes staged directories no manifest names once they are older than
+``garbage_age_s``; it runs at open and before :meth:`committed` answers. :meth:`committed` reads
+one progress file.
+
+One writer per partition at a time is assumed (the lease gives that); a process that stalls
+between its manifest and its progress files and wakes up after another process recovered its
+batch and committed a newer one could write the older position back. The progress rule
+(never backwards) is checked against what the file says when the manifest is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+
+from protocol.commit import (
+    COMMITS_DIR,
+    PROGRESS_DIR,
+    STAGING_DIR,
+    DeleteManifest,
+    DeleteStaged,
+    Manifest,
+    Move,
+    Op,
+    PartitionPosition,
+    Rename,
+    WriteProgress,
+    apply_plan,
+    decode_manifest,
+    decode_position,
+    describe,
+    encode_manifest,
+    encode_position,
+    manifest_name,
+    next_position,
+    progress_name,
+    recovery_plan,
+)
+from protocol.dedup import Position
+from protocol.records import DataChange
+
+__all__ = ["CommitIncomplete", "CommitRefused", "Committer"]
+
+log = logging.getLogger("shoal.commit")
+
+
+class CommitRefused(RuntimeError):
+    """The lease ran out before the commit point: nothing of the batch was committed."""
+
+
+class CommitIncomplete(RuntimeError):
+    """The batch passed its commit point but applying its manifest failed twice: it becomes
+    visible when the manifest is applied by a later :meth:`Committer.recover` (at the latest
+    when the output is opened next). The committer's user should stop committing."""
+
+
+class Committer:
+    """Atomic micro-batch commits into ``root``; see the module docstring. Thread-safe: one
+    commit or recovery at a time."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        permit: Callable[[], bool] | None = None,
+        garbage_age_s: float = 3600.0,
+        fsync: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = Path(root)
+        self.permit = permit
+        self.garbage_age_s = garbage_age_s
+        self.fsync = fsync
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._positions: dict[str, Position | None] = {}  # cache of the progress files
+        self.batches = 0  # committed by this committer
+        self.recovered = 0  # manifests applied at recovery
+
+    def __repr__(self) -> str:
+        return f"Committer({str(self.root)!r})"
+
+    # --- paths ------------------------------------------------------------------------------
+
+    def staging(self, batch: str) -> Path:
+        """The (fresh, empty) staging directory of ``batch``: whatever an earlier attempt left
+        there is removed."""
+        path = self.root / STAGING_DIR / batch
+        if path.exists():
+            shutil.rmtree(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _manifest_path(self, batch: str) -> Path:
+        return self.root / COMMITS_DIR / manifest_name(batch)
+
+    def _progress_path(self, token: str) -> Path:
+        return self.root / PROGRESS_DIR / progress_name(token)
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def _read_position(self, token: str) -> Position | None:
+        try:
+            data = self._progress_path(token).read_bytes()
+        except FileNotFoundError:
+            return None
+        return decode_position(data)
+
+    def committed(self, token: str) -> Position | None:
+        """Blocking: partition ``token``'s committed position by this output's own record, after
+        applying what a killed process left (one progress file)."""
+        with self._lock:
+            self._recover()
+            position = self._positions[token] = self._read_position(token)
+            return position
+
+    def _current(self, token: str) -> Position | None:
+        if token not in self._positions:
+            self._positions[token] = self._read_position(token)
+        return self._positions[token]
+
+    # --- committing -------------------------------------------------------------------------
+
+    def commit(
+        self,
+        batch: str,
+        moves: Sequence[tuple[str, str]],
+        entries: Sequence[tuple[str, Sequence[DataChange], int]],
+    ) -> Manifest:
+        """Blocking: commit ``batch``, staged under :meth:`staging`. ``moves``: (staged, final)
+        paths relative to ``root``; ``entries``: (partition token, records, watermark) of the
+        batch, in order (all its records, also those already written: the new position covers
+        them). Raises :class:`CommitRefused` (and drops the staged files) if ``permit()`` says
+        the lease ran out."""
+        with self._lock:
+            positions: dict[str, Position] = {}
+            for token, records, watermark in entries:
+                base = positions.get(token) or self._current(token)
+                positions[token] = next_position(base, records, watermark)
+            manifest = Manifest(
+                batch,
+                f"{STAGING_DIR}/{batch}",
+                tuple(Move(s, f) for s, f in moves),
+                tuple(PartitionPosition(t, p) for t, p in positions.items()),
+            )
+            if self.permit is not None and not self.permit():
+                shutil.rmtree(self.root / manifest.staging, ignore_errors=True)
+                raise CommitRefused(f"{self!r}: the lease ran out before batch {batch} committed")
+            self._write_manifest(manifest)
+            try:
+                self._apply(manifest, {t: self._positions.get(t) for t in positions})
+            except Exception:
+                log.exception("%r: applying batch %s failed; trying once more", self, batch)
+                try:
+                    self._apply(manifest)
+                except Exception as exc:
+                    raise CommitIncomplete(
+                        f"{self!r}: batch {batch} is committed but not applied yet: {exc}"
+                    ) from exc
+            self.batches += 1
+            return manifest
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        """The commit point."""
+        path = self._manifest_path(manifest.batch)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_atomically(path, encode_manifest(manifest))
+
+    def _write_atomically(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self.fsync:
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _apply(self, manifest: Manifest, current: dict[str, Position | None] | None = None) -> None:
+        """Apply ``manifest``; ``current``: the partitions' positions, if known (else each
+        progress file is read)."""
+        paths = [p for m in manifest.moves for p in (m.staged, m.final)]
+        present = {p for p in paths if (self.root / p).exists()}
+        if current is None:
+            current = {e.token: self._read_position(e.token) for e in manifest.positions}
+        for op in apply_plan(manifest, present, current):
+            self._do(op)
+
+    def _do(self, op: Op) -> None:
+        """Carry out one operation (idempotently: it may race another process's recovery)."""
+        log.debug("%r: %s", self, describe(op))
+        match op:
+            case Rename():
+                final = self.root / op.final
+                final.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.rename(self.root / op.staged, final)
+                except OSError:
+                    # done by another process in between (source gone, target there), or failed
+                    if (self.root / op.staged).exists() or not final.exists():
+                        raise
+            case DeleteStaged():
+                shutil.rmtree(self.root / op.path, ignore_errors=True)
+            case WriteProgress():
+                path = self._progress_path(op.token)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._write_atomically(path, encode_position(op.position))
+                self._positions[op.token] = op.position
+            case DeleteManifest():
+                self._manifest_path(op.batch).unlink(missing_ok=True)
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """Blocking: apply every manifest left by a killed process and delete old staged
+        left-overs; the number of manifests applied."""
+        with self._lock:
+            return self._recover()
+
+    def _recover(self) -> int:
+        commits = self.root / COMMITS_DIR
+        manifests: list[Manifest] = []
+        with contextlib.suppress(FileNotFoundError):
+            for path in sorted(commits.iterdir()):
+                if path.name.startswith("."):
+                    continue  # a manifest never completed: its batch never committed
+                try:
+                    manifests.append(decode_manifest(path.read_bytes()))
+                except FileNotFoundError:
+                    continue  # applied by its own process meanwhile
+                except msgspec.DecodeError:
+                    log.exception("%r: manifest %s is unreadable; left in place", self, path)
+        for manifest in manifests:
+            log.warning("%r: applying batch %s left by a stopped process", self, manifest.batch)
+            self._apply(manifest)
+        self.recovered += len(manifests)
+        staged: list[tuple[str, float]] = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in (self.root / STAGING_DIR).iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    staged.append((f"{STAGING_DIR}/{entry.name}", entry.stat().st_mtime))
+        for op in recovery_plan(manifests, staged, self.clock(), self.garbage_age_s):
+            log.info("%r: deleting uncommitted staged files %s", self, op.path)
+            self._do(op)
+        return len(manifests)

@@ -1,0 +1,155 @@
+"""The commit core (protocol/commit.py): manifests, the idempotent apply plan, recovery and the
+deterministic batch identity (docs/design.md#exactly-once-output)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol.commit import (
+    CommitError,
+    DeleteManifest,
+    DeleteStaged,
+    Manifest,
+    Move,
+    PartitionPosition,
+    Rename,
+    WriteProgress,
+    apply_plan,
+    batch_identity,
+    decode_manifest,
+    decode_position,
+    encode_manifest,
+    encode_position,
+    next_position,
+    progress_name,
+    recovery_plan,
+)
+from protocol.dedup import Position
+from protocol.records import DataChange
+
+
+def rec(ts: int, seq: str = "0", txn: str = "t") -> DataChange:
+    return DataChange(ts, seq, txn, False, "T", (), (), "INSERT")
+
+
+MOVES = (
+    Move("_staging/b1/table=A/batch=b1", "table=A/batch=b1"),
+    Move("_staging/b1/table=B/batch=b1", "table=B/batch=b1"),
+)
+MANIFEST = Manifest(
+    "b1",
+    "_staging/b1",
+    MOVES,
+    (
+        PartitionPosition("p", Position(20, (("t", "0"), ("t", "1")))),
+        PartitionPosition("q", Position(7)),
+    ),
+)
+STAGED = {m.staged for m in MOVES}
+FINAL = {m.final for m in MOVES}
+
+
+def test_a_manifest_round_trips_with_a_stable_tag() -> None:
+    data = encode_manifest(MANIFEST)
+    assert data.startswith(b'{"kind":"commit-v1","batch":"b1"')
+    assert decode_manifest(data) == MANIFEST
+    with pytest.raises(msgspec.DecodeError):
+        decode_manifest(data[:-5])  # a torn write is not a manifest
+    assert decode_position(encode_position(Position(5, (("x", "1"),)))) == Position(
+        5, (("x", "1"),)
+    )
+
+
+def test_a_fresh_manifest_is_applied_by_renames_then_positions_then_cleanup() -> None:
+    assert apply_plan(MANIFEST, frozenset(STAGED), {}) == [
+        Rename(MOVES[0].staged, MOVES[0].final),
+        Rename(MOVES[1].staged, MOVES[1].final),
+        WriteProgress("p", Position(20, (("t", "0"), ("t", "1")))),
+        WriteProgress("q", Position(7)),
+        DeleteStaged("_staging/b1"),
+        DeleteManifest("b1"),
+    ]
+
+
+def test_applying_again_half_way_through_the_moves_redoes_only_the_rest() -> None:
+    present = {MOVES[0].final, MOVES[1].staged}
+    ops = apply_plan(MANIFEST, present, {"p": None, "q": Position(7)})
+    assert ops == [
+        Rename(MOVES[1].staged, MOVES[1].final),
+        WriteProgress("p", Position(20, (("t", "0"), ("t", "1")))),
+        DeleteStaged("_staging/b1"),
+        DeleteManifest("b1"),
+    ]
+    # all moves done, progress written: only the cleanup is left
+    done = {"p": MANIFEST.positions[0].position, "q": Position(7)}
+    assert apply_plan(MANIFEST, FINAL, done) == [DeleteStaged("_staging/b1"), DeleteManifest("b1")]
+
+
+def test_a_position_never_moves_back() -> None:
+    newer = {"p": Position(30), "q": Position(7, (("t", "9"),))}
+    ops = apply_plan(MANIFEST, FINAL, newer)
+    assert [op for op in ops if isinstance(op, WriteProgress)] == []
+    # same timestamp, fewer identities than the batch: the batch's position is newer
+    ops = apply_plan(MANIFEST, FINAL, {"p": Position(20, (("t", "0"),)), "q": Position(3)})
+    assert [op for op in ops if isinstance(op, WriteProgress)] == [
+        WriteProgress("p", Position(20, (("t", "0"), ("t", "1")))),
+        WriteProgress("q", Position(7)),
+    ]
+
+
+def test_a_batch_committed_before_drops_its_staged_copy() -> None:
+    present = STAGED | {MOVES[0].final}
+    ops = apply_plan(MANIFEST, present, {})
+    assert ops[:2] == [DeleteStaged(MOVES[0].staged), Rename(MOVES[1].staged, MOVES[1].final)]
+
+
+def test_a_move_with_neither_source_nor_target_is_an_error() -> None:
+    with pytest.raises(CommitError, match="neither"):
+        apply_plan(MANIFEST, {MOVES[0].staged}, {})
+
+
+def test_recovery_deletes_old_unnamed_staging_only() -> None:
+    staged = [("_staging/b1", 0.0), ("_staging/old", 0.0), ("_staging/young", 95.0)]
+    assert recovery_plan([MANIFEST], staged, now=100.0, max_age_s=60.0) == [
+        DeleteStaged("_staging/old")
+    ]
+    assert recovery_plan([], staged, now=100.0, max_age_s=60.0) == [
+        DeleteStaged("_staging/b1"),
+        DeleteStaged("_staging/old"),
+    ]
+
+
+def test_next_position_remembers_the_identities_at_the_new_timestamp() -> None:
+    assert next_position(None, [rec(10), rec(20), rec(20, "1")], 20) == Position(
+        20, (("t", "0"), ("t", "1"))
+    )
+    # more records at the same timestamp: the earlier identities stay
+    assert next_position(Position(20, (("t", "0"),)), [rec(20, "2")], 20) == Position(
+        20, (("t", "0"), ("t", "2"))
+    )
+    # a watermark past the records: nothing at it
+    assert next_position(Position(20, (("t", "0"),)), [rec(25)], 30) == Position(30)
+    # a watermark behind the last record never claims less than was written
+    assert next_position(None, [rec(40)], 30) == Position(40, (("t", "0"),))
+
+
+def test_the_batch_identity_depends_on_the_records_only() -> None:
+    a = [("p", [rec(1), rec(2), rec(3)]), ("q", [rec(5)])]
+    ident = batch_identity(a)
+    assert ident.startswith("b")
+    assert len(ident) == 17
+    # the same records in another order of partitions, or split into two entries: same id
+    assert batch_identity([("q", [rec(5)]), ("p", [rec(1), rec(2), rec(3)])]) == ident
+    assert batch_identity([("p", [rec(1)]), ("q", [rec(5)]), ("p", [rec(2), rec(3)])]) == ident
+    # other records: another id
+    assert batch_identity([("p", [rec(1), rec(2), rec(4)]), ("q", [rec(5)])]) != ident
+    assert batch_identity([("p", [rec(1), rec(3)]), ("q", [rec(5)])]) != ident
+    assert batch_identity([("p", [rec(1), rec(2), rec(3)])]) != ident
+    assert batch_identity([("p", [rec(1), rec(2), rec(3)]), ("r", [rec(5)])]) != ident
+
+
+def test_progress_names_are_fixed_length_hashes() -> None:
+    assert progress_name("a/b") == progress_name("a/b")
+    assert progress_name("a/b") != progress_name("a/c")
+    assert len(progress_name("x" * 500)) == 32
