@@ -543,6 +543,9 @@ class Pipeline:
                 return await stack.enter_async_context(make())
             except Exception as exc:
                 left = deadline - time.monotonic()
+                tls = _tls_error(exc)
+                if tls is not None:  # an untrusted certificate: retrying cannot help
+                    raise RunFailed(str(tls)) from exc
                 if not _transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
@@ -728,6 +731,18 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
         )
+
+
+def _tls_error(exc: BaseException) -> BaseException | None:
+    """The :class:`runtime.kafka.tls.KafkaTlsError` behind ``exc``, if any."""
+    from runtime.kafka.tls import KafkaTlsError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KafkaTlsError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _transient(exc: BaseException) -> bool:
