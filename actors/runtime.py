@@ -58,7 +58,7 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
     prog = PROG if command == "run" else f"{PROG} {command}"
     usage = {
         "run": f"{PROG} [run] [options]",
-        "status": f"{prog} [--json] [options]",
+        "status": f"{prog} [--json | --wide] [options]",
         "dlq": f"{prog} {{list,replay}} [--id ID ...] [options]",
         "config": f"{prog} [--reference] [options]",
     }[command]
@@ -83,6 +83,12 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         )
     if command == "status":
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        parser.add_argument(
+            "--wide",
+            action="store_true",
+            help="show whole partition tokens (the table shortens long ones to their first "
+            "characters and a hash)",
+        )
     if command == "config":
         parser.add_argument("--reference", action="store_true", help="print docs/configuration.md")
     options.add_arguments(parser)
@@ -145,7 +151,7 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
 
     try:
         if command == "status":
-            return await admin.status(config, sys.stdout, as_json=args.json)
+            return await admin.status(config, sys.stdout, as_json=args.json, wide=args.wide)
         if command == "dlq":
             return await admin.dlq(
                 config, args.action, args.ids, sys.stdout, via_leader=args.via_leader
