@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConfigError",
+    "HealthOptions",
     "KafkaOptions",
     "Option",
     "RunOptions",
@@ -365,6 +366,18 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
+class HealthOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    failing_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="/healthz fails (and status and the progress display say why) once the "
+            "sink has failed every batch, or the source every query, for this many seconds; "
+            "/readyz fails as soon as either fails every attempt since its last success.",
+        ),
+    ] = 300.0
+
+
 class ShoalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     run: RunOptions = msgspec.field(default_factory=RunOptions)
     kafka: KafkaOptions = msgspec.field(default_factory=KafkaOptions)
@@ -372,6 +385,7 @@ class ShoalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spark: SparkOptions = msgspec.field(default_factory=SparkOptions)
     sim: SimOptions = msgspec.field(default_factory=SimOptions)
     task: TaskOptions = msgspec.field(default_factory=TaskOptions)
+    health: HealthOptions = msgspec.field(default_factory=HealthOptions)
 
 
 SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
@@ -381,6 +395,7 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "spark": SparkOptions,
     "sim": SimOptions,
     "task": TaskOptions,
+    "health": HealthOptions,
 }
 SECTION_TITLES: Final = {
     "run": "Run",
@@ -389,6 +404,7 @@ SECTION_TITLES: Final = {
     "spark": "Spark (--sink spark)",
     "sim": "Simulated change stream (--source sim)",
     "task": "Task protocol tuning",
+    "health": "Health (/healthz, /readyz)",
 }
 CONFIG_ENV: Final = "SHOAL_CONFIG"
 # SHOAL_* variables that are not options but are read elsewhere.

@@ -92,7 +92,17 @@ def short_token(token: str, width: int = TOKEN_WIDTH) -> str:
     return f"{token[: width - 9]}~{digest}"
 
 
-def format_status(connector: str, cim: Cim, now: int, *, wide: bool = False) -> str:
+def format_status(
+    connector: str,
+    cim: Cim,
+    now: int,
+    *,
+    wide: bool = False,
+    stalled_after_s: float = float("inf"),
+) -> str:
+    """The status table. An owned partition whose committed watermark is older than
+    ``stalled_after_s`` (``health.failing_s``) is marked ``STALLED`` and a closing line says
+    what that usually means: its owner's sink fails every batch or its source every query."""
     lines = [
         f"connector {connector!r}: epoch {cim.epoch}, leader {cim.leader or '-'}, "
         f"{len(cim.members)} member(s), sync offset {cim.offset}"
@@ -124,9 +134,14 @@ def format_status(connector: str, cim: Cim, now: int, *, wide: bool = False) -> 
         return token if wide else short_token(token)
 
     lines.append(f"{'partition':<{width}} {'owner':<24} {'status':<9} {'watermark':>12} {'lag':>8}")
+    stalled: dict[str, int] = {}
     for task_id, view in sorted(cim.tasks.items()):
         for token, p in sorted(view.partitions.items()):
             shown = _lag(now, p.watermark) if p.status == "owned" else "-"
+            late = p.status == "owned" and p.watermark > 0
+            if late and (now - p.watermark) / 1e6 > stalled_after_s:
+                stalled[task_id] = stalled.get(task_id, 0) + 1
+                shown += " STALLED"
             lines.append(
                 f"{shown_token(token):<{width}} {task_id:<24} {p.status:<9} "
                 f"{_when(p.watermark):>12} {shown:>8}"
@@ -137,6 +152,15 @@ def format_status(connector: str, cim: Cim, now: int, *, wide: bool = False) -> 
                 f"{shown_token(token):<{width}} {task_id + ' -> ' + target:<24} "
                 f"{'offer:' + offer.kind:<9} {_when(offer.partition.watermark):>12} {'-':>8}"
             )
+    if stalled:
+        owners = ", ".join(f"{task} ({n})" for task, n in sorted(stalled.items()))
+        lines += [
+            "",
+            f"NOT MAKING PROGRESS: partitions not advanced for over {stalled_after_s:.0f}s "
+            f"(health.failing_s) owned by {owners}:",
+            "  the owner's sink fails every batch or its source every query (its /healthz and",
+            "  progress display say which), or it is stuck (docs/operations.md, Metrics and health)",
+        ]
     return "\n".join(lines)
 
 
@@ -163,7 +187,14 @@ async def status(
         }
         out.write(msgspec.json.encode(data).decode() + "\n")
     else:
-        out.write(format_status(config.run.connector, cim, wall_micros(), wide=wide) + "\n")
+        text = format_status(
+            config.run.connector,
+            cim,
+            wall_micros(),
+            wide=wide,
+            stalled_after_s=config.health.failing_s,
+        )
+        out.write(text + "\n")
     return 0
 
 

@@ -29,7 +29,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
@@ -44,6 +44,7 @@ from actors.node import NodeConfig, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
+from protocol.records import ChangeRecord
 from protocol.retry import may_drive
 from runtime.config import (
     ConfigError,
@@ -53,7 +54,7 @@ from runtime.config import (
     query_window,
     task_count,
 )
-from runtime.metrics import MetricsServer, Sample, TaskSample
+from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, prepare_sink
 
 if TYPE_CHECKING:
@@ -69,11 +70,13 @@ class RunFailed(RuntimeError):
 
 
 class Ledger:
-    """The shared sink, remembering which records it committed (bounded runs only)."""
+    """The shared sink, remembering which records it committed (bounded runs only) and whether
+    every batch failed since the last commit (``health``)."""
 
     def __init__(self, inner: Sink, *, keep_ids: bool) -> None:
         self.inner = inner
         self.keep_ids = keep_ids
+        self.health = FailureStreak()
         self.ids: set[tuple[int, str, str]] = set()
         self.records = 0
         self.rows = 0
@@ -84,12 +87,21 @@ class Ledger:
         await prepare_sink(self.inner, token)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
-        future = await self.inner.put(batch)
+        try:
+            future = await self.inner.put(batch)
+        except Exception as exc:
+            self.health.failure(time.monotonic(), describe_error(exc))
+            raise
         records = batch.records
 
         def done(f: asyncio.Future[None]) -> None:
-            if f.cancelled() or f.exception() is not None:
+            if f.cancelled():
                 return
+            error = f.exception()
+            if error is not None:
+                self.health.failure(time.monotonic(), describe_error(error))
+                return
+            self.health.success(time.monotonic())
             self.records += len(records)
             self.rows += sum(len(r.mods) for r in records)
             if self.keep_ids:
@@ -102,6 +114,26 @@ class Ledger:
 
         future.add_done_callback(done)
         return future
+
+
+class WatchedSource:
+    """A source that keeps a :class:`FailureStreak` of its queries: a batch counts as success,
+    a query ending in an exception as a failure (a cancelled one as neither)."""
+
+    def __init__(self, inner: ChangeStreamSource) -> None:
+        self.inner = inner
+        self.health = FailureStreak()
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        try:
+            async for batch in self.inner.query(token, start_ts, end_ts):
+                self.health.success(time.monotonic())
+                yield batch
+        except Exception as exc:
+            self.health.failure(time.monotonic(), describe_error(exc))
+            raise
 
 
 class _Task:
@@ -143,8 +175,14 @@ class Pipeline:
         stop: asyncio.Event,
         out: TextIO,
         live: bool = False,
+        sink: Sink | None = None,
+        source: ChangeStreamSource | None = None,
     ) -> None:
+        """``sink`` and ``source``, when given, replace the ones ``config`` names (an embedding
+        application's own ports, or a test's)."""
         self.config = config
+        self._given_sink = sink
+        self._given_source = source
         self.stop = stop
         self.out = out
         self.progress: Progress | None = None
@@ -168,6 +206,7 @@ class Pipeline:
         self._expected_rows: int | None = None
         self._ledger: Ledger | None = None
         self._file_sink: FileSink | None = None
+        self._source: WatchedSource | None = None
         self._bridge: Any = None  # runtime.spark.SparkBridge with --sink spark
         self._bounded = config.run.duration is not None or config.run.max_records is not None
         self.output_dir = Path(config.run.output_dir)
@@ -221,8 +260,11 @@ class Pipeline:
                 )
             )
         rows, inflight, latency = self._sink_figures()
+        at = time.monotonic()
+        sink_health = self._ledger.health if self._ledger is not None else FailureStreak()
+        source_health = self._source.health if self._source is not None else FailureStreak()
         return Sample(
-            at=time.monotonic(),
+            at=at,
             tasks=tuple(tasks),
             errors=dict(self.errors),
             failed=self.failed,
@@ -230,6 +272,10 @@ class Pipeline:
             sink_rows=rows,
             sink_inflight=inflight,
             sink_commit_latency_s=latency,
+            sink_failing_s=sink_health.failing_for(at),
+            sink_error=sink_health.last_error,
+            source_failing_s=source_health.failing_for(at),
+            source_error=source_health.last_error,
         )
 
     def _sink_figures(self) -> tuple[int, int, float]:
@@ -275,7 +321,7 @@ class Pipeline:
                 f"Kafka at {kafka.bootstrap_servers}",
             )
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
-            source = await self._start_source(stack)
+            source = self._source = WatchedSource(await self._start_source(stack))
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(
@@ -283,6 +329,7 @@ class Pipeline:
                         cfg.run.metrics_host,
                         cfg.run.metrics_port,
                         stuck_after_s=cfg.run.health_out_of_group_s,
+                        failing_after_s=cfg.health.failing_s,
                     )
                 )
                 self._say(f"metrics: {self.metrics.url}/metrics (and /healthz, /readyz)")
@@ -362,6 +409,8 @@ class Pipeline:
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
         cfg = self.config
+        if self._given_source is not None:
+            return self._given_source
         match cfg.run.source:
             case "sim":
                 return self._sim_source()
@@ -439,6 +488,9 @@ class Pipeline:
     async def _start_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
         cfg = self.config
         inner: Sink
+        if self._given_sink is not None:
+            self._ledger = Ledger(self._given_sink, keep_ids=self._bounded)
+            return self._ledger
         match cfg.run.sink:
             case "files":
                 self._file_sink = FileSink(self.output_dir / "data")

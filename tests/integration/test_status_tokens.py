@@ -1,7 +1,10 @@
 """``status`` stays readable with real Spanner partition tokens (200+ characters, long shared
 prefixes): the table shows each as its first characters and a short hash, distinct and the same
 from one run to the next; ``--wide`` and ``--json`` show whole tokens. The tokens are put on a
-real sync topic (the embedded broker) in an epoch message, as a leader writes it."""
+real sync topic (the embedded broker) in an epoch message, as a leader writes it.
+
+The first partition's watermark is fresh, the second's ten minutes old: with
+``--health-failing-s 60`` only the second is marked ``STALLED`` and its owner named."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -29,12 +33,14 @@ TOKENS = (PREFIX + "child-one-0001", PREFIX + "child-two-0002")
 
 
 async def _publish(bootstrap: str, connector: str) -> None:
-    now = 1_790_000_000_000_000
+    now = time.time_ns() // 1000
+    watermarks = (now, now - 600_000_000)
     state = messages.TaskState(
         task_id="task-a",
         state_timestamp=now,
         data=tuple(
-            messages.Partition(token=t, start_ts=now - 10_000_000, watermark=now) for t in TOKENS
+            messages.Partition(token=t, start_ts=now - 900_000_000, watermark=w)
+            for t, w in zip(TOKENS, watermarks, strict=True)
         ),
         full=True,
     )
@@ -69,9 +75,12 @@ def test_status_shortens_long_tokens_and_shows_them_whole_on_request(
     connector = f"tokens-{uuid.uuid4().hex[:8]}"
     asyncio.run(_publish(kafka_broker.bootstrap, connector))
 
-    table = _status(kafka_broker, connector)
+    table = _status(kafka_broker, connector, "--health-failing-s", "60")
     rows = [line for line in table.splitlines() if line.startswith(PREFIX[:10])]
     assert len(rows) == 2, table
+    assert [row.endswith("STALLED") for row in rows] == [False, True], table
+    assert "NOT MAKING PROGRESS: partitions not advanced for over 60s" in table
+    assert "owned by task-a (1)" in table
     assert all(len(line) <= 100 for line in table.splitlines()), table
     assert not any(t in table for t in TOKENS), "a whole 214-character token in the table"
     shown = [row.split()[0] for row in rows]
