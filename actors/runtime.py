@@ -124,7 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from runtime import logs
 
-    logs.configure(config.run.log_level, json_lines=config.run.log_json)
+    logs.configure(
+        config.run.log_level,
+        json_lines=config.run.log_json,
+        secrets=options.secret_values(config),
+    )
     if command == "config":
         if args.reference:
             sys.stdout.write(options.reference_markdown())
@@ -133,10 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 msgspec.json.format(msgspec.json.encode(options.redacted(config))).decode() + "\n"
             )
         return 0
+    secrets = options.secret_values(config)
     try:
         return _run_loop(_main_async(command, args, config))
     except ConfigError as exc:
-        return _fail(sys.stderr, str(exc), 2)
+        return _fail(sys.stderr, logs.mask(str(exc), secrets), 2)
 
 
 def _run_loop(coro: object) -> int:
@@ -168,7 +173,9 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
         import logging
 
         logging.getLogger("shoal.runtime").debug("run failed", exc_info=exc)
-        return _fail(sys.stderr, messages, 1)
+        from runtime import logs
+
+        return _fail(sys.stderr, logs.mask(messages, options.secret_values(config)), 1)
 
 
 async def run(config: ShoalConfig) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -730,6 +731,11 @@ def kafka_config(config: ShoalConfig, bootstrap: str) -> KafkaConfig:
     )
 
 
+# Extra Spark settings whose name says they hold a secret (spark.hadoop.fs.s3a.secret.key,
+# spark.ssl.keyPassword, spark.authenticate.secret, ...): shown as *** like the secret options.
+_SECRET_CONF: Final = re.compile(r"secret|passw|token|credential|private|key$", re.IGNORECASE)
+
+
 def redacted(config: ShoalConfig) -> dict[str, Any]:
     """The configuration as plain data with secrets replaced by ``***``."""
     data: dict[str, Any] = msgspec.to_builtins(config)
@@ -737,7 +743,24 @@ def redacted(config: ShoalConfig) -> dict[str, Any]:
         for name in _SECRET_FIELDS:
             if section.get(name) is not None:
                 section[name] = "***"
+    conf = data["spark"]["conf"]
+    for key in conf:
+        if _SECRET_CONF.search(key):
+            conf[key] = "***"
     return data
+
+
+def secret_values(config: ShoalConfig) -> tuple[str, ...]:
+    """Every secret value of ``config`` (the secret options, secret-looking Spark settings), for
+    the logs to mask wherever one would appear (:func:`runtime.logs.configure`)."""
+    values = [
+        getattr(section, name)
+        for section in (config.run, config.kafka, config.spanner, config.spark)
+        for name in _SECRET_FIELDS
+        if getattr(section, name, None)
+    ]
+    values += [v for k, v in config.spark.conf.items() if v and _SECRET_CONF.search(k)]
+    return tuple(values)
 
 
 # -- the reference ------------------------------------------------------------------------------

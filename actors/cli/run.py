@@ -52,8 +52,10 @@ from runtime.config import (
     SimOptions,
     kafka_config,
     query_window,
+    secret_values,
     task_count,
 )
+from runtime.logs import mask
 from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, prepare_sink
 
@@ -181,6 +183,7 @@ class Pipeline:
         """``sink`` and ``source``, when given, replace the ones ``config`` names (an embedding
         application's own ports, or a test's)."""
         self.config = config
+        self._secrets = secret_values(config)  # masked in the health reasons
         self._given_sink = sink
         self._given_source = source
         self.stop = stop
@@ -273,9 +276,9 @@ class Pipeline:
             sink_inflight=inflight,
             sink_commit_latency_s=latency,
             sink_failing_s=sink_health.failing_for(at),
-            sink_error=sink_health.last_error,
+            sink_error=mask(sink_health.last_error, self._secrets),
             source_failing_s=source_health.failing_for(at),
-            source_error=source_health.last_error,
+            source_error=mask(source_health.last_error, self._secrets),
         )
 
     def _sink_figures(self) -> tuple[int, int, float]:
