@@ -58,7 +58,7 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
     prog = PROG if command == "run" else f"{PROG} {command}"
     usage = {
         "run": f"{PROG} [run] [options]",
-        "status": f"{prog} [--json] [options]",
+        "status": f"{prog} [--json | --wide] [options]",
         "dlq": f"{prog} {{list,replay}} [--id ID ...] [options]",
         "config": f"{prog} [--reference] [options]",
     }[command]
@@ -83,6 +83,12 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         )
     if command == "status":
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        parser.add_argument(
+            "--wide",
+            action="store_true",
+            help="show whole partition tokens (the table shortens long ones to their first "
+            "characters and a hash)",
+        )
     if command == "config":
         parser.add_argument("--reference", action="store_true", help="print docs/configuration.md")
     options.add_arguments(parser)
@@ -118,7 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from runtime import logs
 
-    logs.configure(config.run.log_level, json_lines=config.run.log_json)
+    logs.configure(
+        config.run.log_level,
+        json_lines=config.run.log_json,
+        secrets=options.secret_values(config),
+    )
     if command == "config":
         if args.reference:
             sys.stdout.write(options.reference_markdown())
@@ -127,10 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 msgspec.json.format(msgspec.json.encode(options.redacted(config))).decode() + "\n"
             )
         return 0
+    secrets = options.secret_values(config)
     try:
         return _run_loop(_main_async(command, args, config))
     except ConfigError as exc:
-        return _fail(sys.stderr, str(exc), 2)
+        return _fail(sys.stderr, logs.mask(str(exc), secrets), 2)
 
 
 def _run_loop(coro: object) -> int:
@@ -145,7 +156,7 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
 
     try:
         if command == "status":
-            return await admin.status(config, sys.stdout, as_json=args.json)
+            return await admin.status(config, sys.stdout, as_json=args.json, wide=args.wide)
         if command == "dlq":
             return await admin.dlq(
                 config, args.action, args.ids, sys.stdout, via_leader=args.via_leader
@@ -164,7 +175,9 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
         import logging
 
         logging.getLogger("shoal.runtime").debug("run failed", exc_info=exc)
-        return _fail(sys.stderr, messages, 1)
+        from runtime import logs
+
+        return _fail(sys.stderr, logs.mask(messages, options.secret_values(config)), 1)
 
 
 async def run(config: ShoalConfig) -> int:

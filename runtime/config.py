@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConfigError",
+    "HealthOptions",
     "KafkaOptions",
     "Option",
     "RunOptions",
@@ -410,6 +411,18 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
+class HealthOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    failing_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="/healthz fails (and status and the progress display say why) once the "
+            "sink has failed every batch, or the source every query, for this many seconds; "
+            "/readyz fails as soon as either fails every attempt since its last success.",
+        ),
+    ] = 300.0
+
+
 class ShoalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     run: RunOptions = msgspec.field(default_factory=RunOptions)
     kafka: KafkaOptions = msgspec.field(default_factory=KafkaOptions)
@@ -417,6 +430,7 @@ class ShoalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spark: SparkOptions = msgspec.field(default_factory=SparkOptions)
     sim: SimOptions = msgspec.field(default_factory=SimOptions)
     task: TaskOptions = msgspec.field(default_factory=TaskOptions)
+    health: HealthOptions = msgspec.field(default_factory=HealthOptions)
 
 
 SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
@@ -426,6 +440,7 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "spark": SparkOptions,
     "sim": SimOptions,
     "task": TaskOptions,
+    "health": HealthOptions,
 }
 SECTION_TITLES: Final = {
     "run": "Run",
@@ -434,6 +449,7 @@ SECTION_TITLES: Final = {
     "spark": "Spark (--sink spark)",
     "sim": "Simulated change stream (--source sim)",
     "task": "Task protocol tuning",
+    "health": "Health (/healthz, /readyz)",
 }
 CONFIG_ENV: Final = "SHOAL_CONFIG"
 # SHOAL_* variables that are not options but are read elsewhere.
@@ -813,6 +829,11 @@ def kafka_config(config: ShoalConfig, bootstrap: str) -> KafkaConfig:
     )
 
 
+# Extra Spark settings whose name says they hold a secret (spark.hadoop.fs.s3a.secret.key,
+# spark.ssl.keyPassword, spark.authenticate.secret, ...): shown as *** like the secret options.
+_SECRET_CONF: Final = re.compile(r"secret|passw|token|credential|private|key$", re.IGNORECASE)
+
+
 def redacted(config: ShoalConfig) -> dict[str, Any]:
     """The configuration as plain data with secrets replaced by ``***``."""
     data: dict[str, Any] = msgspec.to_builtins(config)
@@ -820,7 +841,24 @@ def redacted(config: ShoalConfig) -> dict[str, Any]:
         for name in _SECRET_FIELDS:
             if section.get(name) is not None:
                 section[name] = "***"
+    conf = data["spark"]["conf"]
+    for key in conf:
+        if _SECRET_CONF.search(key):
+            conf[key] = "***"
     return data
+
+
+def secret_values(config: ShoalConfig) -> tuple[str, ...]:
+    """Every secret value of ``config`` (the secret options, secret-looking Spark settings), for
+    the logs to mask wherever one would appear (:func:`runtime.logs.configure`)."""
+    values = [
+        getattr(section, name)
+        for section in (config.run, config.kafka, config.spanner, config.spark)
+        for name in _SECRET_FIELDS
+        if getattr(section, name, None)
+    ]
+    values += [v for k, v in config.spark.conf.items() if v and _SECRET_CONF.search(k)]
+    return tuple(values)
 
 
 # -- the reference ------------------------------------------------------------------------------

@@ -3,6 +3,11 @@
 Human form: ``2026-11-22T18:43:34.123Z WARNING shoal.reader reader p00003: ... key=value``.
 JSON form: one object per line with ``ts``, ``level``, ``logger``, ``message``, ``process``,
 ``task`` where known, ``exc`` with the traceback, and every ``extra={...}`` field of the call.
+
+Secret values handed to :func:`configure` (passwords from the configuration) are replaced by
+``***`` in every line, in both forms, whatever logged them (shoal, the Kafka client, Google's
+libraries at debug level): shoal's own messages never show them, and this catches a third-party
+one that would.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import os
 import sys
 from typing import Any, Final, TextIO
 
-__all__ = ["JsonFormatter", "TextFormatter", "configure"]
+__all__ = ["JsonFormatter", "TextFormatter", "configure", "mask"]
 
 # Attributes every LogRecord has; anything else came from ``extra=`` and is logged as a field.
 _STANDARD: Final = frozenset(
@@ -46,6 +51,29 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+def mask(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with every value of ``secrets`` (also as escaped inside a JSON string) replaced
+    by ``***``; the longest first, so a secret containing another is masked whole."""
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+        quoted = json.dumps(secret)[1:-1]
+        if quoted != secret:
+            text = text.replace(quoted, "***")
+    return text
+
+
+class _Masking(logging.Formatter):
+    """Formats with ``inner``, then replaces every secret value by ``***``."""
+
+    def __init__(self, inner: logging.Formatter, secrets: tuple[str, ...]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._secrets = secrets
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask(self._inner.format(record), self._secrets)
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         extra = " ".join(f"{k}={v}" for k, v in _extras(record).items())
@@ -58,11 +86,19 @@ class TextFormatter(logging.Formatter):
 
 
 def configure(
-    level: str = "warning", *, json_lines: bool = False, stream: TextIO | None = None
+    level: str = "warning",
+    *,
+    json_lines: bool = False,
+    stream: TextIO | None = None,
+    secrets: tuple[str, ...] = (),
 ) -> None:
-    """Route every logger to ``stream`` (stderr) at ``level``; replaces earlier handlers."""
+    """Route every logger to ``stream`` (stderr) at ``level``; replaces earlier handlers. Every
+    value in ``secrets`` is shown as ``***``."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
+    formatter: logging.Formatter = JsonFormatter() if json_lines else TextFormatter()
+    if secrets:
+        formatter = _Masking(formatter, secrets)
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

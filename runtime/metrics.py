@@ -7,11 +7,17 @@ one asyncio HTTP listener inside the runtime's own event loop:
 * ``/metrics`` – the Prometheus text format of a private ``CollectorRegistry``: a collector
   turns the newest :class:`Sample` into metric families at scrape time (gauges and counters per
   task and per partition), plus a histogram of rebalance durations fed by :meth:`observe_rebalance`;
-* ``/healthz`` – 200 while the event loop answers, no component has failed and no task that was
-  ready has been out of the heartbeat group longer than ``stuck_after_s`` (:func:`liveness`),
-  else 503: a process whose task cannot get back into the group should be restarted;
+* ``/healthz`` – 200 while the event loop answers, no component has failed, no task that was
+  ready has been out of the heartbeat group longer than ``stuck_after_s``, and neither the sink
+  has failed every batch nor the source every query for longer than ``failing_after_s``
+  (:func:`liveness`), else 503: such a process should be restarted (or its sink or source fixed);
 * ``/readyz`` – 200 once every task of the process has joined, replayed the sync topic and
-  holds an epoch that lists it; 503 with the reason otherwise (and while shutting down).
+  holds an epoch that lists it, and while it makes progress (the sink's and the source's last
+  attempts did not all fail since their last success); 503 with the reason otherwise (and while
+  shutting down).
+
+The failure streaks are kept by :class:`FailureStreak`, a pure record the shells feed with the
+outcome of every sink batch and source query (the time passed in).
 
 Every metric is prefixed ``shoal_`` and labelled ``task`` (and ``partition``, ``kind``,
 ``actor`` where it says so); see ``docs/operations.md`` for the list.
@@ -31,7 +37,49 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger("shoal.metrics")
 
-__all__ = ["MetricsServer", "Sample", "TaskSample", "build_registry", "liveness", "readiness"]
+__all__ = [
+    "FailureStreak",
+    "MetricsServer",
+    "Sample",
+    "TaskSample",
+    "build_registry",
+    "describe_error",
+    "failing",
+    "liveness",
+    "readiness",
+]
+
+
+class FailureStreak:
+    """Whether every attempt (sink batch, source query) failed since some time: the start of the
+    streak is the first failure after the last success. Pure: the caller passes ``now``
+    (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # first failure after the last success
+        self.failures = 0  # in the current streak
+        self.last_error = ""
+
+    def success(self, now: float) -> None:
+        del now
+        self.since = None
+        self.failures = 0
+
+    def failure(self, now: float, error: str) -> None:
+        if self.since is None:
+            self.since = now
+        self.failures += 1
+        self.last_error = error
+
+    def failing_for(self, now: float) -> float:
+        """Seconds every attempt has failed (0 while the last attempt since a failure worked)."""
+        return 0.0 if self.since is None else max(1e-6, now - self.since)
+
+
+def describe_error(exc: BaseException, limit: int = 200) -> str:
+    """``Type: message`` on one line, cut at ``limit`` characters, for health reasons."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class TaskSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +120,27 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     records_filtered: int = (
         0  # data-change records dropped by --tables/--exclude-tables/--mod-types
     )
+    sink_failing_s: float = 0.0  # every batch handed to the sink failed for this long (0: not)
+    sink_error: str = ""  # the last sink failure of that streak
+    source_failing_s: float = 0.0  # every source query failed for this long (0: not)
+    source_error: str = ""
+
+
+def failing(sample: Sample) -> list[str]:
+    """Why the process makes no progress now: a sink or source whose attempts all failed since
+    their last success (empty when neither)."""
+    out = []
+    if sample.sink_failing_s > 0:
+        out.append(
+            f"the sink has failed every batch for {sample.sink_failing_s:.0f}s "
+            f"(last: {sample.sink_error})"
+        )
+    if sample.source_failing_s > 0:
+        out.append(
+            f"the source has failed every query for {sample.source_failing_s:.0f}s "
+            f"(last: {sample.source_error})"
+        )
+    return out
 
 
 SampleProvider = Callable[[], Sample]
@@ -177,6 +246,16 @@ class _SampleCollector(Collector):
             "their commit timestamps still advance the watermarks",
         )
         filtered.add_metric([], sample.records_filtered)
+        sink_failing = GaugeMetricFamily(
+            "shoal_sink_failing_seconds",
+            "Seconds every batch handed to the sink has failed (0 once one commits)",
+        )
+        sink_failing.add_metric([], sample.sink_failing_s)
+        source_failing = GaugeMetricFamily(
+            "shoal_source_failing_seconds",
+            "Seconds every change-stream query has failed (0 once one answers)",
+        )
+        source_failing.add_metric([], sample.source_failing_s)
         ready = GaugeMetricFamily("shoal_ready", "1 when /readyz answers 200")
         ready.add_metric([], 1.0 if readiness(sample)[0] else 0.0)
         yield from (
@@ -201,16 +280,23 @@ class _SampleCollector(Collector):
             inflight,
             latency,
             filtered,
+            sink_failing,
+            source_failing,
             ready,
         )
 
 
-def liveness(sample: Sample, stuck_after_s: float) -> tuple[bool, str]:
-    """(alive, reason): nothing failed for good, and no task has been out of the heartbeat group
+def liveness(
+    sample: Sample, stuck_after_s: float, failing_after_s: float = float("inf")
+) -> tuple[bool, str]:
+    """(alive, reason): nothing failed for good, no task has been out of the heartbeat group
     for longer than ``stuck_after_s`` (a rebalance takes seconds; a task that cannot rejoin, for
-    example because its Kafka client is wedged, holds no partitions and never will)."""
+    example because its Kafka client is wedged, holds no partitions and never will), and neither
+    the sink nor the source has failed every attempt for longer than ``failing_after_s``."""
     if sample.failed is not None:
         return False, f"failed: {sample.failed}"
+    if sample.sink_failing_s > failing_after_s or sample.source_failing_s > failing_after_s:
+        return False, "; ".join(failing(sample))
     for task in sample.tasks:
         if task.out_of_group_s > stuck_after_s:
             return False, (
@@ -225,6 +311,9 @@ def readiness(sample: Sample) -> tuple[bool, str]:
         return False, f"failed: {sample.failed}"
     if sample.stopping:
         return False, "shutting down"
+    stalled = failing(sample)
+    if stalled:
+        return False, "not making progress: " + "; ".join(stalled)
     if not sample.tasks:
         return False, "no task started yet"
     for task in sample.tasks:
@@ -263,9 +352,11 @@ class MetricsServer:
         host: str = "127.0.0.1",
         port: int = 0,
         stuck_after_s: float = 120.0,
+        failing_after_s: float = float("inf"),
     ) -> None:
         self._provider = provider
         self.stuck_after_s = stuck_after_s
+        self.failing_after_s = failing_after_s
         self._host = host
         self._port = port
         self.registry, self._rebalance = build_registry(provider)
@@ -333,7 +424,7 @@ class MetricsServer:
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
         if path == "/healthz":
-            ok, reason = liveness(self._provider(), self.stuck_after_s)
+            ok, reason = liveness(self._provider(), self.stuck_after_s, self.failing_after_s)
             return ("200 OK" if ok else "503 Service Unavailable"), text, f"{reason}\n".encode()
         if path == "/readyz":
             ok, reason = readiness(self._provider())

@@ -11,6 +11,7 @@ nothing else.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -77,7 +78,31 @@ async def replay_cim(config: ShoalConfig, *, timeout_s: float = 60.0) -> Cim:
     return cim
 
 
-def format_status(connector: str, cim: Cim, now: int) -> str:
+TOKEN_WIDTH = 28  # the partition column of the status table
+
+
+def short_token(token: str, width: int = TOKEN_WIDTH) -> str:
+    """``token`` as the status table shows it: whole when it fits in ``width``, else its first
+    characters, ``~`` and 8 hex digits of its SHA-256, so two tokens with the same beginning (real
+    Spanner tokens are 200+ characters and share long prefixes) stay apart, and the same token
+    always looks the same. ``status --wide`` and ``--json`` show whole tokens."""
+    if len(token) <= width:
+        return token
+    digest = hashlib.sha256(token.encode()).hexdigest()[:8]
+    return f"{token[: width - 9]}~{digest}"
+
+
+def format_status(
+    connector: str,
+    cim: Cim,
+    now: int,
+    *,
+    wide: bool = False,
+    stalled_after_s: float = float("inf"),
+) -> str:
+    """The status table. An owned partition whose committed watermark is older than
+    ``stalled_after_s`` (``health.failing_s``) is marked ``STALLED`` and a closing line says
+    what that usually means: its owner's sink fails every batch or its source every query."""
     lines = [
         f"connector {connector!r}: epoch {cim.epoch}, leader {cim.leader or '-'}, "
         f"{len(cim.members)} member(s), sync offset {cim.offset}"
@@ -101,23 +126,47 @@ def format_status(connector: str, cim: Cim, now: int) -> str:
             f"{len(owned):>6} {finished:>8} {offers:>6} {lag / 1e6 if owned else 0:>7.1f}s"
         )
     lines.append("")
-    lines.append(f"{'partition':<28} {'owner':<24} {'status':<9} {'watermark':>12} {'lag':>8}")
+    tokens = [t for view in cim.tasks.values() for t in (*view.partitions, *view.share)]
+    width = max((len(t) for t in tokens), default=TOKEN_WIDTH) if wide else TOKEN_WIDTH
+    width = max(width, len("partition"))
+
+    def shown_token(token: str) -> str:
+        return token if wide else short_token(token)
+
+    lines.append(f"{'partition':<{width}} {'owner':<24} {'status':<9} {'watermark':>12} {'lag':>8}")
+    stalled: dict[str, int] = {}
     for task_id, view in sorted(cim.tasks.items()):
         for token, p in sorted(view.partitions.items()):
             shown = _lag(now, p.watermark) if p.status == "owned" else "-"
+            late = p.status == "owned" and p.watermark > 0
+            if late and (now - p.watermark) / 1e6 > stalled_after_s:
+                stalled[task_id] = stalled.get(task_id, 0) + 1
+                shown += " STALLED"
             lines.append(
-                f"{token:<28} {task_id:<24} {p.status:<9} {_when(p.watermark):>12} {shown:>8}"
+                f"{shown_token(token):<{width}} {task_id:<24} {p.status:<9} "
+                f"{_when(p.watermark):>12} {shown:>8}"
             )
         for token, offer in sorted(view.share.items()):
             target = offer.target or "(parked)"
             lines.append(
-                f"{token:<28} {task_id + ' -> ' + target:<24} {'offer:' + offer.kind:<9} "
-                f"{_when(offer.partition.watermark):>12} {'-':>8}"
+                f"{shown_token(token):<{width}} {task_id + ' -> ' + target:<24} "
+                f"{'offer:' + offer.kind:<9} {_when(offer.partition.watermark):>12} {'-':>8}"
             )
+    if stalled:
+        owners = ", ".join(f"{task} ({n})" for task, n in sorted(stalled.items()))
+        lines += [
+            "",
+            f"NOT MAKING PROGRESS: partitions not advanced for over {stalled_after_s:.0f}s "
+            f"(health.failing_s) owned by {owners}:",
+            "  the owner's sink fails every batch or its source every query (its /healthz and",
+            "  progress display say which), or it is stuck (docs/operations.md, Metrics and health)",
+        ]
     return "\n".join(lines)
 
 
-async def status(config: ShoalConfig, out: TextIO, *, as_json: bool = False) -> int:
+async def status(
+    config: ShoalConfig, out: TextIO, *, as_json: bool = False, wide: bool = False
+) -> int:
     from actors.task import wall_micros
 
     cim = await replay_cim(config)
@@ -138,7 +187,14 @@ async def status(config: ShoalConfig, out: TextIO, *, as_json: bool = False) -> 
         }
         out.write(msgspec.json.encode(data).decode() + "\n")
     else:
-        out.write(format_status(config.run.connector, cim, wall_micros()) + "\n")
+        text = format_status(
+            config.run.connector,
+            cim,
+            wall_micros(),
+            wide=wide,
+            stalled_after_s=config.health.failing_s,
+        )
+        out.write(text + "\n")
     return 0
 
 

@@ -7,6 +7,9 @@
   the leader; rebalances are printed above the table as they happen;
 * otherwise it prints one line per interval and one line per rebalance, fit for a log file.
 
+While the sink fails every batch or the source every query, both say so and why
+(``NOT MAKING PROGRESS: ...``, :func:`runtime.metrics.failing`).
+
 Pure formatting: it never reads a clock (the sample carries its time) and writes only to the
 stream it was given.
 """
@@ -17,7 +20,7 @@ from typing import TextIO
 
 import msgspec
 
-from runtime.metrics import Sample, TaskSample
+from runtime.metrics import Sample, TaskSample, failing
 
 __all__ = ["Progress", "RunSummary", "format_summary", "format_table"]
 
@@ -49,6 +52,7 @@ def format_table(sample: Sample, rates: dict[str, float]) -> list[str]:
     if sample.sink_commit_latency_s:
         sink += f", last commit {sample.sink_commit_latency_s:.1f}s after its oldest record"
     rows.append(sink)
+    rows.extend(f"NOT MAKING PROGRESS: {why}" for why in failing(sample))
     return rows
 
 
@@ -82,7 +86,8 @@ class Progress:
                 for t in sample.tasks
             ]
             delivered = sum(t.records_delivered for t in sample.tasks)
-            self._stream.write(f"progress: delivered {delivered} | {' | '.join(parts)}\n")
+            stalled = "".join(f" | NOT MAKING PROGRESS: {why}" for why in failing(sample))
+            self._stream.write(f"progress: delivered {delivered} | {' | '.join(parts)}{stalled}\n")
         self._stream.flush()
 
     def message(self, text: str) -> None:

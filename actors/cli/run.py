@@ -56,10 +56,12 @@ from runtime.config import (
     kafka_config,
     query_window,
     record_filter,
+    secret_values,
     start_micros,
     task_count,
 )
-from runtime.metrics import MetricsServer, Sample, TaskSample
+from runtime.logs import mask
+from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
 from runtime.ports import (
     ChangeStreamSource,
     Membership,
@@ -82,11 +84,13 @@ class RunFailed(RuntimeError):
 
 
 class Ledger:
-    """The shared sink, remembering which records it committed (bounded runs only)."""
+    """The shared sink, remembering which records it committed (bounded runs only) and whether
+    every batch failed since the last commit (``health``)."""
 
     def __init__(self, inner: Sink, *, keep_ids: bool) -> None:
         self.inner = inner
         self.keep_ids = keep_ids
+        self.health = FailureStreak()
         self.ids: set[tuple[int, str, str]] = set()
         self.records = 0
         self.rows = 0
@@ -100,12 +104,21 @@ class Ledger:
         return await sink_committed(self.inner, token)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
-        future = await self.inner.put(batch)
+        try:
+            future = await self.inner.put(batch)
+        except Exception as exc:
+            self.health.failure(time.monotonic(), describe_error(exc))
+            raise
         records = batch.records
 
         def done(f: asyncio.Future[None]) -> None:
-            if f.cancelled() or f.exception() is not None:
+            if f.cancelled():
                 return
+            error = f.exception()
+            if error is not None:
+                self.health.failure(time.monotonic(), describe_error(error))
+                return
+            self.health.success(time.monotonic())
             self.records += len(records)
             self.rows += sum(len(r.mods) for r in records)
             if self.keep_ids:
@@ -118,6 +131,26 @@ class Ledger:
 
         future.add_done_callback(done)
         return future
+
+
+class WatchedSource:
+    """A source that keeps a :class:`FailureStreak` of its queries: a batch counts as success,
+    a query ending in an exception as a failure (a cancelled one as neither)."""
+
+    def __init__(self, inner: ChangeStreamSource) -> None:
+        self.inner = inner
+        self.health = FailureStreak()
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        try:
+            async for batch in self.inner.query(token, start_ts, end_ts):
+                self.health.success(time.monotonic())
+                yield batch
+        except Exception as exc:
+            self.health.failure(time.monotonic(), describe_error(exc))
+            raise
 
 
 class _Task:
@@ -159,8 +192,15 @@ class Pipeline:
         stop: asyncio.Event,
         out: TextIO,
         live: bool = False,
+        sink: Sink | None = None,
+        source: ChangeStreamSource | None = None,
     ) -> None:
+        """``sink`` and ``source``, when given, replace the ones ``config`` names (an embedding
+        application's own ports, or a test's)."""
         self.config = config
+        self._secrets = secret_values(config)  # masked in the health reasons
+        self._given_sink = sink
+        self._given_source = source
         self.stop = stop
         self.out = out
         self.progress: Progress | None = None
@@ -184,6 +224,7 @@ class Pipeline:
         self._expected_rows: int | None = None
         self._ledger: Ledger | None = None
         self._file_sink: FileSink | None = None
+        self._source: WatchedSource | None = None
         self._bridge: Any = None  # runtime.spark.SparkBridge with --sink spark
         self._bounded = config.run.duration is not None or config.run.max_records is not None
         self._start_at = start_micros(config.run)  # None: now
@@ -241,8 +282,11 @@ class Pipeline:
                 )
             )
         rows, inflight, latency = self._sink_figures()
+        at = time.monotonic()
+        sink_health = self._ledger.health if self._ledger is not None else FailureStreak()
+        source_health = self._source.health if self._source is not None else FailureStreak()
         return Sample(
-            at=time.monotonic(),
+            at=at,
             tasks=tuple(tasks),
             errors=dict(self.errors),
             failed=self.failed,
@@ -253,6 +297,10 @@ class Pipeline:
             records_filtered=(
                 0 if self._filtered is None else self._filtered.statistics().records_filtered
             ),
+            sink_failing_s=sink_health.failing_for(at),
+            sink_error=mask(sink_health.last_error, self._secrets),
+            source_failing_s=source_health.failing_for(at),
+            source_error=mask(source_health.last_error, self._secrets),
         )
 
     def _sink_figures(self) -> tuple[int, int, float]:
@@ -298,7 +346,9 @@ class Pipeline:
                 f"Kafka at {kafka.bootstrap_servers}",
             )
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
-            source = self._bound_and_filter(await self._start_source(stack))
+            source = self._source = WatchedSource(
+                self._bound_and_filter(await self._start_source(stack))
+            )
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(
@@ -306,6 +356,7 @@ class Pipeline:
                         cfg.run.metrics_host,
                         cfg.run.metrics_port,
                         stuck_after_s=cfg.run.health_out_of_group_s,
+                        failing_after_s=cfg.health.failing_s,
                     )
                 )
                 self._say(f"metrics: {self.metrics.url}/metrics (and /healthz, /readyz)")
@@ -402,6 +453,8 @@ class Pipeline:
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
         cfg = self.config
+        if self._given_source is not None:
+            return self._given_source
         match cfg.run.source:
             case "sim":
                 return self._sim_source()
@@ -504,6 +557,9 @@ class Pipeline:
     async def _start_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
         cfg = self.config
         inner: Sink
+        if self._given_sink is not None:
+            self._ledger = Ledger(self._given_sink, keep_ids=self._bounded)
+            return self._ledger
         match cfg.run.sink:
             case "files":
                 self._file_sink = FileSink(self.output_dir / "data", permit=self._leased)
@@ -612,6 +668,9 @@ class Pipeline:
                 return await stack.enter_async_context(make())
             except Exception as exc:
                 left = deadline - time.monotonic()
+                tls = _tls_error(exc)
+                if tls is not None:  # an untrusted certificate: retrying cannot help
+                    raise RunFailed(str(tls)) from exc
                 if not _transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
@@ -892,6 +951,18 @@ def _rfc3339(micros: int) -> str:
         microseconds=micros
     )
     return moment.isoformat().replace("+00:00", "Z")
+
+
+def _tls_error(exc: BaseException) -> BaseException | None:
+    """The :class:`runtime.kafka.tls.KafkaTlsError` behind ``exc``, if any."""
+    from runtime.kafka.tls import KafkaTlsError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KafkaTlsError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _transient(exc: BaseException) -> bool:

@@ -130,7 +130,9 @@ class EmbeddedBroker:
 
     ``port=None`` picks a free port (retrying on another one up to ``attempts`` times if the
     broker cannot bind it); an explicit port is tried once. ``log_path=None`` writes the broker's
-    log to a fresh temporary file.
+    log to a fresh temporary file. ``advertised`` (``host:port``) is the address the broker tells
+    its clients to use instead of its own, for a proxy in front of it (a TLS-terminating one:
+    this build of Tansu cannot do TLS itself); clients then bootstrap through the proxy too.
     """
 
     def __init__(
@@ -144,11 +146,14 @@ class EmbeddedBroker:
         attempts: int = 4,
         binary: str | None = None,
         rust_log: str = "warn",
+        advertised: str | None = None,
     ) -> None:
         if start_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("start_timeout_s and stop_timeout_s must be positive")
         if attempts < 1:
             raise ValueError(f"attempts must be at least 1, got {attempts}")
+        if advertised is not None and not advertised.rpartition(":")[2].isdigit():
+            raise ValueError(f"advertised must be 'host:port', got {advertised!r}")
         self._host = host
         self._requested_port = port
         self._log_path = Path(log_path) if log_path is not None else None
@@ -157,6 +162,7 @@ class EmbeddedBroker:
         self._attempts = 1 if port is not None else attempts
         self._binary = binary
         self._rust_log = rust_log
+        self._advertised = advertised
         self._process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
         self._port: int | None = None
@@ -234,6 +240,7 @@ class EmbeddedBroker:
     def _try_start(self, binary: str, port: int) -> str | None:
         """Launch on ``port``; return ``None`` once ready, else why not (process cleaned up)."""
         url = f"tcp://{self._host}:{port}"
+        advertised = f"tcp://{self._advertised}" if self._advertised is not None else url
         command = [
             binary,
             "broker",
@@ -242,7 +249,7 @@ class EmbeddedBroker:
             "--listener-url",
             url,
             "--advertised-listener-url",
-            url,
+            advertised,
             "--storage-engine",
             "memory://tansu/",
         ]

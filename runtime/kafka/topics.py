@@ -14,9 +14,10 @@ import re
 from collections.abc import Mapping
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError, for_code
 
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
+from runtime.kafka.tls import diagnose
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ async def ensure_topic(
         except TopicAlreadyExistsError:
             return False
     except KafkaError as exc:
+        tls = await diagnose(config) if isinstance(exc, KafkaConnectionError) else None
+        if tls is not None:
+            # caused by the ssl error, so no caller takes it for a transient connection error
+            raise tls from tls.__cause__
         raise KafkaAdapterError(
             f"cannot create topic {topic!r} on {config.bootstrap_servers}: {exc!r}"
         ) from exc
