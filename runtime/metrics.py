@@ -117,9 +117,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     sink_rows: int = 0  # rows the sink committed (written)
     sink_inflight: int = 0  # batches (Spark: micro-batches) handed over and not committed yet
     sink_commit_latency_s: float = 0.0  # Spark: oldest put of the last micro-batch to commit
-    records_filtered: int = (
-        0  # data-change records dropped by --tables/--exclude-tables/--mod-types
-    )
+    records_filtered: int = 0  # data-change records dropped by --tables/--exclude-tables/...
+    # the connector's completeness watermark (protocol/completeness.py), microseconds; -1: none
+    low_watermark_us: int = -1
     sink_failing_s: float = 0.0  # every batch handed to the sink failed for this long (0: not)
     sink_error: str = ""  # the last sink failure of that streak
     source_failing_s: float = 0.0  # every source query failed for this long (0: not)
@@ -246,6 +246,13 @@ class _SampleCollector(Collector):
             "their commit timestamps still advance the watermarks",
         )
         filtered.add_metric([], sample.records_filtered)
+        complete = GaugeMetricFamily(
+            "shoal_low_watermark_seconds",
+            "The connector's completeness watermark (Unix seconds): every change committed at or "
+            "before it is durably in the output (absent until the connector has partitions)",
+        )
+        if sample.low_watermark_us >= 0:
+            complete.add_metric([], sample.low_watermark_us / 1e6)
         sink_failing = GaugeMetricFamily(
             "shoal_sink_failing_seconds",
             "Seconds every batch handed to the sink has failed (0 once one commits)",
@@ -280,6 +287,7 @@ class _SampleCollector(Collector):
             inflight,
             latency,
             filtered,
+            complete,
             sink_failing,
             source_failing,
             ready,

@@ -19,6 +19,7 @@ import msgspec
 
 from protocol import messages
 from protocol.cim import Cim
+from protocol.completeness import low_watermark
 from runtime.config import ConfigError, ShoalConfig, kafka_config
 
 if TYPE_CHECKING:
@@ -43,6 +44,12 @@ def _when(micros: int) -> str:
         return "-"
     when = _dt.datetime.fromtimestamp(micros / 1e6, tz=_dt.UTC)
     return when.strftime("%H:%M:%S.%f")[:-3]
+
+
+def _rfc3339(micros: int) -> str:
+    """A commit time in microseconds as RFC 3339 (UTC, microsecond precision)."""
+    moment = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC) + _dt.timedelta(microseconds=micros)
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 def _lag(now: int, watermark: int) -> str:
@@ -109,6 +116,12 @@ def format_status(
     ]
     if cim.epoch < 0:
         lines.append("  no epoch yet: no task has joined (or the sync topic is new)")
+    complete = low_watermark(cim)
+    if complete is not None:
+        lines.append(
+            f"complete up to {_rfc3339(complete)}: every change committed by then is in the "
+            f"output ({max(0, now - complete) / 1e6:.1f}s behind)"
+        )
     lines.append("")
     lines.append(
         f"{'task':<24} {'member':>6} {'owned':>6} {'finished':>8} {'offers':>6} {'max lag':>8}"
@@ -177,6 +190,7 @@ async def status(
             "leader": cim.leader,
             "members": list(cim.members),
             "offset": cim.offset,
+            "low_watermark_us": low_watermark(cim),
             "tasks": {
                 task_id: {
                     "partitions": {t: msgspec.to_builtins(p) for t, p in view.partitions.items()},

@@ -45,6 +45,7 @@ from actors.node import NodeConfig, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
+from protocol.completeness import low_watermark
 from protocol.dedup import Position
 from protocol.records import ChangeRecord
 from protocol.retry import may_drive
@@ -232,6 +233,8 @@ class Pipeline:
         self._filter = record_filter(config)
         self._filtered: Any = None  # runtime.filtered.FilteredSource, with a filter
         self.output_dir = Path(config.run.output_dir)
+        self._completeness_written = -1  # the completeness watermark last written (micros)
+        self._completeness_at = -1.0  # when (monotonic seconds)
 
     # -- the sample every observer reads ---------------------------------------------------------
     def sample(self) -> Sample:
@@ -285,8 +288,15 @@ class Pipeline:
         at = time.monotonic()
         sink_health = self._ledger.health if self._ledger is not None else FailureStreak()
         source_health = self._source.health if self._source is not None else FailureStreak()
+        complete = -1
+        for t in self.tasks:
+            if t.node.task is not None and t.node.ready.is_set():
+                found = low_watermark(t.node.task.core.cim)
+                complete = -1 if found is None else found
+                break
         return Sample(
             at=at,
+            low_watermark_us=complete,
             tasks=tuple(tasks),
             errors=dict(self.errors),
             failed=self.failed,
@@ -828,10 +838,40 @@ class Pipeline:
         while True:
             sample = self.sample()
             self._track_rebalances(sample)
+            self._record_completeness(sample.low_watermark_us)
             if self.progress is not None and time.monotonic() >= next_draw:
                 self.progress.update(sample)
                 next_draw += interval
             await asyncio.sleep(0.1)
+
+    def _record_completeness(self, low_watermark_us: int) -> None:
+        """Write the completeness watermark beside the output when it advanced (at most once a
+        second): ``<data>/_shoal/completeness.json``, one JSON line a downstream job reads with
+        ``spark.read.json`` (docs/operations.md, Reading the output). Readers of the data skip
+        ``_shoal``. A file or Spark sink only: Kafka consumers read the metric or ``status``."""
+        if self.config.run.sink == "kafka" or low_watermark_us <= self._completeness_written:
+            return
+        now = time.monotonic()
+        if now - self._completeness_at < 1.0:
+            return
+        self._completeness_at = now
+        record = {
+            "connector": self.config.run.connector,
+            "low_watermark": _rfc3339(low_watermark_us),
+            "low_watermark_us": low_watermark_us,
+            "written_at": _rfc3339(wall_micros()),
+        }
+        target = Path(self._sink_dir()) / "_shoal" / "completeness.json"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".completeness.{os.getpid()}.tmp")
+            tmp.write_bytes(msgspec.json.encode(record) + b"\n")
+            os.replace(tmp, target)
+        except OSError as exc:
+            self.count_error("completeness_write")
+            log.warning("could not write the completeness watermark to %s: %r", target, exc)
+            return
+        self._completeness_written = low_watermark_us
 
     def _track_rebalances(self, sample: Sample) -> None:
         by_id = {s.task_id: s for s in sample.tasks}
