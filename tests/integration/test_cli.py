@@ -65,11 +65,10 @@ SIM = [
 FILES = ["--sink", "files"]  # the pyarrow parquet sink: no JVM, for the tests about tasks
 LAG_S = 15  # a run that stops must have written every row older than this (a generous bound)
 
-# The output is not exactly-once yet: a partition handed to another process is read again from
-# its watermark inclusive, so the rows at that commit timestamp may be written by both (see
-# docs/operations.md, "Output and duplicates"). Set this to True once it is: the two-process
-# test then requires that no row is written twice across the processes.
-EXACTLY_ONCE = False
+# The output is exactly-once (docs/design.md#exactly-once-output): a partition handed to another
+# process moves with its exact position, so the two-process test requires that no row is written
+# twice across the processes.
+EXACTLY_ONCE = True
 
 
 def _now_us() -> int:
@@ -412,11 +411,11 @@ def test_two_processes_share_a_kafka_then_status(
     assert all(s.records_delivered > 0 for s in summaries.values()), "both tasks read"
     final = summaries["alpha"]  # the last to leave: its CIM holds both tasks' final state
     ids = _ids(tmp_path / "alpha" / "data") + _ids(tmp_path / "beta" / "data")
-    # A partition's new owner resumes at the old owner's watermark inclusive, so the records at
-    # exactly that commit timestamp may be in both outputs (operations.md, "Output and
-    # duplicates"); nothing else may: per partition, duplicates sit at no more commit
-    # timestamps than it changed hands (at most twice here: to beta when it joins, back when
-    # it leaves). A re-read range would span more.
+    # A partition moves with its exact position (its watermark and the identities committed at
+    # it), so with EXACTLY_ONCE no row is in both outputs. The weaker check below stays as the
+    # diagnosis when that fails: duplicates at no more commit timestamps than the partition
+    # changed hands (twice here: to beta when it joins, back when it leaves) point at the
+    # hand-off's position; a re-read range would span more.
     rows = {
         name: [(r["partition_token"], r["record_id"]) for r in read_rows(tmp_path / name / "data")]
         for name in procs
