@@ -363,8 +363,17 @@ class ProducerSession:
         for index in state.unsealed():
             if index not in self._sealing:
                 self._sealing.add(index)
+                # a producer of its own: on the embedded broker the sink's long-lived producer
+                # was answered NotLeaderForPartition for these markers, a fresh one is not
+                producer = AIOKafkaProducer(
+                    **self._config.client_kwargs(), acks="all", enable_idempotence=False
+                )
                 try:
-                    await seal(self._config, self._log, state, index, self._producer)
+                    await producer.start()
+                    try:
+                        await seal(self._config, self._log, state, index, producer)
+                    finally:
+                        await producer.stop()
                 except KafkaError as exc:  # transient (e.g. a leader moving): try again later
                     self._sealing.discard(index)
                     log.warning("%r: sealing storage topic %d failed: %r", self, index, exc)
