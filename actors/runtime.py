@@ -6,6 +6,8 @@ Commands (``run`` is the default)::
     python -m actors.runtime status [options]   replay the sync topic, print tasks/partitions
     python -m actors.runtime dlq list|replay    the dead-letter queue of --sink kafka / spark
     python -m actors.runtime config [--reference]   the effective options / the docs table
+    python -m actors.runtime output show|add-storage-topic N|switch-produce|shards N|tail
+                                                scale the Kafka output (--sink kafka) live
 
 With no option at all it runs the whole pipeline on this machine: the embedded Kafka-compatible
 broker, the simulated change stream, three tasks, and the sink, with a live progress display.
@@ -35,7 +37,7 @@ from runtime.config import ConfigError, ShoalConfig
 __all__ = ["CallbackSink", "main", "open_task", "run"]
 
 PROG = "python -m actors.runtime"
-COMMANDS = ("run", "status", "dlq", "config")
+COMMANDS = ("run", "status", "dlq", "config", "output")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +56,13 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         "dlq": "List or replay the dead-letter queue of the sink --sink names: the Kafka output "
         "sink's (--sink kafka) or the Spark bridge's (--sink spark --spark-dead-letter).",
         "config": "Print the effective configuration (secrets hidden), or the reference.",
+        "output": "Scale the keyed Kafka output (--sink kafka) while shoal runs: show its "
+        "composite topic; add-storage-topic N (a new storage topic of N partitions, K by the "
+        "routing rule, a warning when K falls to 1); switch-produce (move the produce pointer to "
+        "it: running processes switch together at a barrier, the old storage topic is sealed); "
+        "shards N (the RQ/DLQ shard count, new RQ/DLQ storage topics when needed; processes "
+        "take it at their next start); tail (the records in per-key order across storage "
+        "topics, one JSON line each). See docs/operations.md, 'Scaling the Kafka output'.",
     }
     prog = PROG if command == "run" else f"{PROG} {command}"
     usage = {
@@ -61,13 +70,14 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         "status": f"{prog} [--json | --wide] [options]",
         "dlq": f"{prog} {{list,replay}} [--id ID ...] [options]",
         "config": f"{prog} [--reference] [options]",
+        "output": f"{prog} {{show,add-storage-topic N,switch-produce,shards N,tail}} [options]",
     }[command]
     parser = _Parser(
         prog=prog,
         usage=usage,
         description=descriptions[command],
         epilog="Precedence: flags > SHOAL_* environment variables > --config TOML file > "
-        "defaults. Commands: run (default), status, dlq, config. "
+        "defaults. Commands: run (default), status, dlq, config, output. "
         "Reference: docs/configuration.md.",
     )
     if command == "dlq":
@@ -88,6 +98,30 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
             action="store_true",
             help="show whole partition tokens (the table shortens long ones to their first "
             "characters and a hash)",
+        )
+    if command == "output":
+        from actors.cli.output import ACTIONS
+
+        parser.add_argument("action", choices=ACTIONS)
+        parser.add_argument(
+            "count",
+            nargs="?",
+            type=int,
+            default=None,
+            help="add-storage-topic: its partition count; shards: the RQ/DLQ shard count",
+        )
+        parser.add_argument("--json", action="store_true", help="show: print JSON")
+        parser.add_argument(
+            "--wait",
+            type=float,
+            default=120.0,
+            help="switch-produce: give up after this many seconds [default: 120]",
+        )
+        parser.add_argument(
+            "--idle-exit",
+            type=float,
+            default=None,
+            help="tail: stop after this many seconds without a record (default: follow)",
         )
     if command == "config":
         parser.add_argument("--reference", action="store_true", help="print docs/configuration.md")
@@ -157,6 +191,18 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
     try:
         if command == "status":
             return await admin.status(config, sys.stdout, as_json=args.json, wide=args.wide)
+        if command == "output":
+            from actors.cli.output import output
+
+            return await output(
+                config,
+                args.action,
+                args.count,
+                sys.stdout,
+                as_json=args.json,
+                wait_s=args.wait,
+                idle_exit_s=args.idle_exit,
+            )
         if command == "dlq":
             return await admin.dlq(
                 config, args.action, args.ids, sys.stdout, via_leader=args.via_leader

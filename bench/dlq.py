@@ -15,6 +15,12 @@ workload that are neither on the output topic nor in the DLQ at the end (read ba
 ``order_violations`` counts records read back before an older record of the same key;
 ``duplicates`` records read back twice (at-least-once; 0 without crashes).
 
+``--scale``: the output is a composite topic (its metadata topic, the producer session of the
+switch barrier); half-way through each run a storage topic of 3x the partitions is added and the
+produce pointer switched while records are parked in the RQ; the read-back goes through the
+composite reader (each storage topic up to its seal, then the next). ``storage_topics`` reports how
+many storage topics the output had at the end.
+
 ``python -m bench dlq [--quick]``; the last line printed is one JSON object.
 """
 
@@ -32,10 +38,13 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from protocol.output_meta import plan_add_storage_topic, plan_switch
 from protocol.records import ColumnType, DataChange, Mod
 from protocol.retry import RetryPolicy
 from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
+from runtime.kafka.composite_reader import read_composite
+from runtime.kafka.output_meta import MetaLog, MetaOptions
 from runtime.kafka.sink import (
     KafkaSink,
     KafkaSinkConfig,
@@ -43,6 +52,7 @@ from runtime.kafka.sink import (
     decode_output,
     output_records,
 )
+from runtime.kafka.topics import ensure_topic
 from runtime.ports import SinkBatch
 
 COLS = (
@@ -89,6 +99,7 @@ class RunResult:
     lost: int
     order_violations: int
     duplicates: int
+    storage_topics: int = 1
 
     @property
     def healthy_per_s(self) -> float:
@@ -157,6 +168,7 @@ async def _run(
     batch: int,
     label: str,
     shared: bool = False,
+    scale: bool = False,
 ) -> RunResult:
     name = f"bench-dlq-{label}-{uuid.uuid4().hex[:8]}"
     policy = RetryPolicy(max_attempts=5, base_backoff=0.05, max_backoff=0.4, jitter=0.2)
@@ -172,14 +184,20 @@ async def _run(
 
     healthy = sum(1 for c in changes if _key(output_records(c)[0]) not in failing)
     driver = (lambda: True) if shared else None
-    async with KafkaSink(config, cfg, inject=inject, driver=driver, takeover_grace_s=0.0) as sink:
+    meta = MetaOptions(lease_ttl_s=3.0, margin_s=0.6, grace_s=0.5) if scale else None
+    async with KafkaSink(
+        config, cfg, inject=inject, driver=driver, takeover_grace_s=0.0, meta=meta
+    ) as sink:
         if shared:
             await sink.prepare("bench")  # what a reader does first
         start = time.perf_counter()
-        futures = [
-            await sink.put(SinkBatch("bench", tuple(changes[i : i + batch]), watermark=i))
-            for i in range(0, len(changes), batch)
-        ]
+        futures = []
+        for i in range(0, len(changes), batch):
+            if scale and i == (len(changes) // batch // 2) * batch:
+                await _scale(config, name)
+            futures.append(
+                await sink.put(SinkBatch("bench", tuple(changes[i : i + batch]), watermark=i))
+            )
         await asyncio.gather(*futures)
         seconds = time.perf_counter() - start
         await asyncio.sleep(0.5)  # failing a while longer: retries and DLQ under way
@@ -191,7 +209,15 @@ async def _run(
             await sink.wait_idle()
         stats = sink.statistics()
         dlq = {d.record_id for d in sink.dlq_records()}
-    got = await _read_back(config, name, want=len(changes) - len(dlq), timeout_s=60)
+        storage_topics = len(sink.output.storage_topics)
+    if scale:
+        got = [
+            decode_output(m.value)
+            async for m in read_composite(config, name, idle_exit_s=2.0)
+            if m.value is not None
+        ]
+    else:
+        got = await _read_back(config, name, want=len(changes) - len(dlq), timeout_s=60)
     lost, violations, duplicates = _check(changes, got, dlq)
     print(
         f"{label:>9}: {len(changes)} records, {healthy} healthy, accepted in {seconds:.2f} s "
@@ -201,8 +227,27 @@ async def _run(
         file=sys.stderr,
     )
     return RunResult(
-        seconds, healthy, stats.injected_failures, len(replayed), lost, violations, duplicates
+        seconds,
+        healthy,
+        stats.injected_failures,
+        len(replayed),
+        lost,
+        violations,
+        duplicates,
+        storage_topics,
     )
+
+
+async def _scale(config: KafkaConfig, name: str) -> None:
+    """``output add-storage-topic 3P`` and ``output switch-produce`` (the sink's own session acks,
+    commits and seals)."""
+    async with MetaLog(config, name) as meta:
+        state, _ = await meta.load()
+        plan = plan_add_storage_topic(state, 3 * state.composite().producing.partitions)
+        await ensure_topic(config, plan.storage.name, partitions=plan.storage.partitions)
+        await meta.append(plan.entry)
+        state, _ = await meta.load()
+        await meta.append(plan_switch(state, time.time()))
 
 
 async def _main(args: argparse.Namespace) -> dict[str, object]:
@@ -218,18 +263,31 @@ async def _main(args: argparse.Namespace) -> dict[str, object]:
             batch=args.batch,
             label="warm-up",
             shared=args.shared,
+            scale=args.scale,
         )
         bases: list[RunResult] = []
         fails: list[RunResult] = []
         for _ in range(args.repeat):  # alternated, so drift in the broker hits both alike
             bases.append(
                 await _run(
-                    config, changes, set(), batch=args.batch, label="baseline", shared=args.shared
+                    config,
+                    changes,
+                    set(),
+                    batch=args.batch,
+                    label="baseline",
+                    shared=args.shared,
+                    scale=args.scale,
                 )
             )
             fails.append(
                 await _run(
-                    config, changes, failing, batch=args.batch, label="failing", shared=args.shared
+                    config,
+                    changes,
+                    failing,
+                    batch=args.batch,
+                    label="failing",
+                    shared=args.shared,
+                    scale=args.scale,
                 )
             )
     base = max(bases, key=lambda r: r.healthy_per_s)
@@ -249,6 +307,8 @@ async def _main(args: argparse.Namespace) -> dict[str, object]:
         "injected_failures": fail.injected,
         "dlq_replayed": fail.dlq_replayed,
         "shared": args.shared,
+        "scale": args.scale,
+        "storage_topics": min(r.storage_topics for r in runs),
     }
 
 
@@ -263,6 +323,11 @@ def main(argv: list[str]) -> int:
         "--shared",
         action="store_true",
         help="the RQ/DLQ as several processes share it (tailed all along, one driver)",
+    )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="add a storage topic and switch the output to it half-way through each run",
     )
     parser.add_argument("--repeat", type=int, default=None, help="runs of each kind (best kept)")
     args = parser.parse_args(argv)

@@ -264,7 +264,22 @@ class KafkaOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_topic: Annotated[
         str | None, _d("Output topic of --sink kafka (default: <connector>_output).")
     ] = None
-    output_partitions: Annotated[int, Meta(ge=1, description="Partitions of the output topic.")] = 4
+    output_partitions: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Partitions of the output topic at its first start (later: "
+            "output add-storage-topic N).",
+        ),
+    ] = 4
+    output_lease_s: Annotated[
+        float,
+        Meta(
+            ge=1.0,
+            description="Lease of each --sink kafka process in the output's switch barrier "
+            "(renewed every third of it); a process that died holds a switch-produce this long.",
+        ),
+    ] = 15.0
 
 
 class SpannerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -577,17 +577,22 @@ class Pipeline:
             case "spark":
                 inner = await self._spark_sink(stack, kafka)
             case "kafka":
+                from runtime.kafka.output_meta import MetaOptions
                 from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
 
                 sink_config = KafkaSinkConfig(
                     name=self._output_topic(), partitions=cfg.kafka.output_partitions
                 )
+                # the output is a composite topic described by <output>_meta: it can grow
+                # while shoal runs (``output add-storage-topic`` / ``switch-produce``)
+                lease = cfg.kafka.output_lease_s
                 inner = await stack.enter_async_context(
                     KafkaSink(
                         kafka,
                         sink_config,
                         driver=self._leads,
                         takeover_grace_s=cfg.run.rq_takeover_grace_s,
+                        meta=MetaOptions(lease_ttl_s=lease, margin_s=lease / 5),
                     )
                 )
         self._ledger = Ledger(inner, keep_ids=self._bounded or self._end_at is not None)

@@ -51,6 +51,7 @@ from typing import Self
 import msgspec
 from aiokafka.errors import KafkaError
 
+from protocol.output_meta import OutputMeta
 from protocol.records import DataChange
 from protocol.retry import RetryCore, RetryPolicy
 from protocol.routing import (
@@ -60,6 +61,7 @@ from protocol.routing import (
     shard_of_partition,
 )
 from runtime.kafka.config import KafkaConfig
+from runtime.kafka.output_meta import MetaLog, MetaOptions, ProducerSession, open_meta
 from runtime.kafka.retry_queue import (
     InternalMessage,
     PendingSend,
@@ -175,6 +177,8 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
     rq_partitions: int = 4
     dlq_partitions: int = 4
     output: CompositeTopic | None = None  # overrides name/partitions for the output topic
+    rq: CompositeTopic | None = None  # overrides rq_partitions (the metadata topic's RQ)
+    dlq: CompositeTopic | None = None  # overrides dlq_partitions
     policy: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     max_unsettled: int = 20_000  # records accepted but not yet settled (backpressure)
     linger_ms: int = 2
@@ -235,10 +239,10 @@ class KafkaSinkConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.output or CompositeTopic.create(self.name, self.partitions)
 
     def rq_topic(self) -> CompositeTopic:
-        return self._internal(f"{self.name}_rq", self.rq_partitions)
+        return self.rq or self._internal(f"{self.name}_rq", self.rq_partitions)
 
     def dlq_topic(self) -> CompositeTopic:
-        return self._internal(f"{self.name}_dlq", self.dlq_partitions)
+        return self.dlq or self._internal(f"{self.name}_dlq", self.dlq_partitions)
 
     def queue_config(self) -> RetryQueueConfig:
         """The RQ/DLQ settings of this sink (shard) for
@@ -293,26 +297,41 @@ class KafkaSink:
         clock: Callable[[], float] = time.time,
         driver: Callable[[], bool] | None = None,
         takeover_grace_s: float = 10.0,
+        meta: MetaOptions | None = None,
     ) -> None:
         """``driver``: several processes share this sink's RQ/DLQ, and this one may send the
         RQ's records while ``driver()`` is true (see :class:`runtime.kafka.retry_queue.RetryQueue`);
-        None: this sink is the RQ/DLQ's only owner."""
+        None: this sink is the RQ/DLQ's only owner.
+
+        ``meta``: the output is the composite topic that the metadata topic ``<name>_meta``
+        describes (created from ``sink`` on a first start; :mod:`runtime.kafka.output_meta`), and
+        this sink takes part in its switch barrier; its storage topics, produce pointer and
+        RQ/DLQ topics come from there. None: the composite topic of ``sink`` alone."""
         self._config = config
+        self._clock = clock
+        self._driver = driver
+        self._grace = takeover_grace_s
+        self._meta_options = meta
+        self._meta_log: MetaLog | None = None
+        self.session: ProducerSession | None = None
+        self._inject = inject
+        self._injected = 0
+        self._configure(sink)
+
+    def _configure(self, sink: KafkaSinkConfig) -> None:
         self.sink_config = sink
         self.output = sink.output_topic()
         self.rq = sink.rq_topic()
         self.dlq = sink.dlq_topic()
-        self._inject = inject
-        self._injected = 0
         self._queue = RetryQueue(
-            config,
+            self._config,
             sink.queue_config(),
             self._send,
             also_topics=(self.output,),
-            clock=clock,
+            clock=self._clock,
             name=sink.name,
-            driver=driver,
-            takeover_grace_s=takeover_grace_s,
+            driver=self._driver,
+            takeover_grace_s=self._grace,
         )
 
     def __repr__(self) -> str:
@@ -326,8 +345,47 @@ class KafkaSink:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        await self._queue.__aenter__()
+        if self._meta_options is None:
+            await self._queue.__aenter__()
+            return self
+        sink = self.sink_config
+        meta_log = MetaLog(self._config, sink.name, load_timeout_s=sink.load_timeout_s)
+        await meta_log.__aenter__()
+        try:
+            state, at = await open_meta(
+                meta_log,
+                partitions=sink.partitions,
+                rq_partitions=sink.rq_partitions,
+                dlq_partitions=sink.dlq_partitions,
+            )
+            self._configure(
+                msgspec.structs.replace(
+                    sink, output=state.composite(), rq=state.rq(), dlq=state.dlq()
+                )
+            )
+            await self._queue.__aenter__()
+            try:
+                session = ProducerSession(
+                    self._config,
+                    meta_log,
+                    state,
+                    at,
+                    self._queue.producer,
+                    options=self._meta_options,
+                    on_switch=self._switched,
+                )
+                await session.__aenter__()
+            except BaseException as exc:
+                await self._queue.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+        except BaseException:
+            await meta_log.__aexit__(None, None, None)
+            raise
+        self._meta_log, self.session = meta_log, session
         return self
+
+    def _switched(self, state: OutputMeta) -> None:
+        self.output = state.composite()
 
     async def __aexit__(
         self,
@@ -335,11 +393,23 @@ class KafkaSink:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._queue.__aexit__(exc_type, exc, tb)
+        try:
+            await self._queue.__aexit__(exc_type, exc, tb)
+        finally:
+            session, self.session = self.session, None
+            meta_log, self._meta_log = self._meta_log, None
+            try:
+                if session is not None:
+                    await session.__aexit__(exc_type, exc, tb)
+            finally:
+                if meta_log is not None:
+                    await meta_log.__aexit__(None, None, None)
 
     async def abort(self) -> None:
         """Die abruptly (for tests of a task's death): stop processing at once, write nothing
         more to the RQ/DLQ, fail every pending batch. The context manager still has to exit."""
+        if self.session is not None:
+            self.session.kill()
         await self._queue.abort()
 
     # -- the Sink port ---------------------------------------------------------------------
@@ -430,8 +500,16 @@ class KafkaSink:
                 self._queue.failed(rid, error)
                 return
         table, keys = split_key(key)
-        idx, partition = self.output.route(key_hash(table, keys))
-        topic = self.output.storage_topics[idx].name
+        h = key_hash(table, keys)
+        session = self.session
+        if session is None:
+            idx, partition = self.output.route(h)
+            topic = self.output.storage_topics[idx].name
+        else:
+            # the switch barrier: waits while a switch is pending; released when Kafka answers
+            idx = await session.acquire()
+            st = session.state.composite().storage_topics[idx]
+            topic, partition = st.name, st.route(h)
         try:
             fut = await self._queue.producer.send(
                 topic,
@@ -441,11 +519,15 @@ class KafkaSink:
                 headers=[(ROW_KEY_HEADER, rid.encode())],
             )
         except KafkaError as exc:
+            if session is not None:
+                session.release(idx)
             log.warning("%r: producing %s failed: %r", self, rid, exc)
             self._queue.failed(rid, repr(exc))
             return
 
         def done(f: asyncio.Future[object]) -> None:
+            if session is not None:
+                session.release(idx)
             if f.cancelled():
                 self._queue.failed(rid, "produce cancelled")
             elif (exc := f.exception()) is not None:
