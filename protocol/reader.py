@@ -7,7 +7,7 @@ The rules:
 
 1. **Start.** The reader starts from the position its task gave it (the committed watermark and
    the identities committed at it, ``StartReader.tail``) and the sink's own durable record of
-   the partition, if it keeps one (``Sink.committed``): it resumes from the newer of the two
+   the partition, if it keeps one (``Sink.durable_position``): it resumes from the newer of the two
    (:func:`resume_position`, ``Position.newer``). The first query starts there.
 2. **Re-reads are dropped by identity.** A query reads from a timestamp *inclusive*, so records
    already handed to the sink can come again. Every record is checked against the *handed tail*
