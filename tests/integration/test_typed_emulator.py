@@ -283,3 +283,19 @@ def test_spark_reads_the_typed_table_with_merge_schema(written: Written, spark: 
              FROM everything) WHERE n = 1 AND _mod_type != 'DELETE' ORDER BY K1"""
     ).collect()
     assert [(r["K1"], r["K2"]) for r in latest] == [("a", 1), ("c", 3)]
+    # partial UPDATE rows (OLD_AND_NEW_VALUES): each column from the newest row that wrote it
+    merged = spark.sql(
+        """SELECT K1, K2,
+             max_by(I, CASE WHEN array_contains(_columns, 'I') OR _mod_type = 'INSERT'
+                       THEN struct(_commit_ts, _record_sequence, _mod_index) END) AS I,
+             max_by(S, CASE WHEN array_contains(_columns, 'S') OR _mod_type = 'INSERT'
+                       THEN struct(_commit_ts, _record_sequence, _mod_index) END) AS S,
+             max_by(N, CASE WHEN array_contains(_columns, 'N') OR _mod_type = 'INSERT'
+                       THEN struct(_commit_ts, _record_sequence, _mod_index) END) AS N,
+             max_by(_mod_type, struct(_commit_ts, _record_sequence, _mod_index)) AS last_mod
+           FROM everything GROUP BY K1, K2 HAVING last_mod != 'DELETE' ORDER BY K1"""
+    ).collect()
+    assert [(r["K1"], r["I"], r["S"], r["N"]) for r in merged] == [
+        ("a", FULL["I"], None, D(2)),
+        ("c", None, None, None),
+    ]
