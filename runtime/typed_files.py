@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ GENERIC_KEY_COLUMNS = {
 }
 """Typed metadata column → the generic layout's column of the same meaning."""
 
+_WRITERS = 4  # threads writing one micro-batch's table files
+
 
 def write_tables(
     staging: Path, batch: str, tables: Mapping[str, pa.Table]
@@ -53,11 +56,20 @@ def write_tables(
     """Write each table of a micro-batch under ``staging`` (``_staging/<batch>`` of the output)
     and return the committer's moves (staged, final), relative to the output directory."""
     moves = []
-    for name, table in tables.items():
-        directory = staging / name / f"batch={batch}"
-        directory.mkdir(parents=True)
-        pq.write_table(table, directory / "part-00000.parquet")
+    for name in tables:
+        (staging / name / f"batch={batch}").mkdir(parents=True)
         moves.append((f"{STAGING_DIR}/{batch}/{name}/batch={batch}", f"{name}/batch={batch}"))
+
+    def write(name: str) -> None:
+        pq.write_table(tables[name], staging / name / f"batch={batch}" / "part-00000.parquet")
+
+    if len(tables) <= 1:
+        for name in tables:
+            write(name)
+    else:  # pyarrow encodes and writes without the GIL: small files overlap their I/O
+        with ThreadPoolExecutor(_WRITERS, thread_name_prefix="shoal-typed-write") as pool:
+            for done in pool.map(write, tables):
+                assert done is None
     return moves
 
 
