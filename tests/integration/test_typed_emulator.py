@@ -279,8 +279,8 @@ def test_spark_reads_the_typed_table_with_merge_schema(written: Written, spark: 
     latest = spark.sql(
         """SELECT K1, K2, _mod_type FROM (
              SELECT *, row_number() OVER (PARTITION BY K1, K2
-               ORDER BY _commit_ts DESC, _record_sequence DESC, _mod_index DESC) AS n
-             FROM everything) WHERE n = 1 AND _mod_type != 'DELETE' ORDER BY K1"""
+               ORDER BY _commit_ts DESC, _record_sequence DESC, _mod_index DESC) AS _row
+             FROM everything) WHERE _row = 1 AND _mod_type != 'DELETE' ORDER BY K1"""
     ).collect()
     assert [(r["K1"], r["K2"]) for r in latest] == [("a", 1), ("c", 3)]
     # partial UPDATE rows (OLD_AND_NEW_VALUES): each column from the newest row that wrote it
