@@ -82,3 +82,39 @@ def check_generic(tmp_path: Path) -> None:
     rows = list(read_rows(tmp_path))
     assert sorted(r["table"] for r in rows) == ["A", "B"]
     assert rows[0]["new_values"].startswith('{"When"')
+
+
+@pytest.mark.parametrize("killed", ["before the manifest", "after the manifest"])
+def test_a_killed_typed_commit_is_all_or_nothing(tmp_path: Path, killed: str) -> None:
+    """A process killed before its commit point leaves no table of the batch visible; one killed
+    right after it (the manifest written, no table renamed) has every table put in place by the
+    next committer over the directory. Same batch, same staged files, only the kill differs."""
+    from protocol.commit import Manifest, Move, PartitionPosition, next_position
+    from runtime.commit import Committer
+    from runtime.typed import typed_tables
+    from runtime.typed_files import write_tables
+
+    records = [rec(10 + i, f"T{i}", i) for i in range(5)]
+    committer = Committer(tmp_path, fsync=False, clock=lambda: 1e12)  # staged files look old
+    staging = committer.staging("b1")
+    moves = write_tables(staging, "b1", typed_tables([("p", records)]))
+    if killed == "after the manifest":
+        position = next_position(None, records, 100)
+        manifest = Manifest(
+            "b1",
+            f"{STAGING_DIR}/b1",
+            tuple(Move(s, f) for s, f in moves),
+            (PartitionPosition("p", position),),
+        )
+        committer._write_manifest(manifest)
+    assert table_dirs(tmp_path) == []  # nothing visible before recovery, either way
+    again = Committer(tmp_path, fsync=False, clock=lambda: 1e12)
+    again.recover()
+    if killed == "after the manifest":
+        assert [p.name for p in table_dirs(tmp_path)] == [f"T{i}" for i in range(5)]
+        assert again.committed("p") is not None
+        assert read_changes(tmp_path).num_rows == 5
+    else:
+        assert table_dirs(tmp_path) == []
+        assert again.committed("p") is None
+    assert not any((tmp_path / STAGING_DIR).iterdir())
