@@ -70,9 +70,16 @@ class _Timed:
         return future
 
 
-def _params(roots: int, seed: int) -> StreamParams:
+def _params(roots: int, seed: int, tables: int | None = None) -> StreamParams:
+    names = StreamParams().tables if tables is None else tuple(f"T{i:04d}" for i in range(tables))
     return StreamParams(
-        seed=seed, roots=roots, records_per_s=2000.0, round_us=2_000_000, split_p=0.05, merge_p=0.05
+        seed=seed,
+        roots=roots,
+        records_per_s=2000.0,
+        round_us=2_000_000,
+        split_p=0.05,
+        merge_p=0.05,
+        tables=names,
     )
 
 
@@ -177,10 +184,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-age", type=float, default=0.5, help="seconds a batch may wait")
     parser.add_argument("--live-seconds", type=float, default=None, help="latency phase length")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--tables", type=int, default=None, help="tables in the stream (default: the sim's 3)"
+    )
+    parser.add_argument(
+        "--output-layout", choices=("typed", "generic"), default=None, help="default: the bridge's"
+    )
     args = parser.parse_args(argv)
     records = args.records or (150_000 if args.quick else 1_000_000)
     live_s = args.live_seconds or (12.0 if args.quick else 60.0)
-    params = _params(roots=8, seed=args.seed)
+    params = _params(roots=8, seed=args.seed, tables=args.tables)
     end_ts = _stream_end(params, records)
     model = StreamModel(params)
     stream = [("raw", change) for change in model.expected(end_ts)]
@@ -213,7 +226,10 @@ def main(argv: list[str]) -> int:
         print(f"  raw Spark: {raw_s:.2f}s, {raw_rate:,.0f} records/s")
 
         config = SparkConfig(
-            output_dir=str(work / "e2e"), max_rows=args.max_rows, max_age_s=args.max_age
+            output_dir=str(work / "e2e"),
+            max_rows=args.max_rows,
+            max_age_s=args.max_age,
+            output_layout=args.output_layout,
         )
         e2e_s, out_rows = asyncio.run(e2e_phase(spark, config, params, end_ts, total_rows))
         rate = total_records / e2e_s
@@ -248,6 +264,8 @@ def main(argv: list[str]) -> int:
                 "max_rows": args.max_rows,
                 "max_age_s": args.max_age,
                 "quick": args.quick,
+                "tables": len(params.tables),
+                "output_layout": args.output_layout or "default",
             }
         )
     )

@@ -109,6 +109,16 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_dir: Annotated[str, _d("Directory of the output (parquet files) and run files.")] = (
         "shoal-output"
     )
+    output_layout: Annotated[
+        Literal["typed", "generic"],
+        _d(
+            "Layout of the parquet output (--sink files, and --sink spark's default output): "
+            "typed (one directory per table, the table's columns in their Spanner types, "
+            "old values as _old_<column>, metadata columns; docs/reading-output.md) or generic "
+            "(every table in one schema, keys and values as JSON text). The Spark streaming "
+            "path and the Spark dead-letter queue write generic."
+        ),
+    ] = "typed"
     duration: Annotated[
         Annotated[float, Meta(gt=0)] | None,
         Meta(description="Stop after this many seconds (then catch up, drain, exit 0)."),

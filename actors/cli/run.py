@@ -572,7 +572,9 @@ class Pipeline:
             return self._ledger
         match cfg.run.sink:
             case "files":
-                self._file_sink = FileSink(self.output_dir / "data", permit=self._leased)
+                self._file_sink = FileSink(
+                    self.output_dir / "data", permit=self._leased, layout=cfg.run.output_layout
+                )
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
                 inner = await self._spark_sink(stack, kafka)

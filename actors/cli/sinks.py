@@ -1,13 +1,17 @@
 """Sinks of the command-line runtime: the parquet file sink (``--sink files``, no Java needed) and
 the per-task counting view every task node writes through.
 
-``FileSink`` buffers the rows of many batches (one row per mod, the output-record shape of
-``runtime.kafka.sink.output_records``) and commits them as one micro-batch once ``max_rows`` rows
-or ``max_age_s`` seconds have gathered. A micro-batch is committed atomically with the sink's own
-durable position (docs/design.md#exactly-once-output, ``runtime.commit``): its parquet file is
+``FileSink`` buffers the rows of many batches and commits them as one micro-batch once
+``max_rows`` rows or ``max_age_s`` seconds have gathered. Its ``layout``: ``typed`` (the default)
+writes the typed per-table changelog (``runtime.typed``, docs/reading-output.md): each table's
+rows in its own directory ``<table>/batch=<id>/``, in the table's column types; ``generic`` writes
+one file per micro-batch ``batch=<id>/`` with one row per mod in the output-record shape of
+``runtime.kafka.sink.output_records`` (keys and values as JSON text). A micro-batch is committed atomically with the sink's own
+durable position (docs/design.md#exactly-once-output, ``runtime.commit``): its parquet files are
 staged under ``_staging/<batch>/`` (readers skip ``_`` names), the lease (``permit``) is checked,
-a manifest with every partition's new position is written (the commit point), then the staged
-``batch=<id>`` directory is renamed into place and each partition's progress file written. A
+a manifest with every partition's new position is written (the commit point), then each staged
+directory (``<table>/batch=<id>`` per table, or the generic ``batch=<id>``) is renamed into place
+and each partition's progress file written. A
 process killed at any step leaves either nothing visible or a manifest the next ``FileSink`` over
 the same directory applies when it opens. ``<id>`` is the batch identity
 (``protocol.commit.batch_identity``): the same records give the same directory, so a batch
@@ -39,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import msgspec
 
@@ -97,16 +101,19 @@ class FileSink:
         max_buffered_rows: int = 500_000,
         permit: Callable[[], bool] | None = None,
         fsync: bool = True,
+        layout: Literal["typed", "generic"] = "typed",
     ) -> None:
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
             raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
         self.directory = Path(directory)
+        self.layout = layout
         self._max_rows = max_rows
         self._max_age = max_age_s
         self._max_buffered = max_buffered_rows
         self._columns: dict[str, list[Any]] = {c: [] for c in COLUMNS}
         self._waiting: list[tuple[asyncio.Future[None], int]] = []
         self._entries: list[tuple[str, tuple[DataChange, ...], int]] = []
+        self._fresh_entries: list[tuple[str, list[DataChange]]] = []  # what the files hold
         self.committer = Committer(self.directory, permit=permit, fsync=fsync)
         self._first_at: float | None = None
         self._buffered = 0
@@ -175,15 +182,10 @@ class FileSink:
         self._dropped += len(batch.records) - len(out)
         return out
 
-    def _written(self, columns: dict[str, list[Any]]) -> None:
-        for token, ts, txn, seq in zip(
-            columns["partition_token"],
-            columns["commit_ts"],
-            columns["server_transaction_id"],
-            columns["record_sequence"],
-            strict=True,
-        ):
-            self._tails.accept(token, (ts, txn, seq))
+    def _written(self, fresh: list[tuple[str, list[DataChange]]]) -> None:
+        for token, records in fresh:
+            for change in records:
+                self._tails.accept(token, change.identity)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         if self._closed or self._error is not None:
@@ -196,7 +198,7 @@ class FileSink:
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         cols = self._columns
-        for change in records:
+        for change in records if self.layout == "generic" else ():
             for out in output_records(change):
                 cols["record_id"].append(out.record_id)
                 cols["partition_token"].append(batch.token)
@@ -212,6 +214,7 @@ class FileSink:
         self._buffered += rows
         self._waiting.append((future, rows))
         self._entries.append((batch.token, batch.records, batch.watermark))
+        self._fresh_entries.append((batch.token, records))
         if self._first_at is None:
             self._first_at = time.monotonic()
             self._kick.set()  # the writer starts the age clock of this file
@@ -238,13 +241,14 @@ class FileSink:
 
     async def _flush(self) -> None:
         columns, waiting, rows = self._columns, self._waiting, self._buffered
-        entries = self._entries
+        entries, fresh = self._entries, self._fresh_entries
         self._columns = {c: [] for c in COLUMNS}
         self._waiting = []
         self._entries = []
+        self._fresh_entries = []
         self._first_at = None
         try:
-            await asyncio.to_thread(self._commit_batch, columns, entries, rows)
+            await asyncio.to_thread(self._commit_batch, columns, entries, rows, fresh)
         except CommitRefused as exc:
             self._failures += 1
             log.warning("%s; its batches will be re-read by the partitions' owners", exc)
@@ -270,7 +274,7 @@ class FileSink:
         else:
             if rows:
                 self._files += 1
-                self._written(columns)
+                self._written(fresh)
             self._rows += rows
             self._batches += len(waiting)
             for future, _ in waiting:
@@ -285,18 +289,25 @@ class FileSink:
         columns: dict[str, list[Any]],
         entries: list[tuple[str, tuple[DataChange, ...], int]],
         rows: int,
+        fresh: list[tuple[str, list[DataChange]]],
     ) -> None:
-        """In a worker thread: stage the micro-batch's file (if it has rows) and commit it."""
+        """In a worker thread: stage the micro-batch's files (if it has rows) and commit it."""
         batch = batch_identity((token, records) for token, records, _ in entries)
         moves = []
         if rows:
             staging = self.committer.staging(batch)
             try:
-                self._write_file(columns, staging / f"batch={batch}")
+                if self.layout == "typed":
+                    from runtime.typed import typed_tables
+                    from runtime.typed_files import write_tables
+
+                    moves = write_tables(staging, batch, typed_tables(fresh))
+                else:
+                    self._write_file(columns, staging / f"batch={batch}")
+                    moves.append((f"{STAGING_DIR}/{batch}/batch={batch}", f"batch={batch}"))
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-            moves.append((f"{STAGING_DIR}/{batch}/batch={batch}", f"batch={batch}"))
         self.committer.commit(batch, moves, entries)
 
     def _write_file(self, columns: dict[str, list[Any]], directory: Path) -> None:
@@ -324,14 +335,22 @@ class FileSink:
 def read_rows(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Every row the file sink (or a Spark parquet writer) committed in ``directory``: files
     under a name starting with ``.`` or ``_`` (staged, Spark's ``_temporary``, the sink's own
-    records) are not output."""
+    records) are not output. Rows of the typed layout carry their metadata columns and the
+    generic layout's row key names (``runtime.typed_files.generic_rows``: ``table``,
+    ``record_id``, ``commit_ts``, ...), not their table's columns."""
     import pyarrow.parquet as pq
 
+    from runtime.typed_files import generic_rows, table_dirs
+
     root = Path(directory)
+    typed = {p.name for p in table_dirs(root)}
     for path in sorted(root.rglob("*.parquet")):
-        if any(part.startswith((".", "_")) for part in path.relative_to(root).parts):
+        parts = path.relative_to(root).parts
+        if any(part.startswith((".", "_")) for part in parts) or parts[0] in typed:
             continue
         yield from pq.read_table(path).to_pylist()
+    if typed:
+        yield from generic_rows(root)
 
 
 class TaskSinkStats(msgspec.Struct, frozen=True):
@@ -397,6 +416,10 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "output_dir": _absolute(config.run.output_dir, "data"),
         "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),
         "path": sc.path,
+        # the streaming path and the RQ/DLQ write through Spark itself: the generic layout
+        "output_layout": "generic"
+        if sc.path == "streaming" or sc.dead_letter
+        else config.run.output_layout,
     }
     for name in ("max_rows", "max_age_s", "max_inflight_batches"):
         value = getattr(sc, name)

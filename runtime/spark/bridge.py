@@ -43,6 +43,11 @@ futures, so a crash anywhere loses nothing.
   process: over Spark Connect the output must be a path this process sees as the server does
   (a shared or local file system); ``SparkConfig.atomic_commit=False`` writes straight into
   place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
+* The default output's layout (``SparkConfig.output_layout``): **typed** (the default on the
+  embedded path without ``dead_letter``, to a path this process writes) is the typed per-table
+  changelog, ``<table>/batch=<id>/``, written by pyarrow on the driver and committed by the same
+  atomic committer (``runtime.spark.typed_output``); **generic** is the layout described above,
+  written by Spark (the streaming path and the RQ/DLQ always write it).
 * ``foreach_batch(df, batch_id)`` gets a run-local batch number; a ``foreach_batch`` taking a
   third parameter gets ``(df, batch_id, identity)`` with the deterministic batch identity,
   stable across re-delivery: key an idempotent write on it (docs/operations.md).
@@ -86,6 +91,7 @@ from runtime.spark.keyed import (
 from runtime.spark.output import write_default
 from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
 from runtime.spark.session import SparkStartError, start_session, warm
+from runtime.spark.typed_output import TypedBatch, typed_tails
 
 __all__ = [
     "BridgeError",
@@ -126,6 +132,7 @@ class SparkBridge:
         self._foreach_identity = foreach_batch is not None and _takes_identity(foreach_batch)
         # the default output's atomic commits (embedded path, no RQ): see the module docstring
         self.committer: Committer | None = None
+        self.layout = _layout(config, foreach_batch is not None)
         if (
             foreach_batch is None
             and config.path == "embedded"
@@ -207,7 +214,12 @@ class SparkBridge:
         try:
             async with asyncio.timeout(cfg.start_timeout_s):
                 await asyncio.to_thread(warm, self.spark)
-            if self.foreach_batch is None and cfg.path == "embedded" and cfg.remote is None:
+            if (
+                self.foreach_batch is None
+                and cfg.path == "embedded"
+                and cfg.remote is None
+                and self.layout == "generic"
+            ):
                 await asyncio.to_thread(self._warm_write)
             if self.committer is not None:
                 await asyncio.to_thread(self.committer.recover)
@@ -464,6 +476,11 @@ class SparkBridge:
         output and the identities at it, so records a previous run wrote but never acked
         (its readers re-read them after a restart) are not written twice."""
         out = Path(self.config.output_dir)
+        if self.layout == "typed":
+            for token, identity in typed_tails(self.config.output_dir):
+                for tails in (self._tails, self._committed):
+                    tails.accept_identity(token, identity)
+            return
         if self.config.remote is None and not any(out.rglob("*.parquet")):
             return
         from pyspark.sql import functions as f
@@ -494,6 +511,8 @@ class SparkBridge:
         """Off the loop: drop replays, build the Arrow table."""
         fresh = [(e.token, self._tails.fresh(e.token, e.records)) for e in cut.entries]
         rows = sum(len(r.mods) for _, records in fresh for r in records)
+        if self.layout == "typed" and self.foreach_batch is None:
+            return TypedBatch(fresh, rows), fresh, rows
         return to_arrow(fresh), fresh, rows
 
     # --- the committer --------------------------------------------------------------------
@@ -931,7 +950,9 @@ class SparkBridge:
         assert committer is not None
         assert identity is not None
         moves: list[tuple[str, str]] = []
-        if table.num_rows:
+        if isinstance(table, TypedBatch):
+            moves = table.stage(committer, identity)
+        elif table.num_rows:
             staging = committer.staging(identity)
             write_default(self._dataframe(table), str(staging), identity)
             tables = sorted(p.name for p in staging.glob("table=*") if p.is_dir())
@@ -956,6 +977,9 @@ class SparkBridge:
 
     def _run_batch(self, batch_id: int, table: Any, identity: str) -> None:
         """In a worker thread: one attempt of one micro-batch."""
+        if isinstance(table, TypedBatch):
+            table.write_in_place(self.config.output_dir, f"{self.run_id}-{batch_id:010d}")
+            return
         df = self._dataframe(table)
         if self.foreach_batch is not None:
             foreach: Callable[..., None] = self.foreach_batch
@@ -999,6 +1023,23 @@ class SparkBridge:
                 _fail(future, error)
         self._futures.clear()
         self._put_at.clear()
+
+
+def _layout(config: SparkConfig, has_foreach: bool) -> str:
+    """The default output's layout (see the module docstring); refuses typed where it cannot be
+    written."""
+    typed_ok = (
+        not has_foreach
+        and config.path == "embedded"
+        and config.dead_letter is None
+        and ":/" not in config.output_dir
+    )
+    if config.output_layout == "typed" and not typed_ok and not has_foreach:
+        raise ValueError(
+            "output_layout='typed' is written on the embedded path without dead_letter, to a "
+            "path this process writes; use output_layout='generic' here"
+        )
+    return config.output_layout or ("typed" if typed_ok else "generic")
 
 
 def _cut_identity(cut: Cut) -> str:

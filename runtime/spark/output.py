@@ -26,18 +26,35 @@ def read_output(
     (the default) a row whose key (commit timestamp, server transaction id, record sequence,
     mod index) was already read is dropped as well, for outputs written without atomic commits
     (``foreach_batch`` into this layout, the streaming path's raw files, ``atomic_commit=False``).
+
+    Of a **typed** output (``output_layout="typed"``) the pyarrow read returns every table's
+    rows as their metadata and row key columns under the generic names (``table``,
+    ``commit_ts`` as int microseconds, ``server_transaction_id``, ``record_sequence``,
+    ``mod_index``, ``partition_token``, ``mod_type``, ``batch``) without the tables' own
+    columns: read one table with ``runtime.typed_files.read_table``, or with Spark
+    (docs/reading-output.md).
     """
     if isinstance(spark_or_path, str | os.PathLike):
+        from runtime.typed_files import is_typed_layout
+
+        if is_typed_layout(spark_or_path):
+            return _read_typed(Path(spark_or_path), dedupe)
         return _read_arrow(Path(spark_or_path), dedupe)
     if path is None:
         raise TypeError("read_output(spark, path): the output directory is required")
+    from runtime.typed_files import is_typed_layout
+
+    if is_typed_layout(path):
+        raise ValueError(
+            f"{path} holds the typed layout (a directory per table): read one table with "
+            f'spark.read.option("mergeSchema", "true").parquet("{path}/<table>")'
+        )
     df = spark_or_path.read.parquet(str(path))
     return df.dropDuplicates(list(KEY_COLUMNS)) if dedupe else df
 
 
 def _read_arrow(directory: Path, dedupe: bool) -> Any:
     import pyarrow as pa
-    import pyarrow.dataset as ds
 
     if not directory.exists() or not any(
         not any(part.startswith(("_", ".")) for part in p.relative_to(directory).parts)
@@ -47,6 +64,13 @@ def _read_arrow(directory: Path, dedupe: bool) -> Any:
 
         schema = arrow_schema()
         return schema.empty_table().append_column("batch", pa.array([], pa.string()))
+    return _dedupe(_dataset(directory), dedupe)
+
+
+def _dataset(directory: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
     dataset = ds.dataset(
         str(directory),
         format="parquet",
@@ -56,7 +80,26 @@ def _read_arrow(directory: Path, dedupe: bool) -> Any:
         exclude_invalid_files=True,
         ignore_prefixes=[".", "_"],
     )
-    table = dataset.to_table()
+    return dataset.to_table()
+
+
+def _read_typed(directory: Path, dedupe: bool) -> Any:
+    import pyarrow as pa
+
+    from runtime.typed_files import GENERIC_KEY_COLUMNS, read_changes
+
+    changes = read_changes(directory)
+    columns = {"table": changes.column("table")}
+    for typed, generic in GENERIC_KEY_COLUMNS.items():
+        columns[generic] = changes.column(typed)
+    columns["commit_ts"] = changes.column("_commit_ts").cast(pa.int64())
+    columns["batch"] = changes.column("batch")
+    return _dedupe(pa.table(columns), dedupe)
+
+
+def _dedupe(table: Any, dedupe: bool) -> Any:
+    import pyarrow as pa
+
     if not dedupe or table.num_rows == 0:
         return table
     keys = zip(*(table.column(c).to_pylist() for c in KEY_COLUMNS), strict=True)

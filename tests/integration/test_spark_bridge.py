@@ -25,7 +25,12 @@ __all__ = ["spark"]  # the module-scoped session fixture
 
 
 def _config(out: Path, **kwargs: Any) -> SparkConfig:
-    return SparkConfig(output_dir=str(out), max_rows=20_000, max_age_s=0.5, **kwargs)
+    return SparkConfig(
+        output_dir=str(out),
+        max_rows=20_000,
+        max_age_s=0.5,
+        **{"output_layout": "generic", **kwargs},
+    )
 
 
 async def _run_to_end(cluster: Cluster, bridge: SparkBridge, timeout: float = 60.0) -> None:

@@ -35,7 +35,7 @@ P_POSITION = Position(20, (("txn20", "0"), ("txn20", "1")))
 
 
 def _config(out: Path) -> SparkConfig:
-    return SparkConfig(output_dir=str(out), max_rows=100, max_age_s=0.05)
+    return SparkConfig(output_dir=str(out), max_rows=100, max_age_s=0.05, output_layout="generic")
 
 
 def _keys(table: Any) -> list[tuple[Any, ...]]:

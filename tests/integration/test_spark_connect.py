@@ -33,7 +33,11 @@ __all__ = ["connect_mode", "connect_server"]  # module-scoped fixtures
 
 def _config(server: ConnectServer, out: Path, **kwargs: Any) -> SparkConfig:
     return SparkConfig(
-        remote=server.url, output_dir=str(out), max_rows=20_000, max_age_s=0.5, **kwargs
+        remote=server.url,
+        output_dir=str(out),
+        max_rows=20_000,
+        max_age_s=0.5,
+        **{"output_layout": "generic", **kwargs},
     )
 
 

@@ -1,0 +1,345 @@
+"""The typed per-table changelog: change records as rows of their own table's columns, in their
+Spanner types (docs/reading-output.md). Pure: no I/O, no clock; it needs pyarrow, which is why it
+lives here and not in ``protocol/``.
+
+A record carries its table's columns in ``column_types`` (name, Spanner type as JSON text such as
+``{"code":"INT64"}`` or ``{"array_element_type":{"code":"DATE"},"code":"ARRAY"}``, primary key
+flag, ordinal position) and, per mod, ``keys`` / ``new_values`` / ``old_values`` as JSON objects
+in Spanner's JSON encoding (INT64 and NUMERIC as strings, BYTES as base64, FLOAT64 NaN and
+infinities as ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``, DATE ``"2024-02-29"``, TIMESTAMP
+RFC 3339, a JSON column's value as its JSON text).
+
+Spanner type → Arrow type (:func:`arrow_type`; Spark reads each as the type in brackets):
+
+==========================  ====================================  ==================
+Spanner                     Arrow                                 Spark
+==========================  ====================================  ==================
+INT64 (also ENUM)           int64                                 long
+FLOAT64 / FLOAT32           float64 / float32                     double / float
+NUMERIC                     decimal128(38, 9)                     decimal(38,9)
+STRING, JSON (and others)   string                                string
+BYTES (also PROTO)          binary                                binary
+BOOL                        bool                                  boolean
+DATE                        date32                                date
+TIMESTAMP                   timestamp[us, tz=UTC]                 timestamp
+ARRAY<T>                    list<T>                               array<T>
+==========================  ====================================  ==================
+
+One row per mod: the key columns from ``keys``, the other columns from ``new_values`` (a
+column an UPDATE did not write is null; ``_columns`` says which were written), the old values
+(when the stream captures them: ``value_capture_type`` OLD_AND_NEW_VALUES or
+NEW_ROW_AND_OLD_VALUES) as ``_old_<column>``, and the metadata columns :data:`METADATA`. Spanner
+names start with a letter, so the ``_`` names never collide with a table's own columns.
+
+A table's schema (:func:`table_schema`) is the union of its records' columns in the batch, by
+ordinal position: a column added by ``ALTER TABLE ADD COLUMN`` appears in the batches after it
+(readers merge the files' schemas, e.g. Spark's ``mergeSchema``). A column whose type differs
+between records of one batch (``ALTER COLUMN`` STRING ↔ BYTES) is written as ``string`` holding
+each value's JSON text in that batch.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import decimal
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+
+from protocol.records import DataChange
+from runtime.spanner.decode import parse_timestamp
+
+__all__ = [
+    "METADATA",
+    "OLD_PREFIX",
+    "TypedError",
+    "arrow_type",
+    "arrow_value",
+    "captures_old_values",
+    "table_columns",
+    "table_schema",
+    "typed_tables",
+]
+
+OLD_PREFIX = "_old_"
+"""Old values of column ``C`` are in column ``_old_C``."""
+
+METADATA: tuple[tuple[str, pa.DataType], ...] = (
+    ("_commit_ts", pa.timestamp("us", tz="UTC")),
+    ("_mod_type", pa.string()),
+    ("_server_transaction_id", pa.string()),
+    ("_record_sequence", pa.string()),
+    ("_mod_index", pa.int32()),
+    ("_partition_token", pa.string()),
+    ("_transaction_tag", pa.string()),
+    ("_number_of_records_in_transaction", pa.int32()),
+    ("_number_of_partitions_in_transaction", pa.int32()),
+    ("_value_capture_type", pa.string()),
+    ("_is_system_transaction", pa.bool_()),
+    ("_columns", pa.list_(pa.string())),  # the columns new_values holds (an UPDATE's written)
+)
+"""The metadata columns of every typed table, first in its files."""
+
+_OLD_CAPTURES = frozenset({"OLD_AND_NEW_VALUES", "NEW_ROW_AND_OLD_VALUES"})
+_STRING = '{"code":"STRING"}'  # the type of a column whose type changed within a batch
+
+
+class TypedError(ValueError):
+    """A column type or value that does not have the shape Spanner sends."""
+
+
+class _Type(msgspec.Struct, frozen=True):
+    code: str
+    array_element_type: _Type | None = None
+
+
+_type_decoder = msgspec.json.Decoder(_Type)
+_json_decoder = msgspec.json.Decoder()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(type_json: str) -> _Type:
+    try:
+        return _type_decoder.decode(type_json)
+    except msgspec.DecodeError as exc:
+        raise TypedError(f"not a Spanner column type: {type_json!r}") from exc
+
+
+def _arrow(t: _Type) -> pa.DataType:
+    match t.code:
+        case "INT64" | "ENUM":
+            return pa.int64()
+        case "FLOAT64":
+            return pa.float64()
+        case "FLOAT32":
+            return pa.float32()
+        case "NUMERIC":
+            return pa.decimal128(38, 9)
+        case "BYTES" | "PROTO":
+            return pa.binary()
+        case "BOOL":
+            return pa.bool_()
+        case "DATE":
+            return pa.date32()
+        case "TIMESTAMP":
+            return pa.timestamp("us", tz="UTC")
+        case "ARRAY":
+            if t.array_element_type is None:
+                raise TypedError("ARRAY without array_element_type")
+            return pa.list_(_arrow(t.array_element_type))
+        case _:  # STRING, JSON, and types without a better match (UUID, INTERVAL, ...)
+            return pa.string()
+
+
+def arrow_type(type_json: str) -> pa.DataType:
+    """The Arrow type of a column of Spanner type ``type_json`` (see the module docstring)."""
+    return _arrow(_parse(type_json))
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, str):
+        match value:
+            case "NaN":
+                return math.nan
+            case "Infinity":
+                return math.inf
+            case "-Infinity":
+                return -math.inf
+    return float(value)
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else msgspec.json.encode(value).decode()
+
+
+def _converter(t: _Type) -> Callable[[Any], Any]:
+    match t.code:
+        case "INT64" | "ENUM":
+            return int
+        case "FLOAT64" | "FLOAT32":
+            return _float
+        case "NUMERIC":
+            return decimal.Decimal
+        case "BYTES" | "PROTO":
+            return base64.b64decode
+        case "BOOL":
+            return bool
+        case "DATE":
+            return _dt.date.fromisoformat
+        case "TIMESTAMP":
+            return parse_timestamp
+        case "ARRAY":
+            assert t.array_element_type is not None
+            element = _converter(t.array_element_type)
+            return lambda values: [None if v is None else element(v) for v in values]
+        case "STRING":
+            return str
+        case _:  # JSON: its text, as Spanner sends it; others: the value's JSON text
+            return _json_text
+
+
+@functools.lru_cache(maxsize=4096)
+def _convert(type_json: str) -> Callable[[Any], Any]:
+    t = _parse(type_json)
+    _arrow(t)  # refuses a malformed type here too
+    return _converter(t)
+
+
+def arrow_value(type_json: str, value: Any) -> Any:
+    """A value decoded from Spanner's JSON (``new_values`` etc.) as the Python value Arrow takes
+    for :func:`arrow_type` (``type_json``): INT64 ``"12"`` → 12, NUMERIC → ``Decimal``, BYTES
+    base64 → bytes, FLOAT64 ``"NaN"`` → nan, DATE → ``date``, TIMESTAMP → int microseconds
+    since the epoch, JSON → its text, ARRAY → a list of its elements' values; None stays None."""
+    if value is None:
+        return None
+    try:
+        return _convert(type_json)(value)
+    except TypedError:
+        raise
+    except (ValueError, TypeError, decimal.InvalidOperation) as exc:
+        raise TypedError(f"value {value!r} is not a {type_json}") from exc
+
+
+def captures_old_values(changes: Iterable[DataChange]) -> bool:
+    """Whether the stream captured old values for these records (their ``_old_`` columns)."""
+    return any(c.value_capture_type in _OLD_CAPTURES for c in changes)
+
+
+def table_columns(changes: Iterable[DataChange]) -> list[tuple[str, str, bool]]:
+    """(name, Spanner type JSON, is primary key) of the columns of ``changes`` (one table's
+    records), the union over the records, ordered by ordinal position (then name). A column
+    whose type differs between records becomes STRING (see the module docstring)."""
+    seen: dict[str, tuple[int, str, bool]] = {}
+    last_types: tuple[object, ...] = ()
+    for change in changes:
+        if change.column_types is last_types:
+            continue  # the decoder interns column_types: most records share one tuple
+        last_types = change.column_types
+        for col in change.column_types:
+            prior = seen.get(col.name)
+            if prior is None:
+                seen[col.name] = (col.ordinal_position, col.type, col.is_primary_key)
+            elif prior[1] != col.type and _parse(prior[1]) != _parse(col.type):
+                seen[col.name] = (prior[0], _STRING, prior[2])
+    ordered = sorted(seen.items(), key=lambda item: (item[1][0], item[0]))
+    return [(name, type_json, key) for name, (_, type_json, key) in ordered]
+
+
+def table_schema(columns: Sequence[tuple[str, str, bool]], old_values: bool) -> pa.Schema:
+    """The Arrow schema of a typed table with ``columns`` (:func:`table_columns`)."""
+    fields = [pa.field(name, t) for name, t in METADATA]
+    fields += [pa.field(name, arrow_type(t)) for name, t, _ in columns]
+    if old_values:
+        fields += [
+            pa.field(OLD_PREFIX + name, arrow_type(t)) for name, t, key in columns if not key
+        ]
+    return pa.schema(fields)
+
+
+_RECORD_META = METADATA[:4] + METADATA[5:11]  # one value per record (not _mod_index, _columns)
+
+
+def _record_metadata(records: Sequence[tuple[str, DataChange]]) -> pa.Table:
+    """The per-record metadata columns of every record of a batch, built once for all tables
+    (Arrow builds a column far faster than a row at a time)."""
+    cols: list[list[Any]] = [[] for _ in _RECORD_META]
+    ts, mod_type, txn, seq, token_col, tag, nrec, npart, vct, system = cols
+    for token, change in records:
+        ts.append(change.commit_ts)
+        mod_type.append(change.mod_type)
+        txn.append(change.server_transaction_id)
+        seq.append(change.record_sequence)
+        token_col.append(token)
+        tag.append(change.transaction_tag)
+        nrec.append(change.number_of_records_in_transaction)
+        npart.append(change.number_of_partitions_in_transaction)
+        vct.append(change.value_capture_type)
+        system.append(change.is_system_transaction)
+    arrays = [_array(values, t, name) for (name, t), values in zip(_RECORD_META, cols, strict=True)]
+    return pa.Table.from_arrays(arrays, names=[name for name, _ in _RECORD_META])
+
+
+_Cells = list[tuple[str, Callable[[Any], Any], list[Any]]]  # (column, converter, values)
+
+
+def _table(
+    records: Sequence[tuple[str, DataChange]], indices: list[int], meta: pa.Table
+) -> pa.Table:
+    """The typed table of ``records[i] for i in indices`` (one table's records)."""
+    changes = [records[i][1] for i in indices]
+    columns = table_columns(changes)
+    old = captures_old_values(changes)
+    schema = table_schema(columns, old)
+    fix = {name: t for name, t, _ in columns}
+    convert: _Cells = [(name, _convert(t), []) for name, t, _ in columns]
+    olds: _Cells = [(name, _convert(t), []) for name, t, key in columns if not key] if old else []
+    cells: _Cells = convert + olds
+    row_record: list[int] = []
+    mod_index: list[int] = []
+    written: list[list[str]] = []
+    decode = _json_decoder.decode
+    try:
+        for i, change in zip(indices, changes, strict=True):
+            # a record whose column's type differs from the table's (it became STRING) keeps
+            # the value's JSON text, like any STRING-typed fallback
+            as_text = {c.name for c in change.column_types if fix.get(c.name) == _STRING != c.type}
+            for k, mod in enumerate(change.mods):
+                row_record.append(i)
+                mod_index.append(k)
+                row = decode(mod.keys)
+                new = decode(mod.new_values)
+                written.append(list(new))
+                row.update(new)
+                before = decode(mod.old_values) if old else row
+                for name, conv, column in convert:
+                    value = row.get(name)
+                    if value is not None:
+                        value = _json_text(value) if name in as_text else conv(value)
+                    column.append(value)
+                for name, conv, column in olds:
+                    value = before.get(name)
+                    if value is not None:
+                        value = _json_text(value) if name in as_text else conv(value)
+                    column.append(value)
+    except (ValueError, TypeError, decimal.InvalidOperation) as exc:
+        raise TypedError(
+            f"table {changes[0].table}: a value does not fit its column type: {exc!r}"
+        ) from exc
+    taken = meta.take(pa.array(row_record, pa.int64()))
+    by_name = {name: taken.column(name) for name, _ in _RECORD_META}
+    by_name["_mod_index"] = pa.array(mod_index, pa.int32())
+    by_name["_columns"] = pa.array(written, pa.list_(pa.string()))
+    arrays: list[Any] = [by_name[name] for name, _ in METADATA]
+    fields = list(schema)[len(METADATA) :]
+    for (_, _, values), field in zip(cells, fields, strict=True):
+        arrays.append(_array(values, field.type, field.name))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _array(values: list[Any], t: pa.DataType, name: str) -> pa.Array:
+    try:
+        if pa.types.is_timestamp(t):  # from int microseconds: a cast is ~100x faster
+            return pa.array(values, pa.int64()).cast(t)
+        if pa.types.is_list(t) and pa.types.is_timestamp(t.value_type):
+            return pa.array(values, pa.list_(pa.int64())).cast(t)
+        return pa.array(values, type=t)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+        raise TypedError(f"column {name}: values do not fit {t}: {exc}") from exc
+
+
+def typed_tables(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> dict[str, pa.Table]:
+    """Per table name, the typed rows of ``entries`` ((partition token, records), in order):
+    one row per mod, in the order the records came."""
+    records = [(token, change) for token, changes in entries for change in changes]
+    by_table: dict[str, list[int]] = {}
+    for i, (_, change) in enumerate(records):
+        by_table.setdefault(change.table, []).append(i)
+    if not records:
+        return {}
+    meta = _record_metadata(records)
+    return {name: _table(records, by_table[name], meta) for name in sorted(by_table)}
