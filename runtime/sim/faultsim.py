@@ -46,6 +46,7 @@ import msgspec
 from protocol import epochs, messages
 from protocol.cim import Cim
 from protocol.dedup import Identity, PartitionTail, Position
+from protocol.events import Ids
 from protocol.messages import (
     EpochMessage,
     Partition,
@@ -80,7 +81,9 @@ from protocol.task import (
     PlanReady,
     Publish,
     PublishFailed,
+    ReaderCommitted,
     ReaderFinished,
+    ReadersCommitted,
     RequestPlan,
     Rules,
     StartReader,
@@ -198,6 +201,8 @@ class _Node:
         self.expelled = False
         self.last_land = 0
         self.epoch_seen = epochs.NO_EPOCH  # the newest epoch this node was assigned
+        # readers' newest committed positions, handed to the core once per step (coalesced)
+        self.commits: dict[str, tuple[int, Ids]] = {}
 
     def paused(self, step: int) -> bool:
         return step < self.paused_until
@@ -489,7 +494,18 @@ class Simulation:
                         due = max(due, reader.inflight[-1][0])
                     reader.inflight.append((due, command.batch, command.records, command.watermark))
                 case Report():
-                    self.deliver(node, command.event)
+                    event = command.event
+                    if isinstance(event, ReaderCommitted):
+                        # the shell's coalescing (actors/task.py, TaskActor.report): a newer
+                        # committed position of a partition supersedes an older one
+                        seen = node.commits.get(event.token)
+                        if seen is None or (event.watermark, len(event.tail)) > (
+                            seen[0],
+                            len(seen[1]),
+                        ):
+                            node.commits[event.token] = (event.watermark, event.tail)
+                    else:
+                        self.deliver(node, event)
                 case Done():
                     if node.readers.get(reader.token) is reader:
                         del node.readers[reader.token]
@@ -498,6 +514,26 @@ class Simulation:
                         self.deliver(node, command.end)
                     else:
                         self.deliver(node, command.end, 1)
+
+    def flush_commits(self, node: _Node) -> None:
+        """Hand the core every reader's newest committed position in one event, as the shell
+        does (``ReadersCommitted``)."""
+        if node.commits:
+            commits, node.commits = node.commits, {}
+            self.handle(
+                node,
+                ReadersCommitted(
+                    tuple((token, wm) for token, (wm, _) in commits.items()),
+                    tuple((token, tail) for token, (_, tail) in commits.items() if tail),
+                ),
+            )
+
+    def tick_due(self, node: _Node) -> None:
+        """The shell's timer (actors/task.py, ``timer_loop``): a ``TaskTick`` only once the
+        core's next deadline (``TaskCore.next_deadline``) has come, not every step."""
+        deadline = node.core.next_deadline()
+        if deadline is not None and deadline <= self.now():
+            self.handle(node, TaskTick())
 
     def run_sink(self, node: _Node, reader: _Reader) -> None:
         """The sink's side: batches whose commit is due commit, in order, or fail (with
@@ -609,13 +645,14 @@ class Simulation:
                 self.handle(node, Lost("expelled"))
                 self.group[node.id] = self.step
                 self.schedule_rebalance()
-            self.handle(node, TaskTick())
+            self.tick_due(node)
             self.read_log(node)
             while node.inbox and node.inbox[0][0] <= self.step:
                 _, _, event = heapq.heappop(node.inbox)
                 self.handle(node, event)
             self.run_readers(node)
-            self.handle(node, TaskTick())
+            self.flush_commits(node)
+            self.tick_due(node)
         self.check()
 
     def check(self) -> None:

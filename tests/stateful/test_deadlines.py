@@ -48,7 +48,7 @@ def test_a_tick_before_the_deadline_does_nothing(seed: int, overrides: dict[str,
     params = SimParams(seed=seed, **{**SHORT, **overrides})  # type: ignore[arg-type]
     sim = _Checked(params, TaskCore.next_deadline)
     sim.run()
-    assert sim.seen["states"] > 500
+    assert sim.seen["states"] > 200  # enough states checked (ticks come only when due)
     # idle tasks sleep: most states have no deadline at all, or one far away
     assert sim.seen["no deadline"] > 0
 
