@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.lease import LeaseRules
 from protocol.reader import ReaderRules
 from runtime.sim.faultsim import SimParams, run
 
@@ -201,3 +202,50 @@ def test_teeth_take_over_without_the_sinks_durable_position() -> None:
     caught = [r for r in found if "not exactly once" in r.violation]
     assert len(caught) >= len(READER_SEEDS) - 1, found
     assert all(r.passed or "not exactly once" in r.violation for r in found), found
+
+
+# -- the membership lease through a rebalance (docs/design.md#membership-and-leases) ------------
+
+# Survivors' JoinGroups are lost half the time during the churn (a lost one times out and is
+# sent again, with no heartbeat meanwhile), and no crash, leave or pause adds its own noise.
+LOST_JOINS: dict[str, object] = {
+    "join_loss_p": 0.5,
+    "crash_p": 0.0,
+    "pause_p": 0.0,
+    "leave_p": 0.0,
+}
+# A rebalance timeout shorter than the session: the join phase ends, removing who did not join,
+# before their sessions would expire.
+SHORT_REBALANCE: dict[str, object] = {
+    **LOST_JOINS,
+    "rebalance_timeout_us": 1_500_000,
+    "heartbeat_us": 500_000,
+    "lease_margin_us": 250_000,
+}
+LEASE_SEEDS = [0, 2, 3, 4]
+
+
+def test_leases_through_lost_joins_and_short_rebalances_are_safe() -> None:
+    """The control of the two teeth below (same seeds): with the lease of protocol/lease.py a
+    member whose JoinGroup was lost stops reading before the coordinator can remove it."""
+    for seed in LEASE_SEEDS:
+        _check(seed, **LOST_JOINS)
+        _check(seed, **SHORT_REBALANCE)
+
+
+def test_teeth_a_lease_that_counts_a_join_in_flight() -> None:
+    """A JoinGroup that never reached the coordinator extends the lease: the member reads on
+    after its session expired and its partitions were dealt out."""
+    broken = LeaseRules(join_in_flight_counts=True)
+    found = [run(SimParams(seed=s, lease_rules=broken, **LOST_JOINS)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
+    caught = [r for r in found if "both read" in r.violation]
+    assert len(caught) >= len(LEASE_SEEDS) - 1, found
+
+
+def test_teeth_a_lease_not_bounded_by_the_rebalance_timeout() -> None:
+    """A member told REBALANCE_IN_PROGRESS whose JoinGroup is lost is removed when the join
+    phase ends; a lease bounded by the session alone outlives that."""
+    broken = LeaseRules(rebalance_bound=False)
+    found = [run(SimParams(seed=s, lease_rules=broken, **SHORT_REBALANCE)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
+    caught = [r for r in found if "both read" in r.violation]
+    assert len(caught) >= len(LEASE_SEEDS) - 1, found
