@@ -134,11 +134,38 @@ def test_teeth_restart_under_the_same_id_without_adopting_its_state() -> None:
     assert any("owned by []" in v or "not being read" in v for v in found), found
 
 
+HEAVY_APPEND_FAILURES = range(1, 30)  # seed 0 hits the known hole below
+
+
+def test_a_quarter_of_appends_failing_every_seed_passes() -> None:
+    """The control of the next test: the same seeds with the re-send rule on."""
+    for seed in HEAVY_APPEND_FAILURES:
+        _check(seed, append_fail_p=0.25)
+
+
 def test_teeth_a_leader_that_does_not_resend_a_failed_epoch() -> None:
     # Its generation has no epoch: nobody shares, a task that joined in it never reads, and
-    # what a dead task owned is dealt out to nobody.
-    found = _violations(append_fail_p=0.1, resend_failed_epoch=False)
+    # what a dead task owned is dealt out to nobody. (At 10 % failing appends this shows on
+    # few seeds since leases hold through rebalances; at 25 % on several.)
+    found = []
+    for seed in HEAVY_APPEND_FAILURES:
+        result = run(SimParams(seed=seed, append_fail_p=0.25, resend_failed_epoch=False))
+        if not result.passed:
+            found.append(result.violation)
     assert any("owned by []" in v or "not being read" in v for v in found), found
+
+
+@pytest.mark.xfail(strict=True, reason="known hole, not fixed yet: see the docstring")
+def test_known_hole_an_epoch_planned_before_a_partition_finished() -> None:
+    """Found this session at 25 % failing appends (seed 0): the leader planned while a task's
+    report that it had *finished* a partition was still on its way (offset 199 in the log; the
+    epoch's offers land at 201), and the epoch deals the partition out again as new, at its old
+    watermark (most likely the finisher was dropped with the epoch, its finished record with
+    it): a finished partition is read a second time and its published watermark goes back. Nothing reaches the output twice
+    (the new reader resumes from the sink's durable position), but the rule is broken. The fix
+    belongs in the CIM's rule 5b and the leader core: an offer of a partition the CIM holds as
+    finished when the epoch lands is dropped, and the finished record is kept by the leader."""
+    _check(0, append_fail_p=0.25)
 
 
 def test_a_group_whose_generations_start_over_keeps_epochs_going_up() -> None:
@@ -222,7 +249,7 @@ SHORT_REBALANCE: dict[str, object] = {
     "heartbeat_us": 500_000,
     "lease_margin_us": 250_000,
 }
-LEASE_SEEDS = [0, 2, 3, 4]
+LEASE_SEEDS = range(12)
 
 
 def test_leases_through_lost_joins_and_short_rebalances_are_safe() -> None:
@@ -239,7 +266,7 @@ def test_teeth_a_lease_that_counts_a_join_in_flight() -> None:
     broken = LeaseRules(join_in_flight_counts=True)
     found = [run(SimParams(seed=s, lease_rules=broken, **LOST_JOINS)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
     caught = [r for r in found if "both read" in r.violation]
-    assert len(caught) >= len(LEASE_SEEDS) - 1, found
+    assert len(caught) >= 4, found  # 7 of the 12 seeds when this was written
 
 
 def test_teeth_a_lease_not_bounded_by_the_rebalance_timeout() -> None:
@@ -248,4 +275,4 @@ def test_teeth_a_lease_not_bounded_by_the_rebalance_timeout() -> None:
     broken = LeaseRules(rebalance_bound=False)
     found = [run(SimParams(seed=s, lease_rules=broken, **SHORT_REBALANCE)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
     caught = [r for r in found if "both read" in r.violation]
-    assert len(caught) >= len(LEASE_SEEDS) - 1, found
+    assert len(caught) >= 8, found  # 11 of the 12 seeds when this was written
