@@ -1,0 +1,75 @@
+"""``python -m bench backfill`` with a short load: the CLI, given ``--start-at`` / ``--end-at``
+inside a load committed to the Cloud Spanner emulator with partition churn, exits 0 by itself and
+its typed output holds exactly the window's changes (skipped, with the reason printed, where the
+emulator binary is absent). The comparison it rests on is checked first, with and without
+faults in the output."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from bench import backfill
+from runtime.spanner.emulator import EmulatorUnavailable, find_emulator
+
+# (commit_ts, table, mod type, Id): a load of five changes; the window is [20, 40]
+LOAD = Counter({(10, "T", "INSERT", 1): 1, (20, "T", "INSERT", 2): 1, (30, "U", "UPDATE", 3): 1})
+LOAD.update({(40, "T", "DELETE", 2): 1, (50, "U", "INSERT", 4): 1})
+WINDOW = Counter({k: n for k, n in LOAD.items() if 20 <= k[0] <= 40})
+
+
+def test_the_comparison_of_a_window_exactly_delivered_finds_nothing() -> None:
+    result = backfill.compare(LOAD, WINDOW, 20, 40)
+    assert (result["committed"], result["delivered"]) == (3, 3)
+    assert (result["before_window"], result["after_window"]) == (1, 1)
+    assert result["lost"] == result["extra"] == result["outside_window"] == 0
+    assert (result["at_start"], result["at_end"]) == (1, 1)  # both bounds inclusive
+    assert backfill.passed({**result, "exited_by_itself": True})
+    assert not backfill.passed({**result, "exited_by_itself": False})
+
+
+@pytest.mark.parametrize(
+    ("output", "lost", "extra", "outside"),
+    [
+        (WINDOW - Counter({(40, "T", "DELETE", 2): 1}), 1, 0, 0),  # the end bound left out
+        (WINDOW + Counter({(30, "U", "UPDATE", 3): 1}), 0, 1, 0),  # a duplicate row
+        (WINDOW + Counter({(10, "T", "INSERT", 1): 1}), 0, 1, 1),  # a change before the window
+        (WINDOW + Counter({(50, "U", "INSERT", 4): 1}), 0, 1, 1),  # a change after it
+    ],
+)
+def test_the_comparison_catches_a_lost_a_duplicate_and_an_outside_row(
+    output: Counter[backfill.KEY], lost: int, extra: int, outside: int
+) -> None:
+    result = backfill.compare(LOAD, output, 20, 40)
+    assert (result["lost"], result["extra"], result["outside_window"]) == (lost, extra, outside)
+    assert not backfill.passed({**result, "exited_by_itself": True})
+
+
+def test_the_rfc3339_bounds_keep_every_microsecond() -> None:
+    assert backfill.rfc3339(1_700_000_000_000_001) == "2023-11-14T22:13:20.000001Z"
+    assert backfill.choose_window([8, 1, 2, 3, 4, 5, 6, 7]) == (3, 7)
+
+
+@pytest.mark.slow
+@pytest.mark.spanner
+@pytest.mark.kafka
+def test_a_bounded_backfill_exits_by_itself_with_exactly_its_window(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    try:
+        find_emulator()
+    except EmulatorUnavailable as exc:
+        print(f"SKIP bench backfill: {exc}")
+        pytest.skip(f"Cloud Spanner emulator unavailable: {exc}")
+    code = backfill.main(["--load-s", "10", "--rate", "15", "--churn-s", "2", "--timeout-s", "180"])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["scenario"] == "backfill", out
+    assert result["exited_by_itself"] is True, out
+    assert result["committed"] > 0, out
+    assert result["delivered"] == result["committed"], out
+    assert result["lost"] == result["extra"] == result["outside_window"] == 0, out
+    assert result["typed_tables"] >= 1, out
+    assert code == 0, out
