@@ -65,28 +65,17 @@ def choose_window(commit_times: list[int]) -> tuple[int, int]:
 
 
 def read_typed_output(data: Path) -> tuple[Counter[KEY], int, int]:
-    """The typed layout under ``data``, read raw: (rows by identity, tables written with typed
-    columns, i.e. whose files have the table's own ``Id`` column as int64 besides the metadata
-    columns, distinct partition tokens the rows came from)."""
-    import pyarrow as pa
-
-    from runtime.typed_files import read_table, table_dirs
+    """The output under ``data``, read raw (``bench.output``): (rows by ``(commit_ts, table,
+    mod_type, Id)``, tables written with typed columns, distinct partition tokens the rows came
+    from: with churn, the window's changes come from several partitions)."""
+    from bench.output import read_changes, typed_tables
 
     rows: Counter[KEY] = Counter()
-    typed = 0
     tokens: set[str] = set()
-    for directory in table_dirs(data):
-        table = read_table(data, directory.name)
-        schema = table.schema
-        if schema.field("Id").type == pa.int64() and "_commit_ts" in schema.names:
-            typed += 1
-        ts = table.column("_commit_ts").cast(pa.int64()).to_pylist()
-        mods = table.column("_mod_type").to_pylist()
-        ids = table.column("Id").to_pylist()
-        tokens.update(table.column("_partition_token").to_pylist())
-        for micros, mod_type, key in zip(ts, mods, ids, strict=True):
-            rows[(int(micros), directory.name, str(mod_type), int(key))] += 1
-    return rows, typed, len(tokens)
+    for change in read_changes(data):
+        rows[(change.commit_ts, change.table, change.mod_type, change.key)] += 1
+        tokens.add(change.partition_token)
+    return rows, typed_tables(data), len(tokens)
 
 
 def compare(

@@ -2,16 +2,24 @@
 inside a load committed to the Cloud Spanner emulator with partition churn, exits 0 by itself and
 its typed output holds exactly the window's changes (skipped, with the reason printed, where the
 emulator binary is absent). The comparison it rests on is checked first, with and without
-faults in the output."""
+faults in the output, and so is the reader of the output it shares with ``bench chaos``: the same
+changes written by the file sink in either layout read back the same."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
+from typing import Literal
 
 import pytest
 
+from actors.cli.sinks import FileSink
 from bench import backfill
+from bench.chaos import read_output
+from bench.output import read_changes, typed_tables
+from protocol.records import ColumnType, DataChange, Mod
+from runtime.ports import SinkBatch
 from runtime.spanner.emulator import EmulatorUnavailable, find_emulator
 
 # (commit_ts, table, mod type, Id): a load of five changes; the window is [20, 40]
@@ -45,6 +53,45 @@ def test_the_comparison_catches_a_lost_a_duplicate_and_an_outside_row(
     result = backfill.compare(LOAD, output, 20, 40)
     assert (result["lost"], result["extra"], result["outside_window"]) == (lost, extra, outside)
     assert not backfill.passed({**result, "exited_by_itself": True})
+
+
+ID = ColumnType("Id", '{"code":"INT64"}', True, 1)
+VALUE = ColumnType("Value", '{"code":"INT64"}', False, 2)
+
+
+def change(ts: int, table: str, mod_type: str, keys: tuple[int, ...]) -> DataChange:
+    mods = tuple(Mod(f'{{"Id":"{k}"}}', f'{{"Value":"{ts}"}}', "{}") for k in keys)
+    return DataChange(ts, "00000001", f"tx{ts}", True, table, (ID, VALUE), mods, mod_type)  # type: ignore[arg-type]
+
+
+RECORDS = (
+    change(10, "A", "INSERT", (1, 2)),
+    change(11, "B", "INSERT", (3,)),
+    change(12, "A", "UPDATE", (2,)),
+)
+
+
+async def write(directory: Path, layout: Literal["typed", "generic"]) -> Path:
+    data = directory / layout / "data"
+    async with FileSink(data, max_age_s=0.01, layout=layout) as sink:
+        await (await sink.put(SinkBatch("p0", RECORDS[:2], 11)))
+        await (await sink.put(SinkBatch("p1", RECORDS[2:], 12)))
+    return data
+
+
+@pytest.mark.asyncio
+async def test_the_output_reads_the_same_in_either_layout(tmp_path: Path) -> None:
+    typed, generic = await write(tmp_path, "typed"), await write(tmp_path, "generic")
+    expected = {(10, "A", "INSERT", 1), (10, "A", "INSERT", 2), (11, "B", "INSERT", 3)}
+    expected.add((12, "A", "UPDATE", 2))
+    for data in (typed, generic):
+        changes = list(read_changes(data))
+        assert {(c.commit_ts, c.table, c.mod_type, c.key) for c in changes} == expected
+        assert len(changes) == 4
+        assert {c.partition_token for c in changes} == {"p0", "p1"}
+        delivered, rows, dropped = read_output(data.parent)  # bench chaos reads it so too
+        assert (set(delivered), rows, dropped) == (expected, 4, 0)
+    assert (typed_tables(typed), typed_tables(generic)) == (2, 0)
 
 
 def test_the_rfc3339_bounds_keep_every_microsecond() -> None:
