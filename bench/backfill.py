@@ -14,7 +14,10 @@
   each, one connector, ``--source spanner`` at the emulator, ``--sink files`` into one shared
   directory in the typed per-table layout, ``--start-at``, ``--end-at``, no ``--duration``) must
   each drain and exit 0 by itself once every partition reached the end. The wait is bounded
-  (``--timeout-s``): past it the processes still running are killed and the run fails.
+  (``--timeout-s``): past it the processes still running are killed and the run fails. With
+  ``--kill-mid-read`` the first process is killed (SIGKILL) as soon as the first micro-batch is
+  committed and started again with the same options: it resumes from the watermarks in the
+  sync topic, and the window must still be exact.
 * The output is read back as a plain reader sees it (every table directory's committed parquet
   files, no de-duplication; names starting with ``_`` or ``.`` are not data), each row's identity
   taken from its metadata columns and key: ``(_commit_ts, table, _mod_type, Id)``. It is
@@ -150,7 +153,13 @@ async def backfill(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 [*command, "--summary-json", str(work / f"summary.{i}.json")]
                 for i in range(args.processes)
             ]
-            out["runs"] = await asyncio.to_thread(_run_bounded, commands, logs, args.timeout_s)
+            out["runs"] = await asyncio.to_thread(
+                _run_bounded,
+                commands,
+                logs,
+                args.timeout_s,
+                output / "data" if args.kill_mid_read else None,
+            )
             for i in range(args.processes):
                 summary = work / f"summary.{i}.json"
                 if summary.exists():
@@ -168,23 +177,40 @@ async def backfill(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
-def _run_bounded(commands: list[list[str]], logs: Path, timeout_s: float) -> list[dict[str, Any]]:
+def _run_bounded(
+    commands: list[list[str]], logs: Path, timeout_s: float, kill_at: Path | None = None
+) -> list[dict[str, Any]]:
     """Run the CLI processes side by side until each exits by itself, for at most ``timeout_s``
-    seconds in all (then the ones still running are killed)."""
+    seconds in all (then the ones still running are killed). With ``kill_at`` (the output's
+    data directory): once the first micro-batch is committed there (a table directory appears),
+    the first process, if still running, is killed (SIGKILL) and started again with the same
+    options (it resumes from the sync topic's watermarks)."""
     began = time.monotonic()
-    procs = []
-    for i, command in enumerate(commands):
-        with open(logs / f"run.{i}.log", "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                )
+
+    def start(i: int, attempt: int) -> subprocess.Popen[bytes]:
+        with open(logs / f"run.{i}.{attempt}.log", "wb") as log:
+            return subprocess.Popen(
+                commands[i],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+
+    procs = [start(i, 1) for i in range(len(commands))]
+    restarted_at: float | None = None
+    if kill_at is not None:
+        from runtime.typed_files import table_dirs
+
+        while procs[0].poll() is None and time.monotonic() < began + timeout_s:
+            if table_dirs(kill_at):
+                procs[0].kill()
+                procs[0].wait()
+                restarted_at = round(time.monotonic() - began, 1)
+                procs[0] = start(0, 2)
+                break
+            time.sleep(0.05)
     runs = []
-    for proc in procs:
+    for i, proc in enumerate(procs):
         killed = False
         try:
             code = proc.wait(max(0.0, began + timeout_s - time.monotonic()))
@@ -192,9 +218,10 @@ def _run_bounded(commands: list[list[str]], logs: Path, timeout_s: float) -> lis
             killed = True
             proc.kill()
             code = proc.wait()
-        runs.append(
-            {"exit_code": code, "killed": killed, "seconds": round(time.monotonic() - began, 1)}
-        )
+        run = {"exit_code": code, "killed": killed, "seconds": round(time.monotonic() - began, 1)}
+        if i == 0 and restarted_at is not None:
+            run["killed_and_restarted_at_s"] = restarted_at
+        runs.append(run)
     return runs
 
 
@@ -226,6 +253,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--processes", type=int, default=1, help="CLI processes side by side")
     parser.add_argument("--churn-s", type=int, default=3, help="emulator partition lifetime")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on the CLI's run")
+    parser.add_argument(
+        "--kill-mid-read",
+        action="store_true",
+        help="kill -9 the first CLI process once the first micro-batch is committed and start "
+        "it again with the same options: it must resume and the window stay exact",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--task-log-level", default="warning", help="log level of the CLI")

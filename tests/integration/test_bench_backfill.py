@@ -102,15 +102,17 @@ def test_the_rfc3339_bounds_keep_every_microsecond() -> None:
 @pytest.mark.slow
 @pytest.mark.spanner
 @pytest.mark.kafka
+@pytest.mark.parametrize("kill", [False, True], ids=["one-run", "killed-mid-read-and-restarted"])
 def test_a_bounded_backfill_exits_by_itself_with_exactly_its_window(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], kill: bool
 ) -> None:
     try:
         find_emulator()
     except EmulatorUnavailable as exc:
         print(f"SKIP bench backfill: {exc}")
         pytest.skip(f"Cloud Spanner emulator unavailable: {exc}")
-    code = backfill.main(["--load-s", "10", "--rate", "15", "--churn-s", "2", "--timeout-s", "180"])
+    options = ["--load-s", "10", "--rate", "15", "--churn-s", "2", "--timeout-s", "180"]
+    code = backfill.main([*options, *(["--kill-mid-read"] if kill else [])])
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["scenario"] == "backfill", out
@@ -119,4 +121,5 @@ def test_a_bounded_backfill_exits_by_itself_with_exactly_its_window(
     assert result["delivered"] == result["committed"], out
     assert result["lost"] == result["extra"] == result["outside_window"] == 0, out
     assert result["typed_tables"] >= 1, out
+    assert ("killed_and_restarted_at_s" in out) == kill, out
     assert code == 0, out
