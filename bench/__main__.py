@@ -17,6 +17,7 @@ SCENARIOS = {
     "chaos": "bench.chaos",
     "emuleak": "bench.emuleak",
     "timeline": "bench.timeline",
+    "backfill": "bench.backfill",
     "report": "bench.report",
 }
 

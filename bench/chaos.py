@@ -177,30 +177,20 @@ async def observe(bootstrap: str, observer: Observer, stop: asyncio.Event) -> No
 
 def read_output(directory: Path) -> tuple[Counter[tuple[int, str, str, int]], int, int]:
     """(delivered (commit_ts, table, mod_type, key) after de-duplication, rows, duplicate rows
-    dropped by identity)."""
-    import pyarrow.parquet as pq
+    dropped by identity) of the output under ``directory`` (the tasks' ``--output-dir``), in
+    either layout (``bench.output``)."""
+    from bench.output import read_changes
 
-    seen: set[tuple[int, str, int, int]] = set()
+    seen: set[tuple[int, str, str, int]] = set()
     out: Counter[tuple[int, str, str, int]] = Counter()
     rows = dropped = 0
-    for path in sorted(directory.rglob("*.parquet")):
-        if any(part.startswith(("_", ".")) for part in path.relative_to(directory).parts):
-            continue  # staged or temporary: no reader picks it up
-        table = pq.read_table(path).to_pylist()
-        for row in table:
-            rows += 1
-            identity = (
-                int(row["commit_ts"]),
-                str(row["server_transaction_id"]),
-                int(row["record_sequence"]),
-                int(row["mod_index"]),
-            )
-            if identity in seen:
-                dropped += 1
-                continue
-            seen.add(identity)
-            key = int(json.loads(row["keys"])["Id"])
-            out[(int(row["commit_ts"]), str(row["table"]), str(row["mod_type"]), key)] += 1
+    for change in read_changes(directory / "data"):
+        rows += 1
+        if change.identity in seen:
+            dropped += 1
+            continue
+        seen.add(change.identity)
+        out[(change.commit_ts, change.table, change.mod_type, change.key)] += 1
     return out, rows, dropped
 
 

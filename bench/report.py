@@ -31,6 +31,7 @@ SCENARIOS: list[tuple[str, list[str], list[str], int]] = [
     ("capacity", ["--quick"], [], 900),
     ("timeline", ["--quick"], [], 600),
     ("chaos", ["--quick"], [], 1800),
+    ("backfill", ["--quick"], [], 900),
 ]
 
 # (scenario, figure, goal text, check)
@@ -47,6 +48,10 @@ GOALS: list[tuple[str, str, str, Any]] = [
     ("timeline", "missing", "0", lambda v: v == 0),
     ("chaos", "lost", "0", lambda v: v == 0),
     ("chaos", "duplicates", "0 after de-duplication", lambda v: v == 0),
+    ("backfill", "lost", "0", lambda v: v == 0),
+    ("backfill", "extra", "0", lambda v: v == 0),
+    ("backfill", "outside_window", "0", lambda v: v == 0),
+    ("backfill", "exited_by_itself", "exits 0 by itself at --end-at", lambda v: v is True),
 ]
 
 
