@@ -11,6 +11,7 @@ SCENARIOS = {
     "rebalance": "bench.rebalance",
     "spanner": "bench.spanner",
     "e2e": "bench.e2e",
+    "cluster": "bench.cluster",
     "dlq": "bench.dlq",
     "scale": "bench.scale",
     "capacity": "bench.capacity",
