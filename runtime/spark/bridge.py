@@ -1,7 +1,8 @@
 """``SparkBridge``: the ``Sink`` that hands change records to Spark in micro-batches.
 
 Partition readers ``put`` their ``SinkBatch``es; the bridge buffers them (``Batcher``) and cuts
-a micro-batch at ``max_rows`` rows or ``max_age_s`` seconds. A cutter task drops replayed
+a micro-batch at ``max_rows`` rows or ``max_age_s`` seconds (by age only while fewer than two
+are in flight, so a slow sink gets fewer, bigger micro-batches: ``Batcher.due``). A cutter task drops replayed
 records (``Tails``) and builds the Arrow table off the event loop; a committer task hands each
 micro-batch, in order, to Spark (``createDataFrame`` from Arrow, then the default parquet sink or
 the user's ``foreach_batch(df, batch_id)``), and resolves the futures of its ``SinkBatch``es
@@ -425,8 +426,10 @@ class SparkBridge:
                 now = time.monotonic()
                 if self._closing and self._batcher.entries == 0:
                     return
-                if not self._closing and not self._batcher.due(now):
+                if not self._closing and not self._batcher.due(now, self._inflight):
                     deadline = self._batcher.deadline()
+                    if deadline is not None and deadline <= now:
+                        deadline = None  # old enough but held back: until full or one is done
                     self._kick.clear()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(None if deadline is None else deadline - now):
@@ -540,6 +543,8 @@ class SparkBridge:
         async with self._changed:
             self._inflight -= 1
             self._changed.notify_all()
+        assert self._kick is not None
+        self._kick.set()  # a micro-batch held back by age (Batcher.due) may be cut now
 
     async def _commit(
         self, cut: Cut, table: Any, fresh: list[tuple[str, list[DataChange]]], rows: int
