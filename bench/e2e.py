@@ -9,8 +9,9 @@ Phases on one local Spark session (started and warmed first, not timed):
    itself sustains on this machine, the floor the bridge is measured against; and the same
    tables written by pyarrow alone (no Spark), to show where the ceiling is set.
 1. **raw**: the stream's records, already in memory, cut into micro-batches of ``max_rows`` rows,
-   each built into Arrow and written by ``createDataFrame`` into parquet partitioned by table —
-   the bridge's ceiling (no reading, no tasks, no acks).
+   each built into Arrow and written by ``createDataFrame`` into parquet partitioned by table,
+   by the bridge's own write (``write_staged``) — the bridge's ceiling (no reading, no tasks, no
+   acks, no commits).
 2. **e2e**: the same records as a backlog (the simulator's clock stands at the stream's end):
    three task nodes over in-memory coordination read them and put them into the bridge; timed
    from the first put until Spark committed every row.
@@ -45,7 +46,7 @@ from runtime.sim.memory import MemoryGroup, MemorySyncLog
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, read_output
-from runtime.spark.output import write_default
+from runtime.spark.output import write_default, write_staged
 from runtime.spark.rows import to_arrow
 from runtime.spark.session import start_session, warm
 
@@ -154,7 +155,7 @@ def raw_phase(spark: Any, records: list[tuple[str, DataChange]], max_rows: int, 
     def flush() -> None:
         nonlocal chunk, rows, n
         df = spark.createDataFrame(to_arrow([("raw", chunk)]))
-        write_default(df, str(out), f"raw-{n:06d}")
+        write_staged(df, str(out / f"raw-{n:06d}"))  # the bridge's own write
         chunk, rows, n = [], 0, n + 1
 
     for _, change in records:
