@@ -12,6 +12,7 @@ SCENARIOS = {
     "spanner": "bench.spanner",
     "e2e": "bench.e2e",
     "cluster": "bench.cluster",
+    "sparkwrites": "bench.sparkwrites",
     "dlq": "bench.dlq",
     "scale": "bench.scale",
     "capacity": "bench.capacity",
