@@ -11,6 +11,8 @@ SCENARIOS = {
     "rebalance": "bench.rebalance",
     "spanner": "bench.spanner",
     "e2e": "bench.e2e",
+    "cluster": "bench.cluster",
+    "sparkwrites": "bench.sparkwrites",
     "dlq": "bench.dlq",
     "scale": "bench.scale",
     "capacity": "bench.capacity",

@@ -1,11 +1,17 @@
 """``python -m bench e2e``: change records from the simulator through three task nodes and the
 Spark bridge into the default parquet sink, against the same records handed straight to Spark.
 
-Three phases on one local Spark session (started and warmed first, not timed):
+Phases on one local Spark session (started and warmed first, not timed):
 
+0. **floor** and **pyarrow**: the same rows, already built as Arrow tables of ``max_rows`` rows
+   (built before the clock starts), each handed to Spark by one
+   ``createDataFrame(table).write.parquet(...)`` (no partitioning, nothing else): what Spark
+   itself sustains on this machine, the floor the bridge is measured against; and the same
+   tables written by pyarrow alone (no Spark), to show where the ceiling is set.
 1. **raw**: the stream's records, already in memory, cut into micro-batches of ``max_rows`` rows,
-   each built into Arrow and written by ``createDataFrame`` into parquet partitioned by table —
-   the bridge's ceiling (no reading, no tasks, no acks).
+   each built into Arrow and written by ``createDataFrame`` into parquet partitioned by table,
+   by the bridge's own write (``write_staged``) — the bridge's ceiling (no reading, no tasks, no
+   acks, no commits).
 2. **e2e**: the same records as a backlog (the simulator's clock stands at the stream's end):
    three task nodes over in-memory coordination read them and put them into the bridge; timed
    from the first put until Spark committed every row.
@@ -14,7 +20,8 @@ Three phases on one local Spark session (started and warmed first, not timed):
    holding it (its reader's future resolved).
 
 Last line: ``{"scenario": "e2e", "records_per_s", "raw_spark_records_per_s", "ratio",
-"latency_p50_s", "latency_p99_s", ...}``.
+"spark_floor_records_per_s", "floor_ratio", "pyarrow_records_per_s", "latency_p50_s",
+"latency_p99_s", ...}`` (``ratio``: e2e against raw; ``floor_ratio``: e2e against the floor).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from runtime.sim.memory import MemoryGroup, MemorySyncLog
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, read_output
-from runtime.spark.output import write_default
+from runtime.spark.output import write_default, write_staged
 from runtime.spark.rows import to_arrow
 from runtime.spark.session import start_session, warm
 
@@ -110,6 +117,41 @@ def _nodes(source: SimulatedSource, sink: Sink, start_ts: int) -> list[TaskNode]
     ]
 
 
+def arrow_batches(records: list[tuple[str, DataChange]], max_rows: int) -> list[Any]:
+    """``records`` as Arrow tables of about ``max_rows`` rows each, as the bridge cuts them."""
+    tables = []
+    chunk: list[DataChange] = []
+    rows = 0
+    for _, change in records:
+        chunk.append(change)
+        rows += len(change.mods)
+        if rows >= max_rows:
+            tables.append(to_arrow([("raw", chunk)]))
+            chunk, rows = [], 0
+    if chunk:
+        tables.append(to_arrow([("raw", chunk)]))
+    return tables
+
+
+def floor_phase(spark: Any, tables: list[Any], out: Path) -> float:
+    """Seconds for Spark to write ready-made Arrow ``tables``, one plain parquet write each."""
+    t0 = time.monotonic()
+    for n, table in enumerate(tables):
+        spark.createDataFrame(table).write.parquet(str(out / f"floor-{n:06d}"))
+    return time.monotonic() - t0
+
+
+def pyarrow_phase(tables: list[Any], out: Path) -> float:
+    """Seconds for pyarrow alone to write ``tables`` (snappy parquet, as Spark writes)."""
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    for n, table in enumerate(tables):
+        pq.write_table(table, str(out / f"part-{n:06d}.parquet"), compression="snappy")
+    return time.monotonic() - t0
+
+
 def raw_phase(spark: Any, records: list[tuple[str, DataChange]], max_rows: int, out: Path) -> float:
     """Seconds to hand ``records`` straight to Spark in micro-batches of ``max_rows`` rows."""
     t0 = time.monotonic()
@@ -120,7 +162,7 @@ def raw_phase(spark: Any, records: list[tuple[str, DataChange]], max_rows: int, 
     def flush() -> None:
         nonlocal chunk, rows, n
         df = spark.createDataFrame(to_arrow([("raw", chunk)]))
-        write_default(df, str(out), f"raw-{n:06d}")
+        write_staged(df, str(out / f"raw-{n:06d}"))  # the bridge's own write
         chunk, rows, n = [], 0, n + 1
 
     for _, change in records:
@@ -221,6 +263,17 @@ def main(argv: list[str]) -> int:
         )
         print(f"  spark started and warmed in {time.monotonic() - t0:.1f}s")
 
+        tables = arrow_batches(stream, args.max_rows)
+        floor_s = floor_phase(spark, tables, work / "floor")
+        floor_rate = total_records / floor_s
+        print(
+            f"  Spark floor (Arrow tables → parquet): {floor_s:.2f}s, {floor_rate:,.0f} records/s"
+        )
+        pa_s = pyarrow_phase(tables, work / "pyarrow")
+        pa_rate = total_records / pa_s
+        print(f"  pyarrow alone: {pa_s:.2f}s, {pa_rate:,.0f} records/s")
+        del tables
+
         raw_s = raw_phase(spark, stream, args.max_rows, work / "raw")
         raw_rate = total_records / raw_s
         print(f"  raw Spark: {raw_s:.2f}s, {raw_rate:,.0f} records/s")
@@ -256,6 +309,9 @@ def main(argv: list[str]) -> int:
                 "records_per_s": round(rate),
                 "raw_spark_records_per_s": round(raw_rate),
                 "ratio": round(rate / raw_rate, 3),
+                "spark_floor_records_per_s": round(floor_rate),
+                "floor_ratio": round(rate / floor_rate, 3),
+                "pyarrow_records_per_s": round(pa_rate),
                 "latency_p50_s": round(p50, 3),
                 "latency_p99_s": round(p99, 3),
                 "latency_mean_s": round(mean, 3),

@@ -40,6 +40,7 @@ GOALS: list[tuple[str, str, str, Any]] = [
     ("rebalance", "protocol_overhead_s", "<= 0.5 s beyond Kafka's group time", lambda v: v <= 0.5),
     ("e2e", "ratio", ">= 0.8 of raw Spark", lambda v: v >= 0.8),
     ("e2e", "latency_p50_s", "< 1 s", lambda v: v < 1.0),
+    ("e2e", "floor_ratio", ">= 0.7 of Spark's own floor", lambda v: v >= 0.7),
     ("dlq", "healthy_ratio", "healthy keys unaffected (~1.0)", lambda v: v >= 0.9),
     ("dlq", "lost", "0", lambda v: v == 0),
     ("scale", "replay_s", "< 2 s", lambda v: v < 2.0),

@@ -360,7 +360,10 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = None
     max_age_s: Annotated[
         Annotated[float, Meta(gt=0)] | None,
-        Meta(description="Seconds a micro-batch may wait to fill."),
+        Meta(
+            description="Seconds a micro-batch may wait to fill (while two are in flight it "
+            "waits for the sink instead, and grows)."
+        ),
     ] = None
     max_inflight_batches: Annotated[
         Annotated[int, Meta(ge=1)] | None,

@@ -1,7 +1,8 @@
 """``SparkBridge``: the ``Sink`` that hands change records to Spark in micro-batches.
 
 Partition readers ``put`` their ``SinkBatch``es; the bridge buffers them (``Batcher``) and cuts
-a micro-batch at ``max_rows`` rows or ``max_age_s`` seconds. A cutter task drops replayed
+a micro-batch at ``max_rows`` rows or ``max_age_s`` seconds (by age only while fewer than two
+are in flight, so a slow sink gets fewer, bigger micro-batches: ``Batcher.due``). A cutter task drops replayed
 records (``Tails``) and builds the Arrow table off the event loop; a committer task hands each
 micro-batch, in order, to Spark (``createDataFrame`` from Arrow, then the default parquet sink or
 the user's ``foreach_batch(df, batch_id)``), and resolves the futures of its ``SinkBatch``es
@@ -35,9 +36,10 @@ futures, so a crash anywhere loses nothing.
   one row per mod; ``read_output`` reads it back. On the embedded path (without
   ``dead_letter``) each micro-batch is committed atomically with the sink's own durable position
   (docs/design.md#exactly-once-output, ``runtime.commit``): Spark writes it, with its own
-  ``_temporary`` commit, under ``<output_dir>/_staging/<batch>/`` where no reader looks; the lease
-  (``permit``) is checked; a manifest is written (the commit point); each ``table=<t>/batch=<id>``
-  directory is renamed into place and each partition's position recorded. ``<id>`` is the batch
+  ``_temporary`` commit, partitioned by table, under ``<output_dir>/_staging/<batch>/`` where no
+  reader looks; the lease (``permit``) is checked; a manifest is written (the commit point); each
+  staged ``table=<t>`` directory is renamed to ``table=<t>/batch=<id>`` and each partition's
+  position recorded. ``<id>`` is the batch
   identity (``protocol.commit.batch_identity``), so a micro-batch written twice appears once.
   ``durable_position(token)`` answers a partition's committed position. The renames are done by this
   process: over Spark Connect the output must be a path this process sees as the server does
@@ -88,7 +90,7 @@ from runtime.spark.keyed import (
     records_table,
     spark_records,
 )
-from runtime.spark.output import write_default
+from runtime.spark.output import write_default, write_staged
 from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
 from runtime.spark.session import SparkStartError, start_session, warm
 from runtime.spark.typed_output import TypedBatch, typed_tails
@@ -156,6 +158,7 @@ class SparkBridge:
         self.latencies: deque[float] = deque(maxlen=100_000)  # put → commit, per SinkBatch
         self._put_at: dict[int, float] = {}
         self._inflight_cuts: dict[int, Cut] = {}
+        self._frames: dict[int, Any] = {}  # batch id → its DataFrame, built by the cutter
         self._committer_done = False
         self._unacked: deque[tuple[int | None, Cut, list[tuple[str, list[DataChange]]], int]] = (
             deque()
@@ -435,8 +438,10 @@ class SparkBridge:
                 now = time.monotonic()
                 if self._closing and self._batcher.entries == 0:
                     return
-                if not self._closing and not self._batcher.due(now):
+                if not self._closing and not self._batcher.due(now, self._inflight):
                     deadline = self._batcher.deadline()
+                    if deadline is not None and deadline <= now:
+                        deadline = None  # old enough but held back: until full or one is done
                     self._kick.clear()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(None if deadline is None else deadline - now):
@@ -513,7 +518,17 @@ class SparkBridge:
         rows = sum(len(r.mods) for _, records in fresh for r in records)
         if self.layout == "typed" and self.foreach_batch is None:
             return TypedBatch(fresh, rows), fresh, rows
-        return to_arrow(fresh), fresh, rows
+        table = to_arrow(fresh)
+        if self.committer is not None and rows:
+            # Handing the rows to the JVM takes a tenth of a micro-batch's time: done here, it
+            # overlaps the previous micro-batch's write (DataFrames can be re-run on a retry).
+            try:
+                self._frames[cut.batch_id] = self._dataframe(table)
+            except Exception:
+                log.warning(
+                    "%r: building micro-batch %d early failed", self, cut.batch_id, exc_info=True
+                )
+        return table, fresh, rows
 
     # --- the committer --------------------------------------------------------------------
 
@@ -543,9 +558,12 @@ class SparkBridge:
         """``cut`` is no longer in flight (committed or failed)."""
         assert self._changed is not None
         self._inflight_cuts.pop(cut.batch_id, None)
+        self._frames.pop(cut.batch_id, None)
         async with self._changed:
             self._inflight -= 1
             self._changed.notify_all()
+        assert self._kick is not None
+        self._kick.set()  # a micro-batch held back by age (Batcher.due) may be cut now
 
     async def _commit(
         self, cut: Cut, table: Any, fresh: list[tuple[str, list[DataChange]]], rows: int
@@ -945,7 +963,8 @@ class SparkBridge:
 
     def _run_committed(self, cut: Cut, table: Any, identity: str | None) -> None:
         """In a worker thread: one attempt of micro-batch ``cut`` into the default output,
-        committed atomically (see the module docstring)."""
+        committed atomically (see the module docstring); Spark partitions it by table, and each
+        ``table=<t>`` is renamed to ``table=<t>/batch=<identity>``."""
         committer = self.committer
         assert committer is not None
         assert identity is not None
@@ -954,16 +973,17 @@ class SparkBridge:
             moves = table.stage(committer, identity)
         elif table.num_rows:
             staging = committer.staging(identity)
-            write_default(self._dataframe(table), str(staging), identity)
+            df = self._frames.get(cut.batch_id)
+            write_staged(df if df is not None else self._dataframe(table), str(staging))
             tables = sorted(p.name for p in staging.glob("table=*") if p.is_dir())
             if not tables:
                 raise BridgeError(
                     f"Spark wrote {table.num_rows} rows but {staging} holds none here: over "
-                    "Spark Connect the output must be on a file system this process shares "
-                    "(or set SparkConfig.atomic_commit=False)"
+                    "Spark Connect or on a cluster the output must be on a file system this "
+                    "process shares with the executors (or set SparkConfig.atomic_commit=False)"
                 )
             rel = f"{STAGING_DIR}/{identity}"
-            moves = [(f"{rel}/{t}/batch={identity}", f"{t}/batch={identity}") for t in tables]
+            moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in tables]
         committer.commit(identity, moves, [(e.token, e.records, e.watermark) for e in cut.entries])
 
     def _dataframe(self, table: Any) -> Any:

@@ -9,8 +9,9 @@
   identities at it: memory is bounded by the number of partitions), and keeps the gaps failed
   batches leave.
 * ``Batcher`` collects ``SinkBatch``es and says when a micro-batch is due: at ``max_rows`` rows
-  or when its oldest entry is ``max_age_s`` old. Every call takes ``now``; ``deadline()`` is when
-  the shell must look again.
+  or when its oldest entry is ``max_age_s`` old — by age only while fewer than
+  ``AGE_CUT_MAX_INFLIGHT`` micro-batches are in flight (adaptive batches, see ``Batcher.due``).
+  Every call takes ``now``; ``deadline()`` is when the shell must look again.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from protocol.records import DataChange, Micros
 from runtime.ports import SinkBatch
 
 __all__ = [
+    "AGE_CUT_MAX_INFLIGHT",
     "COLUMNS",
     "Batcher",
     "Cut",
@@ -53,6 +55,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("number_of_partitions_in_transaction", "int32"),
 )
 KEY_COLUMNS = ("commit_ts", "server_transaction_id", "record_sequence", "mod_index")
+
+# A micro-batch due by age alone is not cut while this many are in flight (one being written,
+# the next one built and waiting for it): see ``Batcher.due``.
+AGE_CUT_MAX_INFLIGHT = 2
 
 RowKey = tuple[Micros, str, str, int]
 
@@ -218,11 +224,19 @@ class Batcher:
         """When the current micro-batch is due by age (None: nothing buffered)."""
         return None if self._first is None else self._first + self.max_age_s
 
-    def due(self, now: float) -> bool:
+    def due(self, now: float, inflight: int = 0) -> bool:
+        """Whether to cut now, with ``inflight`` micro-batches cut and not yet committed: when
+        full; when old enough only while fewer than ``AGE_CUT_MAX_INFLIGHT`` are in flight.
+        While one is being written and the next already waits for it, cutting another small one
+        by age would only queue it behind them (each Spark job has a fixed cost, so a sink
+        slower than ``max_age_s`` would fall further behind); the rows keep joining the buffer
+        instead, and the micro-batch grows to what the sink's pace allows."""
         if not self._entries:
             return False
+        if self.full():
+            return True
         deadline = self.deadline()
-        return self.full() or (deadline is not None and now >= deadline)
+        return deadline is not None and now >= deadline and inflight < AGE_CUT_MAX_INFLIGHT
 
     def cut(self) -> Cut | None:
         """Take everything buffered as the next micro-batch (None if nothing is buffered)."""

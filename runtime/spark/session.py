@@ -102,7 +102,10 @@ def start_session(
     builder: Any = SparkSession.builder.appName(app_name).master(master)
     settings = dict(DEFAULT_CONF)
     settings["spark.local.dir"] = local_dir
-    settings["spark.driver.bindAddress"] = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
+    if master.startswith("local") or "SPARK_LOCAL_IP" in os.environ:
+        # a cluster's executors connect back to the driver: bind to loopback only when Spark is
+        # local or the environment asks for it (a standalone cluster on loopback)
+        settings["spark.driver.bindAddress"] = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
     settings.update(conf)
     for key, value in settings.items():
         builder = builder.config(key, value)

@@ -127,6 +127,18 @@ def test_batcher_cuts_by_age_including_empty_batches() -> None:
     assert b.next_batch_id == 1
 
 
+def test_batcher_holds_an_old_batch_back_while_two_are_in_flight() -> None:
+    """Adaptive micro-batches: past its age a micro-batch is cut only while fewer than two are
+    in flight (one being written, one waiting); a full one is cut regardless."""
+    b = Batcher(max_rows=4, max_age_s=1.0)
+    b.add(SinkBatch("p", (change(1),), 1), now=0.0)
+    assert [b.due(1.0, inflight=n) for n in range(4)] == [True, True, False, False]
+    assert not b.due(0.5, inflight=0)  # control: not old enough, whatever is in flight
+    b.add(SinkBatch("p", (change(2, mods=3),), 2), now=1.5)  # the held batch keeps growing
+    assert b.full()
+    assert [b.due(1.5, inflight=n) for n in range(4)] == [True, True, True, True]
+
+
 def test_batcher_rejects_bad_limits() -> None:
     with pytest.raises(ValueError, match="max_rows"):
         Batcher(max_rows=0, max_age_s=1.0)
