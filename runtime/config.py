@@ -372,6 +372,15 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dead_letter_max_attempts: Annotated[
         int, Meta(ge=1, description="Failures of a row before it goes to the dead-letter queue.")
     ] = 5
+    restarts: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Times in a row a lost Spark session (the local JVM died, a Spark "
+            "Connect server restarted) is replaced by a new one before the process stops with "
+            "exit 1 naming Spark; 0: stop at once. Embedded path.",
+        ),
+    ] = 3
     conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
 
 

@@ -68,6 +68,7 @@ from runtime.ports import (
     Membership,
     Sink,
     SinkBatch,
+    Unrecoverable,
     prepare_sink,
     sink_committed,
 )
@@ -97,6 +98,7 @@ class Ledger:
         self.rows = 0
         self.distinct_rows = 0  # rows of records committed for the first time (with keep_ids)
         self.duplicates = 0
+        self.fatal: Unrecoverable | None = None  # the sink failed for good: the run stops
 
     async def prepare(self, token: str) -> None:
         await prepare_sink(self.inner, token)
@@ -109,6 +111,8 @@ class Ledger:
             future = await self.inner.put(batch)
         except Exception as exc:
             self.health.failure(time.monotonic(), describe_error(exc))
+            if isinstance(exc, Unrecoverable):
+                self.fatal = self.fatal or exc
             raise
         records = batch.records
 
@@ -118,6 +122,8 @@ class Ledger:
             error = f.exception()
             if error is not None:
                 self.health.failure(time.monotonic(), describe_error(error))
+                if isinstance(error, Unrecoverable):
+                    self.fatal = self.fatal or error
                 return
             self.health.success(time.monotonic())
             self.records += len(records)
@@ -141,6 +147,7 @@ class WatchedSource:
     def __init__(self, inner: ChangeStreamSource) -> None:
         self.inner = inner
         self.health = FailureStreak()
+        self.fatal: Unrecoverable | None = None  # a query failed for good: the run stops
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
@@ -151,6 +158,8 @@ class WatchedSource:
                 yield batch
         except Exception as exc:
             self.health.failure(time.monotonic(), describe_error(exc))
+            if isinstance(exc, Unrecoverable):
+                self.fatal = self.fatal or exc
             raise
 
 
@@ -734,6 +743,7 @@ class Pipeline:
         run = self.config.run
         deadline = None if run.duration is None else time.monotonic() + run.duration
         while True:
+            self._check_fatal()
             if self.stop.is_set():
                 return "signal"
             if deadline is not None and time.monotonic() >= deadline:
@@ -743,6 +753,15 @@ class Pipeline:
             if self._end_at is not None and self._read_to_end():
                 return "end-at"
             await asyncio.sleep(0.05)
+
+    def _check_fatal(self) -> None:
+        """Stop the run (exit 1, with the port's own message) once a port failed for good:
+        retrying what cannot be mended would only look alive (docs/operations.md, "When the
+        parts around shoal fail")."""
+        for port in (self._ledger, self._source):
+            if port is not None and port.fatal is not None:
+                self.failed = str(port.fatal)
+                raise port.fatal
 
     def _read_to_end(self) -> bool:
         """With ``end_at``: every task of this process is a member of the group and its CIM
@@ -984,6 +1003,8 @@ class _StartChecked:
         try:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch
+        except Unrecoverable:  # the database or stream is wrong, not the start
+            raise
         except Exception as exc:
             detail = str(exc.__cause__ or exc).splitlines()[0]
             raise ConfigError(

@@ -397,6 +397,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "output_dir": _absolute(config.run.output_dir, "data"),
         "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),
         "path": sc.path,
+        "restarts": sc.restarts,
     }
     for name in ("max_rows", "max_age_s", "max_inflight_batches"):
         value = getattr(sc, name)

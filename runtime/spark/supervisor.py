@@ -1,0 +1,194 @@
+"""Keeping the bridge's Spark session alive (docs/operations.md, "When the parts around shoal
+fail").
+
+A Spark job can fail for its own reasons (bad data, a full disk: the bridge retries the batch and
+then fails it back to its readers) or because the session under it is gone: the local JVM was
+killed (every call then fails at once with ``ConnectionRefusedError``), or a Spark Connect server
+restarted (it no longer knows the session). Retrying a batch on a dead session only repeats the
+failure, so after every failed job the bridge asks :meth:`SessionSupervisor.recover`:
+
+* the session is alive: the failure is the job's own (``recover`` returns ``False``);
+* it is gone and the bridge started it: a new one is started (a new JVM, or a new Connect
+  session), warmed through the path batches take, up to ``SparkConfig.restarts`` times with
+  doubling backoff; the bridge then runs the batch again. Nothing acked is lost and nothing is
+  written twice: what was not committed was never acked, and the default output's atomic
+  commit (``runtime.commit``) keeps a batch that was half written when the JVM died out of sight;
+* it is gone and cannot come back (restarts used up or off, a session the caller owns, a start
+  that hangs past ``start_timeout_s``): :class:`SparkLost`, an
+  :class:`~runtime.ports.Unrecoverable` that stops the process with a message naming Spark and
+  the cause.
+
+A standalone cluster whose master is lost ends the application (Spark gives up after its
+master timeout and stops the context): the supervisor sees a stopped context as a lost session
+and tries to start a new one, which cannot register without a master; its warm-up job then
+times out after ``start_timeout_s``, a bounded failure with a clear message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from runtime import compat
+from runtime.ports import Unrecoverable
+from runtime.spark.config import SparkConfig
+from runtime.spark.session import SparkStartError, start_session, warm
+
+__all__ = ["SessionSupervisor", "SparkLost", "connect_session_lost"]
+
+log = logging.getLogger("shoal.spark")
+
+# Spark Connect errors that mean the server no longer has our session (it restarted), or is
+# not there at all; anything else is the job's own failure.
+_CONNECT_LOST = ("SESSION_NOT_FOUND", "SESSION_CLOSED", "INVALID_HANDLE", "SESSION_CHANGED")
+
+
+class SparkLost(Unrecoverable):
+    """Spark's session is gone and could not be replaced: the process must stop."""
+
+
+def connect_session_lost(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a Spark Connect call, says the server is gone or no longer
+    knows the session (as opposed to a job that failed)."""
+    import grpc
+
+    code = getattr(exc, "getGrpcStatusCode", None)
+    if callable(code) and code() in (grpc.StatusCode.UNAVAILABLE,):
+        return True
+    if isinstance(exc, grpc.RpcError):
+        return True
+    text = str(exc)
+    return any(marker in text for marker in _CONNECT_LOST)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class SessionSupervisor:
+    """Watches one bridge's session and replaces it when it is lost (see the module docstring).
+    ``spark``: the current session; ``owned``: whether the bridge started it (a session the
+    caller handed in is never replaced); ``warm_more(spark)``: further blocking warm-up of a
+    new session (the bridge's first parquet write)."""
+
+    def __init__(
+        self,
+        config: SparkConfig,
+        spark: Any,
+        *,
+        owned: bool,
+        local_dir: str | None,
+        warm_more: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.spark = spark
+        self.owned = owned
+        self.local_dir = local_dir
+        self.warm_more = warm_more
+        self.restarts = 0  # sessions started after the first
+        self.lost: SparkLost | None = None
+        self._where = config.remote or config.master
+
+    def __repr__(self) -> str:
+        return f"SessionSupervisor({self._where}, restarts={self.restarts})"
+
+    def dead_because(self, exc: BaseException | None) -> str | None:
+        """Blocking: why the current session is gone (after a job failed with ``exc``), or
+        ``None`` while it is alive."""
+        if self.config.remote is not None:
+            if exc is not None and connect_session_lost(exc):
+                first = str(exc).strip().splitlines()
+                return f"the Spark Connect session was lost ({first[0] if first else exc!r})"
+            return None
+        proc = compat.spark_jvm_process(self.spark)
+        if proc is not None:
+            code = proc.poll()
+            if code is not None:
+                return f"its JVM (pid {proc.pid}) {_exit_text(code)}"
+            return None
+        sc = getattr(self.spark, "_sc", None)
+        if sc is not None and getattr(sc, "_jsc", True) is None:
+            return "its SparkContext was stopped"
+        return None
+
+    async def recover(self, exc: BaseException | None) -> bool:
+        """After a job failed with ``exc``: ``False`` if the session is alive; ``True`` once a
+        new session (``self.spark``) replaced a lost one; :class:`SparkLost` if it cannot be."""
+        if self.lost is not None:
+            raise self.lost
+        cause = await asyncio.to_thread(self.dead_because, exc)
+        if cause is None:
+            return False
+        log.error("Spark (%s): %s", self._where, cause)
+        if not self.owned:
+            raise self._give_up(
+                f"{cause}; the session was handed to the bridge, which cannot start another"
+            )
+        if self.config.restarts < 1:
+            raise self._give_up(f"{cause}; restarts are off (spark.restarts = 0)")
+        last = ""
+        delay = self.config.restart_backoff_s
+        for attempt in range(1, self.config.restarts + 1):
+            try:
+                self.spark = await self._start()
+            except TimeoutError:
+                raise self._give_up(
+                    f"{cause}; a new session did not start within "
+                    f"{self.config.start_timeout_s:.0f}s (attempt {attempt})"
+                ) from None
+            except (SparkStartError, OSError, RuntimeError) as err:
+                last = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+                log.warning(
+                    "Spark (%s): restart %d/%d failed: %s",
+                    self._where,
+                    attempt,
+                    self.config.restarts,
+                    last,
+                )
+                if attempt < self.config.restarts:
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                continue
+            self.restarts += 1
+            log.warning("Spark (%s): a new session is up after %s", self._where, cause)
+            return True
+        raise self._give_up(f"{cause}; {self.config.restarts} restart(s) failed, the last: {last}")
+
+    def _give_up(self, why: str) -> SparkLost:
+        self.lost = SparkLost(f"Spark ({self._where}): {why}")
+        return self.lost
+
+    async def _start(self) -> Any:
+        cfg = self.config
+        async with asyncio.timeout(cfg.start_timeout_s):
+            return await asyncio.to_thread(self._start_blocking)
+
+    def _start_blocking(self) -> Any:
+        cfg = self.config
+        if cfg.remote is None:
+            compat.forget_local_session()
+        spark = start_session(
+            master=cfg.master,
+            remote=cfg.remote,
+            app_name=cfg.app_name,
+            conf=cfg.conf,
+            local_dir=self.local_dir or "",
+        )
+        warm(spark)
+        if self.warm_more is not None:
+            self.warm_more(spark)
+        return spark
+
+    def forget(self) -> None:
+        """Blocking: drop a lost local session's handles instead of stopping it (its JVM is
+        gone; ``stop()`` would only fail)."""
+        if self.config.remote is None:
+            compat.forget_local_session()
