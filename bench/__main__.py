@@ -17,6 +17,7 @@ SCENARIOS = {
     "chaos": "bench.chaos",
     "emuleak": "bench.emuleak",
     "timeline": "bench.timeline",
+    "faults": "bench.faults",
     "report": "bench.report",
 }
 

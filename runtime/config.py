@@ -242,6 +242,15 @@ class KafkaOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssl_certfile: Annotated[str | None, _d("Client certificate (with ssl_keyfile).")] = None
     ssl_keyfile: Annotated[str | None, _d("Client private key.")] = None
     ssl_keyfile_password: Annotated[str | None, _d("Password of the client private key.")] = None
+    unreachable_limit_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Stop the process (exit 1, naming Kafka) once none of its tasks has "
+            "been a member of the group for this long: the broker unreachable, or the group not "
+            "answering. Shorter outages heal (tasks stop reading, rejoin, resume). 0: never.",
+        ),
+    ] = 120.0
     session_timeout_ms: Annotated[
         Annotated[int, Meta(gt=0)] | None,
         Meta(

@@ -235,7 +235,9 @@ class Pipeline:
         self._ledger: Ledger | None = None
         self._file_sink: FileSink | None = None
         self._source: WatchedSource | None = None
+        self._bootstrap = ""
         self._bridge: Any = None  # runtime.spark.SparkBridge with --sink spark
+        self._broker: Any = None  # runtime.kafka.broker.EmbeddedBroker, when this run started it
         self._bounded = config.run.duration is not None or config.run.max_records is not None
         self._start_at = start_micros(config.run)  # None: now
         self._end_at = end_micros(config.run)  # None: no end
@@ -355,7 +357,7 @@ class Pipeline:
         final: Sample | None = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
         async with AsyncExitStack() as stack:
-            bootstrap = await self._start_kafka(stack)
+            bootstrap = self._bootstrap = await self._start_kafka(stack)
             kafka = kafka_config(cfg, bootstrap)
             from runtime.kafka import KafkaSyncLog
 
@@ -447,6 +449,7 @@ class Pipeline:
 
         broker = EmbeddedBroker(log_path=self.output_dir / "broker.log")
         await stack.enter_async_context(broker)
+        self._broker = broker
         self._kill_on_abort.append(broker.kill)
         self._say(
             f"embedded broker at {broker.bootstrap} (while this runs: python -m actors.runtime "
@@ -758,10 +761,35 @@ class Pipeline:
         """Stop the run (exit 1, with the port's own message) once a port failed for good:
         retrying what cannot be mended would only look alive (docs/operations.md, "When the
         parts around shoal fail")."""
-        for port in (self._ledger, self._source):
-            if port is not None and port.fatal is not None:
-                self.failed = str(port.fatal)
-                raise port.fatal
+        for port in (self._ledger, self._source, *(t.sync_log for t in self.tasks)):
+            fatal = getattr(port, "fatal", None)
+            if isinstance(fatal, Unrecoverable):
+                self.failed = str(fatal)
+                raise fatal
+        broker = self._broker
+        if broker is not None and not self.stopping and (code := broker.exit_code()) is not None:
+            self.failed = (
+                f"Kafka: the embedded broker (pid {broker.pid}) exited with code {code}; it "
+                "kept its topics in memory, so the connector's state is gone with it"
+            )
+            raise RunFailed(self.failed)
+        limit = self.config.kafka.unreachable_limit_s
+        if limit > 0 and self.tasks and not self.stopping:
+            now = time.monotonic()
+            outs = [
+                now - since
+                for t in self.tasks
+                if t.node.ready.is_set()
+                and t.node.task is not None
+                and (since := t.node.task.out_of_group_since) is not None
+            ]
+            if len(outs) == len(self.tasks) and min(outs) > limit:
+                self.failed = (
+                    f"Kafka at {self._bootstrap}: no task of this process has been a member of "
+                    f"its group for {min(outs):.0f}s (kafka.unreachable_limit_s = {limit:g}): "
+                    "the broker is unreachable or the group does not answer"
+                )
+                raise RunFailed(self.failed)
 
     def _read_to_end(self) -> bool:
         """With ``end_at``: every task of this process is a member of the group and its CIM

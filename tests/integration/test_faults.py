@@ -14,7 +14,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.procs import spark_jvm_pids
+from bench.procs import children, cmdline, spark_jvm_pids
+from runtime.kafka.broker import EmbeddedBroker, free_port
+from runtime.kafka.config import KafkaConfig
+from runtime.kafka.synclog import KafkaSyncLog, SyncLogError, SyncTopicLost
 from runtime.ports import Unrecoverable
 from runtime.spanner.emulator import SpannerEmulator
 from runtime.spanner.reader import FATAL_CODES, ChangeStreamUnreadable, SpannerSource
@@ -175,3 +178,138 @@ def test_run_against_a_dropped_change_stream_stops_naming_spanner(
     lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith("shoal: error: Spanner: the change-stream query failed with "), lines
+
+
+# -- Kafka -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_a_sync_topic_that_went_back_is_unrecoverable() -> None:
+    """The embedded broker keeps topics in memory: restarted under a running process (same
+    port), it has an empty sync topic again, and the next append lands at offset 0. The sync
+    log refuses that (``SyncTopicLost``, an ``Unrecoverable``) instead of going on from "now".
+    Control: appends to the healthy topic go forward and set nothing fatal."""
+    port = free_port()
+    first = EmbeddedBroker(port=port)
+    async with first:
+        sync = KafkaSyncLog(KafkaConfig.embedded(first.bootstrap), "went-back")
+        await sync.start()
+        offsets = [await sync.append(b"state %d" % i) for i in range(3)]
+        assert offsets == sorted(offsets)
+        assert offsets[-1] > offsets[0]
+        assert sync.statistics().append_failures == 0  # nothing refused while healthy
+    try:
+        async with EmbeddedBroker(port=port):
+            with pytest.raises(SyncTopicLost) as caught:
+                await _append_until_refused(sync)
+    finally:
+        await sync.close()
+    assert caught.value is sync.fatal
+    assert isinstance(caught.value, Unrecoverable)
+    assert str(caught.value).startswith("Kafka: the sync topic 'went-back_connector_sync'")
+    assert "went back" in str(caught.value)
+
+
+async def _append_until_refused(sync: KafkaSyncLog) -> None:
+    for _ in range(5):  # the producer may need a moment to reach the new broker
+        try:
+            await sync.append(b"after the restart")
+        except SyncTopicLost:
+            raise
+        except SyncLogError as exc:
+            print(f"append failed, trying again: {exc}")
+    raise AssertionError("five appends after the restart, none refused")
+
+
+def _broker_pid(run_pid: int) -> int:
+    pids = [p for p in children(run_pid) if "tansu" in cmdline(p)]
+    assert len(pids) == 1, f"expected one embedded broker under {run_pid}, found {pids}"
+    return pids[0]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_broker_paused_past_the_session_timeout_heals_and_loses_nothing(tmp_path: Path) -> None:
+    """The embedded broker is frozen (SIGSTOP) for longer than the group session timeout (3 s),
+    then continued: the tasks lose their membership (their leases run out, so they stop
+    reading), join again and go on; the bounded run exits 0 with exactly the stream's rows."""
+    out = tmp_path / "out"
+    start = _now_us()
+    proc = _cli(
+        [
+            *FILES,
+            *("--duration", "25", "--drain-timeout", "120"),
+            *SIM,
+            *("--sim-start-ts", str(start), "--output-dir", str(out)),
+            *("--summary-json", str(tmp_path / "summary.json"), "--progress", "off"),
+        ],
+        tmp_path,
+    )
+    broker = -1
+    try:
+        wait_until(lambda: _files_written(out) or proc.poll() is not None, 120, "first commit")
+        assert proc.poll() is None, _logs(tmp_path, "run")
+        broker = _broker_pid(proc.pid)
+        os.kill(broker, signal.SIGSTOP)
+        time.sleep(10)
+    finally:
+        if broker > 0:
+            os.kill(broker, signal.SIGCONT)
+        code = _finish(proc, tmp_path, "run", 250)
+    ended = _now_us()
+    logs = _logs(tmp_path, "run")
+    assert code == 0, logs[-5000:]
+    summary = _summary(tmp_path / "summary.json")
+    assert summary.errors.get("membership_lost", 0) >= 1, summary.errors
+    ids = _ids(out / "data")
+    assert len(ids) == len(set(ids)), "rows written twice"
+    model = _model(start)
+    cut = assert_one_cut(model, ids, earliest=start + 25_000_000, latest=ended)
+    assert summary.caught_up
+    assert summary.produced_rows == summary.rows_written == len(stream_rows(model, cut)) == len(ids)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_broker_unreachable_past_the_limit_stops_the_run_naming_kafka(tmp_path: Path) -> None:
+    """Frozen for longer than --kafka-unreachable-limit-s, the broker stops the (unbounded) run:
+    exit 1 and one line naming Kafka and the limit, within a bounded time."""
+    proc = _cli(
+        [
+            *FILES,
+            *SIM,
+            *("--kafka-unreachable-limit-s", "8", "--output-dir", str(tmp_path / "out")),
+            *("--progress", "off"),
+        ],
+        tmp_path,
+    )
+    broker = -1
+    try:
+        wait_until(
+            lambda: _files_written(tmp_path / "out") or proc.poll() is not None, 120, "commit"
+        )
+        assert proc.poll() is None, _logs(tmp_path, "run")
+        broker = _broker_pid(proc.pid)
+        os.kill(broker, signal.SIGSTOP)
+        paused = time.monotonic()
+        code = _finish(proc, tmp_path, "run", 120)
+        took = time.monotonic() - paused
+    finally:
+        if broker > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(broker, signal.SIGCONT)
+    err = (tmp_path / "run.err").read_text()
+    assert code == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("shoal: error: Kafka at 127.0.0.1:"), lines
+    assert "(kafka.unreachable_limit_s = 8)" in lines[0], lines
+    assert took < 8 + 60, f"took {took:.0f}s to stop"
+
+
+def _files_written(out: Path) -> bool:
+    return any((out / "data").rglob("*.parquet"))
