@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.procs import children, cmdline, spark_jvm_pids
+from bench.procs import children, cmdline, descendants, spark_jvm_pids
 from runtime.kafka.broker import EmbeddedBroker, free_port
 from runtime.kafka.config import KafkaConfig
 from runtime.kafka.synclog import KafkaSyncLog, SyncLogError, SyncTopicLost
@@ -313,3 +313,49 @@ def test_broker_unreachable_past_the_limit_stops_the_run_naming_kafka(tmp_path: 
 
 def _files_written(out: Path) -> bool:
     return any((out / "data").rglob("*.parquet"))
+
+
+@pytest.mark.spanner
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_emulator_paused_past_the_stall_timeout_heals_and_loses_nothing(tmp_path: Path) -> None:
+    """The Spanner emulator is frozen (SIGSTOP) for longer than the readers' stall timeout
+    (30 s), then continued: the silent queries are restarted from their committed positions and
+    the bounded run exits 0 with every row the write load committed, none twice."""
+    from runtime.spanner.emulator import EmulatorUnavailable, find_emulator
+
+    try:
+        find_emulator()
+    except EmulatorUnavailable as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "out"
+    proc = _cli(
+        [
+            *FILES,
+            *("--source", "emulator", "--spanner-load-rate", "10"),
+            *("--duration", "60", "--drain-timeout", "180", "--output-dir", str(out)),
+            *("--summary-json", str(tmp_path / "summary.json"), "--progress", "off"),
+        ],
+        tmp_path,
+    )
+    frozen: list[int] = []
+    try:
+        wait_until(lambda: _files_written(out) or proc.poll() is not None, 120, "first commit")
+        assert proc.poll() is None, _logs(tmp_path, "run")
+        frozen = [p for p in descendants(proc.pid) if "cloud_spanner_emulator" in cmdline(p)]
+        assert frozen, "no emulator process under the run"
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(40)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        code = _finish(proc, tmp_path, "run", 300)
+    assert code == 0, _logs(tmp_path, "run")[-5000:]
+    summary = _summary(tmp_path / "summary.json")
+    assert summary.caught_up
+    ids = _ids(out / "data")
+    assert len(ids) == len(set(ids)), "rows written twice"
+    assert summary.produced_rows == len(ids) > 0
