@@ -168,10 +168,19 @@ def forget_local_session() -> None:
     from pyspark.sql import SparkSession
 
     with SparkContext._lock:
-        proc = getattr(SparkContext._gateway, "proc", None)
-        if proc is not None and proc.poll() is None:  # half started, or a stopped context's
-            proc.kill()
+        gateway = SparkContext._gateway
+        proc = getattr(gateway, "proc", None)
+        if proc is not None:
+            if proc.poll() is None:  # half started, or a stopped context's
+                proc.kill()
             proc.wait()
+            if proc.stdin is not None:  # the pipe the JVM watched to end with its parent
+                proc.stdin.close()
+        if gateway is not None:
+            try:  # its connections to the dead JVM
+                gateway.close()
+            except Exception:
+                log.warning("closing the dead Spark JVM's gateway failed", exc_info=True)
         SparkContext._gateway = None
         SparkContext._jvm = None
         SparkContext._active_spark_context = None

@@ -16,6 +16,11 @@ futures, so a crash anywhere loses nothing.
   so does everything cut or buffered after it (those were de-duplicated on the assumption that
   the failed one commits); a later batch of an affected partition is refused until its reader
   re-reads from its committed watermark.
+* A lost session (embedded path): after a failed Spark job the bridge asks its
+  ``SessionSupervisor`` (``runtime.spark.supervisor``) whether the session died (the local JVM
+  exited, a Spark Connect server restarted); if so a new one is started, warmed, and the job run
+  again without counting the attempt, up to ``SparkConfig.restarts`` times; if it cannot be
+  replaced the bridge breaks with ``SparkLost`` (an ``Unrecoverable``: the process stops).
 * Retry queue and dead-letter queue (docs/design.md#retry-and-dead-letter-queues, opt-in: ``SparkConfig.dead_letter``, embedded
   path only). A micro-batch that still fails after ``max_attempts`` is not failed back: the
   bridge isolates the failing rows by **bisecting the micro-batch by ordering key** (table and

@@ -43,7 +43,15 @@ log = logging.getLogger("shoal.spark")
 
 # Spark Connect errors that mean the server no longer has our session (it restarted), or is
 # not there at all; anything else is the job's own failure.
-_CONNECT_LOST = ("SESSION_NOT_FOUND", "SESSION_CLOSED", "INVALID_HANDLE", "SESSION_CHANGED")
+# (Measured with pyspark 4.3: after a server restart the next call fails with NO_ACTIVE_SESSION,
+# caused by the server's INVALID_HANDLE.SESSION_CHANGED.)
+_CONNECT_LOST = (
+    "SESSION_NOT_FOUND",
+    "SESSION_CLOSED",
+    "INVALID_HANDLE",
+    "SESSION_CHANGED",
+    "NO_ACTIVE_SESSION",
+)
 
 
 class SparkLost(Unrecoverable):
@@ -55,13 +63,19 @@ def connect_session_lost(exc: BaseException) -> bool:
     knows the session (as opposed to a job that failed)."""
     import grpc
 
-    code = getattr(exc, "getGrpcStatusCode", None)
-    if callable(code) and code() in (grpc.StatusCode.UNAVAILABLE,):
-        return True
-    if isinstance(exc, grpc.RpcError):
-        return True
-    text = str(exc)
-    return any(marker in text for marker in _CONNECT_LOST)
+    seen: BaseException | None = exc
+    for _ in range(5):  # the error and what it was raised from or during
+        if seen is None:
+            return False
+        status = getattr(seen, "getGrpcStatusCode", None) or getattr(seen, "code", None)
+        if callable(status) and status() == grpc.StatusCode.UNAVAILABLE:
+            return True
+        details = getattr(seen, "details", None)
+        text = f"{seen} {details() if callable(details) else ''}"
+        if any(marker in text for marker in _CONNECT_LOST):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _exit_text(code: int) -> str:

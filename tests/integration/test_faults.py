@@ -5,23 +5,39 @@ one line naming the part and the cause, within a bounded time."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from bench.procs import children, cmdline, descendants, spark_jvm_pids
+from protocol.records import DataChange
+from runtime import compat
 from runtime.kafka.broker import EmbeddedBroker, free_port
 from runtime.kafka.config import KafkaConfig
 from runtime.kafka.synclog import KafkaSyncLog, SyncLogError, SyncTopicLost
-from runtime.ports import Unrecoverable
+from runtime.ports import SinkBatch, Unrecoverable
+from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spanner.emulator import SpannerEmulator
 from runtime.spanner.reader import FATAL_CODES, ChangeStreamUnreadable, SpannerSource
+from runtime.spark import SparkBridge, SparkConfig, read_output
+from runtime.spark.session import java_executable
+from runtime.spark.supervisor import SparkLost
 from tests.fixtures.spanner import churn_emulator
+from tests.fixtures.spark import expected_rows, output_rows
+from tests.fixtures.spark_connect import (
+    connect_mode,
+    start_connect_server,
+    stop_connect_server,
+    with_signal,
+)
+from tests.fixtures.spark_connect import free_port as connect_free_port
 from tests.helpers import assert_one_cut, stream_rows, wait_until
 from tests.integration.test_cli import (
     FILES,
@@ -35,7 +51,7 @@ from tests.integration.test_cli import (
     _summary,
 )
 
-__all__ = ["churn_emulator"]
+__all__ = ["churn_emulator", "connect_mode"]  # module-scoped fixtures
 
 
 def _first_commit(out: Path) -> bool:
@@ -359,3 +375,98 @@ def test_emulator_paused_past_the_stall_timeout_heals_and_loses_nothing(tmp_path
     ids = _ids(out / "data")
     assert len(ids) == len(set(ids)), "rows written twice"
     assert summary.produced_rows == len(ids) > 0
+
+
+# -- Spark Connect ---------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("connect_mode")
+async def test_connect_server_restart_is_survived_by_reconnecting(tmp_path: Path) -> None:
+    """The Spark Connect server is killed (its whole process group) after a committed batch and
+    started again on the same port: the next batch finds its session gone, the bridge connects
+    again with a new session and commits it; the output is exactly the rows put, once."""
+    if java_executable() is None:
+        pytest.skip("the Spark Connect server needs Java (JAVA_HOME or java on PATH)")
+    port = connect_free_port()
+    server = start_connect_server(tmp_path / "first", port=port)
+    out = tmp_path / "out"
+    model = StreamModel(StreamParams(seed=31, roots=1, records_per_s=60, split_p=0.0))
+    token = model.root_record().children[0].token
+    start = model.params.start_ts
+    records = [
+        r for r in model.records(token, start, start + 4_000_000) if isinstance(r, DataChange)
+    ]
+    half = len(records) // 2
+    config = SparkConfig(remote=server.url, output_dir=str(out), max_age_s=0.2)
+    try:
+        async with SparkBridge(config) as bridge:
+            first = tuple(records[:half])
+            await asyncio.wait_for(
+                await bridge.put(SinkBatch(token, first, first[-1].commit_ts)), 90
+            )
+            with_signal(server.proc, signal.SIGKILL)
+            server.proc.wait(30)
+            server = start_connect_server(tmp_path / "second", port=port)
+            assert server.url == config.remote, "the new server took another port"
+            second = tuple(records[half:])
+            future = await bridge.put(SinkBatch(token, second, second[-1].commit_ts))
+            await asyncio.wait_for(future, 300)
+            stats = bridge.stats()
+            replaced = bridge._supervisor.restarts if bridge._supervisor is not None else 0
+    finally:
+        stop_connect_server(server)
+    assert replaced == 1
+    assert stats.batches_failed == 0
+    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(
+        expected_rows(iter(records))
+    )
+
+
+@pytest.mark.asyncio
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_spark_whose_restarts_fail_breaks_the_bridge_naming_spark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bridge's own JVM is killed and no new one can start (Spark's installation is gone:
+    SPARK_HOME points at an empty directory): after ``restarts`` failed starts the batch fails
+    with ``SparkLost`` naming Spark, the JVM and the last error, and later puts are refused
+    with it. Bounded: the restarts' backoff and each start's failure, not a retry loop."""
+    if java_executable() is None:
+        pytest.skip("local Spark needs Java (JAVA_HOME or java on PATH)")
+    model = StreamModel(StreamParams(seed=32, roots=1, records_per_s=60, split_p=0.0))
+    token = model.root_record().children[0].token
+    start = model.params.start_ts
+    records = tuple(
+        r for r in model.records(token, start, start + 2_000_000) if isinstance(r, DataChange)
+    )
+    config = SparkConfig(
+        master="local[1]",
+        output_dir=str(tmp_path / "out"),
+        max_age_s=0.2,
+        restarts=2,
+        restart_backoff_s=0.2,
+    )
+    async with SparkBridge(config) as bridge:
+        proc = compat.spark_jvm_process(bridge.spark)
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+        monkeypatch.setenv("SPARK_HOME", str(tmp_path / "no-spark-here"))
+        t0 = time.monotonic()
+        future = await bridge.put(SinkBatch(token, records, records[-1].commit_ts))
+        with pytest.raises(SparkLost) as caught:
+            await asyncio.wait_for(future, 120)
+        took = time.monotonic() - t0
+        with pytest.raises(SparkLost):
+            await bridge.put(SinkBatch(token, records, records[-1].commit_ts))
+    text = str(caught.value)
+    assert text.startswith(f"Spark (local[1]): its JVM (pid {proc.pid}) was killed by SIGKILL; ")
+    assert "2 restart(s) failed, the last: " in text
+    assert isinstance(caught.value, Unrecoverable)
+    assert took < 60, f"took {took:.0f}s"
