@@ -160,6 +160,18 @@ def spark_jvm_process(spark: Any) -> Any:
     return getattr(gateway, "proc", None)
 
 
+def spark_context_stopped(spark: Any) -> bool:
+    """Whether local session ``spark``'s JVM-side SparkContext has stopped (``_jsc.sc()``): a
+    context Spark stopped by itself (a standalone application the cluster ended) fails every
+    job, although its JVM still runs."""
+    check(PYSPARK, "SparkContext._jsc, to tell whether the JVM-side context stopped")
+    sc = getattr(spark, "_sc", None)
+    jsc = getattr(sc, "_jsc", None)
+    if jsc is None:
+        return sc is not None
+    return bool(jsc.sc().isStopped())
+
+
 def forget_local_session() -> None:
     """Drop pyspark's handles of the process's local session and JVM (after the JVM died): the
     next ``SparkSession.builder.getOrCreate()`` starts a new JVM instead of reusing dead ones."""

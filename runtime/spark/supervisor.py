@@ -18,10 +18,10 @@ failure, so after every failed job the bridge asks :meth:`SessionSupervisor.reco
   :class:`~runtime.ports.Unrecoverable` that stops the process with a message naming Spark and
   the cause.
 
-A standalone cluster whose master is lost ends the application (Spark gives up after its
-master timeout and stops the context): the supervisor sees a stopped context as a lost session
-and tries to start a new one, which cannot register without a master; its warm-up job then
-times out after ``start_timeout_s``, a bounded failure with a clear message.
+A context Spark stopped by itself (a standalone application the cluster ended) counts as lost
+too. Losing a standalone cluster's master does not stop running jobs (the executors stay); a
+session that must be started while it is gone cannot register, its warm-up job does not finish
+within ``start_timeout_s``, and the process stops naming Spark: a bounded failure.
 """
 
 from __future__ import annotations
@@ -123,15 +123,14 @@ class SessionSupervisor:
                 return f"the Spark Connect session was lost ({first[0] if first else exc!r})"
             return None
         proc = compat.spark_jvm_process(self.spark)
-        if proc is not None:
-            code = proc.poll()
-            if code is not None:
-                return f"its JVM (pid {proc.pid}) {_exit_text(code)}"
+        if proc is not None and (code := proc.poll()) is not None:
+            return f"its JVM (pid {proc.pid}) {_exit_text(code)}"
+        try:
+            stopped = compat.spark_context_stopped(self.spark)
+        except Exception as err:  # the JVM does not answer: the job's error tells the rest
+            log.warning("Spark (%s): cannot ask whether the context stopped: %r", self._where, err)
             return None
-        sc = getattr(self.spark, "_sc", None)
-        if sc is not None and getattr(sc, "_jsc", True) is None:
-            return "its SparkContext was stopped"
-        return None
+        return "its SparkContext was stopped" if stopped else None
 
     async def recover(self, exc: BaseException | None) -> bool:
         """After a job failed with ``exc``: ``False`` if the session is alive; ``True`` once a
