@@ -470,3 +470,34 @@ async def test_spark_whose_restarts_fail_breaks_the_bridge_naming_spark(
     assert "2 restart(s) failed, the last: " in text
     assert isinstance(caught.value, Unrecoverable)
     assert took < 60, f"took {took:.0f}s"
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_embedded_broker_gone_stops_the_run_instead_of_starting_over(tmp_path: Path) -> None:
+    """The embedded broker a run started dies (SIGKILL): its topics lived in memory, so the
+    connector's state is gone; the run stops with exit 1 and one line naming Kafka and the
+    broker, instead of going on against whatever answers next."""
+    proc = _cli(
+        [*FILES, *SIM, "--output-dir", str(tmp_path / "out"), "--progress", "off"], tmp_path
+    )
+    try:
+        wait_until(
+            lambda: _files_written(tmp_path / "out") or proc.poll() is not None, 120, "commit"
+        )
+        assert proc.poll() is None, _logs(tmp_path, "run")
+        broker = _broker_pid(proc.pid)
+        os.kill(broker, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        code = _finish(proc, tmp_path, "run", 120)
+    took = time.monotonic() - killed
+    err = (tmp_path / "run.err").read_text()
+    assert code == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
+    assert lines == [
+        f"shoal: error: Kafka: the embedded broker (pid {broker}) exited with code -9; it kept "
+        "its topics in memory, so the connector's state is gone with it"
+    ], err[-3000:]
+    assert took < 60, f"took {took:.0f}s to stop"
