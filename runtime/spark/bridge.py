@@ -618,6 +618,7 @@ class SparkBridge:
                     else:
                         await asyncio.to_thread(self._run_batch, batch_id, table, identity)
             except (CommitRefused, CommitIncomplete) as exc:
+                self._job_succeeded()  # Spark wrote it; the commit itself was refused
                 return exc
             except Exception as exc:
                 try:
@@ -640,6 +641,7 @@ class SparkBridge:
                 if attempt < cfg.max_attempts:
                     await asyncio.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
                 continue
+            self._job_succeeded()
             return None
         return error
 
@@ -761,7 +763,12 @@ class SparkBridge:
             self._attempts_failed += 1
             log.info("%r: batch %d (%d rows) failed: %r", self, batch_id, len(records), exc)
             return exc
+        self._job_succeeded()
         return None
+
+    def _job_succeeded(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.job_succeeded()
 
     async def _session_replaced(self, exc: BaseException) -> bool:
         """After a Spark job failed with ``exc``: whether the session had died and a new one

@@ -109,6 +109,7 @@ class SessionSupervisor:
         self.warm_more = warm_more
         self.restarts = 0  # sessions started after the first
         self.lost: SparkLost | None = None
+        self._lost_in_a_row = 0  # sessions lost with no job succeeding in between
         self._where = config.remote or config.master
 
     def __repr__(self) -> str:
@@ -141,6 +142,12 @@ class SessionSupervisor:
         if cause is None:
             return False
         log.error("Spark (%s): %s", self._where, cause)
+        self._lost_in_a_row += 1
+        if self._lost_in_a_row > max(1, self.config.restarts):
+            raise self._give_up(
+                f"{cause}; its sessions died {self._lost_in_a_row} times in a row without a "
+                "job succeeding"
+            )
         if not self.owned:
             raise self._give_up(
                 f"{cause}; the session was handed to the bridge, which cannot start another"
@@ -174,6 +181,10 @@ class SessionSupervisor:
             log.warning("Spark (%s): a new session is up after %s", self._where, cause)
             return True
         raise self._give_up(f"{cause}; {self.config.restarts} restart(s) failed, the last: {last}")
+
+    def job_succeeded(self) -> None:
+        """A job succeeded on the current session: losses are counted in a row from here."""
+        self._lost_in_a_row = 0
 
     def _give_up(self, why: str) -> SparkLost:
         self.lost = SparkLost(f"Spark ({self._where}): {why}")
