@@ -20,7 +20,6 @@ SCENARIOS = {
     "emuleak": "bench.emuleak",
     "timeline": "bench.timeline",
     "backfill": "bench.backfill",
-    "faults": "bench.faults",
     "report": "bench.report",
 }
 
