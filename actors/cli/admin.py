@@ -118,9 +118,8 @@ def format_status(
         lines.append("  no epoch yet: no task has joined (or the sync topic is new)")
     complete = low_watermark(cim)
     if complete is not None:
-        lines.append(
-            f"complete up to {_rfc3339(complete)}: every change committed by then is in the "
-            f"output ({max(0, now - complete) / 1e6:.1f}s behind)"
+        lines.append(  # every change committed by then is in the output
+            f"complete up to {_rfc3339(complete)} ({max(0, now - complete) / 1e6:.1f}s behind)"
         )
     lines.append("")
     lines.append(
