@@ -1,0 +1,174 @@
+"""A shard-count change of the RQ/DLQ while two producers run, with records parked and
+dead-lettered, and one producer SIGKILLed during the change (docs/operations.md, "Scaling the
+Kafka output"; rules: protocol/output_meta.py and protocol/retry.py ``feed_plan``), against the
+embedded broker through the real entry point.
+
+Producer A (keys 0-9, it drives the shared RQ as the group leader's process does) and B (keys
+10-19) write per-key sequence numbers; keys 3 and 13 fail, so their first record is dead-lettered
+and their later records are parked in the RQ behind it. ``output shards 3`` runs (new RQ/DLQ
+storage topics of 6 partitions); B stops before it and is SIGKILLed once the change is prepared,
+so the change waits for its lease. The command then feeds the old storage topics' held records to the new ones and retires
+them. B's replacement sends B's keys again from the start (at least once). ``dlq list`` and
+``dlq replay --via-leader`` now read only the new storage topics (from the output's metadata):
+the list shows both dead-lettered records, the replay delivers them and everything parked
+behind. The output must hold every record, and per key, once repeats of a record id already seen
+are dropped, no sequence number goes backwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.kafka import KafkaConfig
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.kafka.composite_reader import read_composite
+from runtime.kafka.output_meta import MetaLog
+from runtime.kafka.sink import decode_output
+from tests.fixtures.kafka import connector, kafka_broker, kafka_config
+from tests.fixtures.kafka_sink import key_of
+from tests.helpers import REPO
+from tests.integration.test_output_scaling import _env, _line, _shoal
+
+__all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
+
+PER_KEY = 30
+LOGS: int | None = None  # a file descriptor for the producers' logs (set by the test)
+
+
+async def _producer(
+    bootstrap: str, name: str, first: int, last: int, *opts: str
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.fixtures.output_producer",
+        bootstrap,
+        name,
+        str(first),
+        str(last),
+        str(PER_KEY),
+        "0.1",
+        "3",
+        *opts,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL if LOGS is None else LOGS,
+        cwd=REPO,
+        env=_env(),
+    )
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(240)
+async def test_rq_dlq_shard_change_with_parked_records_and_a_kill(
+    kafka_broker: EmbeddedBroker, kafka_config: KafkaConfig, connector: str, tmp_path: Path
+) -> None:
+    global LOGS
+    started = time.monotonic()
+    procs: list[asyncio.subprocess.Process] = []
+    log_file = (tmp_path / "producers.log").open("wb")
+    LOGS = log_file.fileno()
+    try:
+        name = f"{connector}_output"
+        where = ["--kafka-bootstrap-servers", kafka_broker.bootstrap, "--connector", connector]
+        heal, hold = tmp_path / "heal", tmp_path / "hold"
+        a = await _producer(
+            kafka_broker.bootstrap,
+            name,
+            0,
+            9,
+            "driver=1",
+            "fail=3,13",
+            f"heal={heal}",
+            f"hold={hold}",
+        )
+        procs.append(a)
+        await _line(a, "started")
+        b_opts = ("driver=0", "fail=3,13", f"heal={heal}")
+        b = await _producer(kafka_broker.bootstrap, name, 10, 19, *b_opts)
+        procs.append(b)
+        await _line(b, "put 8")
+
+        # B stops (it cannot ack any more) and dies during the change: the change waits until
+        # B's lease ran out, then commits without it
+        b.send_signal(signal.SIGSTOP)
+        shards = asyncio.create_task(_shoal("output", "shards", "3", "--wait", "60", *where))
+        async with MetaLog(kafka_config, name) as meta:
+            async with asyncio.timeout(60):
+                while (await meta.load())[0].shards_pending is None:
+                    assert not shards.done(), shards.result()
+                    await asyncio.sleep(0.05)
+        b.send_signal(signal.SIGKILL)
+        await b.wait()
+        done = await shards
+        assert done.returncode == 0, done.stderr
+        assert f"RQ/DLQ shard count 3: RQ {name}_rq.1, DLQ {name}_dlq.1; fed " in done.stdout
+        fed = int(done.stdout.split("; fed ")[1].split()[0])
+        assert fed >= 2, done.stdout  # the two dead-lettered records at least, and parked ones
+
+        shown = await _shoal("output", "show", "--json", *where)
+        assert shown.returncode == 0, shown.stderr
+        state = json.loads(shown.stdout)
+        assert state["shards"] == 3
+        assert state["rq"] == [[f"{name}_rq.1", 6]]  # the old storage topics are fed and retired
+        assert state["dlq"] == [[f"{name}_dlq.1", 6]]
+        assert state["unfed"] is False
+        assert state["shards_pending"] is None
+
+        b2 = await _producer(kafka_broker.bootstrap, name, 10, 19, *b_opts)  # B's keys again
+        procs.append(b2)
+        await _line(b2, "started")
+        listed = await _shoal("dlq", "list", "--sink", "kafka", *where)
+        assert listed.returncode == 0, listed.stderr
+        lines = listed.stdout.splitlines()
+        assert lines[0] == f"2 record(s) in the DLQ of {name!r}", listed.stdout
+        assert sorted(line.split("  ")[1] for line in lines[1:]) == [
+            'key=T:{"id": "13"}',
+            'key=T:{"id": "3"}',
+        ]
+
+        heal.touch()
+        replay = await _shoal("dlq", "replay", "--via-leader", "--sink", "kafka", *where)
+        assert replay.returncode == 0, replay.stderr
+        assert f"replayed 2 record(s) from the DLQ of {name!r} via the leader" in replay.stdout
+        await _line(a, "done", within_s=120)
+        await _line(b2, "done", within_s=120)
+        await b2.wait()
+        hold.touch()
+        await _line(a, "idle", within_s=120)
+        await a.wait()
+
+        empty = await _shoal("dlq", "list", "--sink", "kafka", *where)
+        assert empty.stdout.splitlines() == [f"0 record(s) in the DLQ of {name!r}"], empty.stdout
+
+        last: dict[int, int] = {}
+        seen: set[str] = set()
+        backwards = repeats = 0
+        async for m in read_composite(kafka_config, name, idle_exit_s=2.0):
+            assert m.value is not None
+            rec = decode_output(m.value)
+            if rec.record_id in seen:
+                repeats += 1
+                continue
+            seen.add(rec.record_id)
+            k, n = key_of(rec), int(json.loads(rec.new_values)["n"])
+            if n <= last.get(k, -1):
+                backwards += 1
+            last[k] = max(last.get(k, -1), n)
+        assert backwards == 0
+        assert len(seen) == 20 * PER_KEY  # nothing lost
+        assert last == dict.fromkeys(range(20), PER_KEY - 1)
+        print(f"fed {fed}, repeats {repeats}, {time.monotonic() - started:.1f} s")
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+        log_file.close()
+        LOGS = None
