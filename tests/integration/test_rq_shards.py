@@ -23,15 +23,27 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from protocol.output_meta import ShardsCommitted, feed_due, shards_plan
+from protocol.retry import LogEntry, ParkInRetry, Released, SendToDlq, feed_plan, from_log
+from protocol.routing import CompositeTopic, key_hash
 from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.composite_reader import read_composite
-from runtime.kafka.output_meta import MetaLog
+from runtime.kafka.output_meta import MetaLog, open_meta
+from runtime.kafka.retry_queue import (
+    InternalMessage,
+    feed,
+    load_log,
+    make_producer,
+    split_key,
+)
 from runtime.kafka.sink import decode_output
+from runtime.kafka.topics import ensure_topic
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
-from tests.fixtures.kafka_sink import key_of
+from tests.fixtures.kafka_sink import key_of, kname
 from tests.helpers import REPO
 from tests.integration.test_output_scaling import _env, _line, _shoal
 
@@ -172,3 +184,89 @@ async def test_rq_dlq_shard_change_with_parked_records_and_a_kill(
                 await p.wait()
         log_file.close()
         LOGS = None
+
+
+@pytest.mark.kafka
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_feed_interrupted_half_way_is_finished_by_running_the_command_again(
+    kafka_broker: EmbeddedBroker, kafka_config: KafkaConfig, connector: str
+) -> None:
+    """The command died after the commit and after copying 3 records: ``output shards 3`` run
+    again feeds the rest, each record once, and retires the old storage topics; a feed run
+    once more copies nothing. The new storage topics alone then hold exactly what all held."""
+    started = time.monotonic()
+    name = f"{connector}_output"
+    where = ["--kafka-bootstrap-servers", kafka_broker.bootstrap, "--connector", connector]
+    old_rq, old_dlq = (
+        CompositeTopic.create(f"{name}_rq", 4),
+        CompositeTopic.create(f"{name}_dlq", 4),
+    )
+    entries: list[LogEntry] = []
+    for n in range(12):  # 4 keys, 3 records each; the first of key 0 dead-lettered, 2 delivered
+        key = kname(n % 4)
+        entries.append(ParkInRetry(f"r{n}", key, n + 1, n + 1, 1, 0.0, "x"))
+    entries += [
+        SendToDlq("r0", kname(0), 1, 20, 3, "boom"),
+        Released("r5", kname(1), 21),
+        Released("r6", kname(2), 22),
+    ]
+    payloads = {e.record_id: e.record_id.encode() for e in entries}
+
+    async def write(items: list[tuple[CompositeTopic, LogEntry]]) -> None:
+        producer = make_producer(kafka_config)
+        await producer.start()
+        try:
+            for topic, e in items:
+                await ensure_topic(
+                    kafka_config, topic.producing.name, partitions=topic.producing.partitions
+                )
+                table, keys = split_key(e.key)
+                _, partition = topic.route(key_hash(table, keys))
+                payload = payloads[e.record_id] if isinstance(e, ParkInRetry | SendToDlq) else None
+                raw = msgspec.msgpack.encode(InternalMessage(entry=e, payload=payload))
+                await producer.send_and_wait(topic.producing.name, raw, partition=partition)
+        finally:
+            await producer.stop()
+
+    await write([(old_dlq if isinstance(e, SendToDlq) else old_rq, e) for e in entries])
+    async with MetaLog(kafka_config, name) as meta:
+        state, _ = await open_meta(meta, partitions=4, rq_partitions=4, dlq_partitions=4)
+        prepare = shards_plan(state, 3)
+        await meta.append(prepare)  # no producer runs: due at once
+        await meta.append(ShardsCommitted(prepare.change))
+        state, _ = await meta.load()
+    assert feed_due(state) is not None
+    new_rq, new_dlq = state.rq(), state.dlq()  # old and new storage topics, newest produced to
+    plan = feed_plan([(e, False) for e in entries], payloads)
+    held = {c.entry.record_id for c in plan.copies}
+    assert held == {f"r{n}" for n in range(12)} - {"r5", "r6"}
+    # the first feeder copied three records, then died
+    await write(
+        [(new_dlq if isinstance(c.entry, SendToDlq) else new_rq, c.entry) for c in plan.copies[:3]]
+    )
+
+    again = await _shoal("output", "shards", "3", *where)
+    assert again.returncode == 0, again.stderr
+    assert "fed 7 held record(s) from the old storage topics (3 were there already)" in again.stdout
+    shown = json.loads((await _shoal("output", "show", "--json", *where)).stdout)
+    assert (shown["rq"], shown["unfed"]) == ([[f"{name}_rq.1", 6]], False)
+    listed = await _shoal("dlq", "list", "--sink", "kafka", *where)
+    assert listed.stdout.splitlines()[0] == f"1 record(s) in the DLQ of {name!r}", listed.stdout
+    assert listed.stdout.splitlines()[1].startswith("r0  key=")
+
+    assert (await feed(kafka_config, new_rq, new_dlq)).copies == ()  # nothing twice
+    producer = make_producer(kafka_config)
+    await producer.start()
+    try:
+        only_new = [(t.producing.name, p) for t in (new_rq, new_dlq) for p in range(6)]
+        loaded = await load_log(
+            kafka_config, producer, only_new, fetch_max_wait_ms=50, timeout_s=30
+        )
+    finally:
+        await producer.stop()
+    copies = [(e.record_id, e.version) for e in loaded.entries]
+    assert len(copies) == len(set(copies)) == len(held)
+    assert {e.record_id for e in from_log(loaded.entries).durable_state()} == held
+    assert loaded.payloads == {rid: rid.encode() for rid in held}
+    print(f"{time.monotonic() - started:.1f} s")
