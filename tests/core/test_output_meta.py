@@ -301,3 +301,76 @@ def test_model_following_the_barrier_keeps_per_key_order() -> None:
 def test_model_switching_at_the_own_ack_breaks_order() -> None:
     """Teeth: the same seeds, a producer that goes to the new topic at its own ack."""
     assert sum(_simulate(seed, obey=False) for seed in range(200)) > 0
+
+
+# --- a model of the RQ/DLQ shard-count change: producers' RQ writes, the barrier, the feed ------
+
+
+def _shard_change(seed: int, *, ack_early: bool = False, commit_early: bool = False) -> int:
+    """Two producers write RQ entries to the layout they know (each reads the log ``lag`` steps
+    late; entries land a while after they are sent). A shard-count change is prepared; after its
+    commit a feeder reads the old layout once, copies what it read and retires it. Returns the
+    entries lost: landed in the old layout after the feeder read it. Teeth: ``ack_early`` acks
+    with writes still in flight; ``commit_early`` commits at one's own ack."""
+    rng = random.Random(seed)
+    state = folded(Joined("a", 60.0), Joined("b", 60.0))
+    lag = {p: rng.randrange(0, 15) for p in "ab"}
+    prepared_at = rng.randrange(5, 30)
+    committed_at: int | None = None
+    layouts: list[list[int]] = [[], []]
+    in_flight: dict[str, list[tuple[int, int]]] = {"a": [], "b": []}  # (layout, entry)
+    acked: set[str] = set()
+    fed: set[int] | None = None
+    n = 0
+    for step in range(120):
+        now = step * 0.01
+        if step == prepared_at:
+            state.apply(shards_plan(state, 3))
+        for p in "ab":
+            while in_flight[p] and rng.random() < 0.5:
+                where, e = in_flight[p].pop(0)
+                layouts[where].append(e)
+            sees_prepare = step >= prepared_at + lag[p]
+            old_writes = any(where == 0 for where, _ in in_flight[p])
+            if sees_prepare and p not in acked and (ack_early or not old_writes):
+                acked.add(p)
+                state.apply(ShardsAcked(p, 1))
+                if commit_early and state.apply(ShardsCommitted(1)):
+                    committed_at = step
+        if state.shards_due(now, grace=1.0) and state.apply(ShardsCommitted(1)):
+            committed_at = step
+        if fed is None and committed_at is not None and rng.random() < 0.3:
+            fed = set(layouts[0])  # the feeder reads the old layout and copies it
+            layouts[1].extend(fed)
+            fed_entry = feed_due(state)
+            assert fed_entry is not None
+            state.apply(fed_entry)
+        p = rng.choice("ab")
+        if step < prepared_at + lag[p]:
+            layout: int | None = 0  # it has not read the prepare yet
+        elif committed_at is not None and step >= committed_at + lag[p]:
+            layout = 1
+        else:
+            layout = None  # holds between the prepare and the commit it has read
+        if layout is not None:
+            in_flight[p].append((layout, n))
+            n += 1
+        state.validate()
+    for p in "ab":
+        for where, e in in_flight[p]:
+            layouts[where].append(e)
+    if fed is None:
+        return 0
+    return sum(1 for e in layouts[0] if e not in fed)
+
+
+def test_model_the_shard_barrier_and_the_feed_lose_no_rq_entry() -> None:
+    assert sum(_shard_change(seed) for seed in range(300)) == 0
+
+
+def test_model_teeth_acking_with_writes_in_flight_loses_entries() -> None:
+    assert sum(_shard_change(seed, ack_early=True) for seed in range(300)) > 0
+
+
+def test_model_teeth_committing_at_the_own_ack_loses_entries() -> None:
+    assert sum(_shard_change(seed, commit_early=True) for seed in range(300)) > 0
