@@ -194,7 +194,8 @@ async def test_a_feed_interrupted_half_way_is_finished_by_running_the_command_ag
 ) -> None:
     """The command died after the commit and after copying 3 records: ``output shards 3`` run
     again feeds the rest, each record once, and retires the old storage topics; a feed run
-    once more copies nothing. The new storage topics alone then hold exactly what all held."""
+    once more copies nothing. The new storage topics alone then hold exactly what all held, and
+    ``dlq replay`` over them delivers the dead-lettered record and those parked behind it."""
     started = time.monotonic()
     name = f"{connector}_output"
     where = ["--kafka-bootstrap-servers", kafka_broker.bootstrap, "--connector", connector]
@@ -269,4 +270,16 @@ async def test_a_feed_interrupted_half_way_is_finished_by_running_the_command_ag
     assert len(copies) == len(set(copies)) == len(held)
     assert {e.record_id for e in from_log(loaded.entries).durable_state()} == held
     assert loaded.payloads == {rid: rid.encode() for rid in held}
+
+    # 'dlq replay' (no process runs) over the new storage topics, with a lease in the metadata:
+    # the dead-lettered record, then the records parked behind it, in order
+    replay = await _shoal("dlq", "replay", "--sink", "kafka", *where)
+    assert replay.returncode == 0, replay.stderr
+    assert f"replayed 1 record(s) from the DLQ of {name!r}" in replay.stdout
+    key0 = [
+        m.record_id
+        async for m in read_composite(kafka_config, name, idle_exit_s=1.0)
+        if m.key == kname(0).encode()
+    ]
+    assert key0 == ["r0", "r4", "r8"]
     print(f"{time.monotonic() - started:.1f} s")
