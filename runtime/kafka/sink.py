@@ -307,7 +307,9 @@ class KafkaSink:
         ``meta``: the output is the composite topic that the metadata topic ``<name>_meta``
         describes (created from ``sink`` on a first start; :mod:`runtime.kafka.output_meta`), and
         this sink takes part in its switch barrier; its storage topics, produce pointer and
-        RQ/DLQ topics come from there. None: the composite topic of ``sink`` alone."""
+        RQ/DLQ topics come from there, and its RQ/DLQ writes follow shard-count changes (held
+        during one, then to the new storage topics, which it reads too). None: the composite
+        topic of ``sink`` and its RQ/DLQ alone."""
         self._config = config
         self._clock = clock
         self._driver = driver
