@@ -477,7 +477,7 @@ async def change_shards(
     grace_s: float,
     wait_s: float = 120.0,
     clock: Callable[[], float] = time.time,
-    poll_s: float = 0.2,
+    poll_s: float = 0.5,  # each look appends a read marker to the metadata topic
 ) -> ShardsResult:
     """``output shards N`` (rules: :mod:`protocol.output_meta`): create the new RQ/DLQ storage
     topics, prepare the change, wait until it is committed (the running producers ack and commit;
