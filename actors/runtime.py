@@ -60,8 +60,10 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         "composite topic; add-storage-topic N (a new storage topic of N partitions, K by the "
         "routing rule, a warning when K falls to 1); switch-produce (move the produce pointer to "
         "it: running processes switch together at a barrier, the old storage topic is sealed); "
-        "shards N (the RQ/DLQ shard count, new RQ/DLQ storage topics when needed; processes "
-        "take it at their next start); tail (the records in per-key order across storage "
+        "shards N (the RQ/DLQ shard count: running processes move their RQ/DLQ writes together "
+        "at a barrier, new RQ/DLQ storage topics when needed, the records held in the old ones "
+        "fed to them; run it again if it was interrupted); tail (the records in per-key order "
+        "across storage "
         "topics, one JSON line each). See docs/operations.md, 'Scaling the Kafka output'.",
     }
     prog = PROG if command == "run" else f"{PROG} {command}"

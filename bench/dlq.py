@@ -16,10 +16,15 @@ workload that are neither on the output topic nor in the DLQ at the end (read ba
 ``duplicates`` records read back twice (at-least-once; 0 without crashes).
 
 ``--scale``: the output is a composite topic (its metadata topic, the producer session of the
-switch barrier); half-way through each run a storage topic of 3x the partitions is added and the
-produce pointer switched while records are parked in the RQ; the read-back goes through the
-composite reader (each storage topic up to its seal, then the next). ``storage_topics`` reports how
-many storage topics the output had at the end.
+switch barrier); half-way through each run, while records keep coming and others are parked in
+the RQ, a storage topic of 3x the partitions is added and the produce pointer switched, and the
+RQ/DLQ shard count goes to 3 (``output shards 3``: new RQ/DLQ storage topics of 9 and 3
+partitions at a barrier, the held records fed to them, the old ones retired); the read-back goes
+through the composite reader (each storage topic up to its seal, then the next). ``storage_topics``
+reports how many storage topics the output had at the end, ``rq_fed`` the held records the feeds
+copied, ``rq_shards`` the RQ/DLQ shard count at the end, and ``held_mismatch`` the records on
+which the sink's own state and the RQ/DLQ storage topics the metadata names (the old ones retired
+after the feed: what ``dlq list`` reads) disagree once the keys healed, before the DLQ replay.
 
 ``python -m bench dlq [--quick]``; the last line printed is one JSON object.
 """
@@ -40,17 +45,19 @@ from aiokafka.structs import TopicPartition
 
 from protocol.output_meta import plan_add_storage_topic, plan_switch
 from protocol.records import ColumnType, DataChange, Mod
-from protocol.retry import RetryPolicy
+from protocol.retry import RetryPolicy, from_log
 from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.composite_reader import read_composite
-from runtime.kafka.output_meta import MetaLog, MetaOptions
+from runtime.kafka.output_meta import MetaLog, MetaOptions, change_shards
+from runtime.kafka.retry_queue import load_log, make_producer
 from runtime.kafka.sink import (
     KafkaSink,
     KafkaSinkConfig,
     OutputRecord,
     decode_output,
     output_records,
+    with_meta,
 )
 from runtime.kafka.topics import ensure_topic
 from runtime.ports import SinkBatch
@@ -100,6 +107,9 @@ class RunResult:
     order_violations: int
     duplicates: int
     storage_topics: int = 1
+    rq_fed: int = 0
+    rq_shards: int = 1
+    held_mismatch: int = 0
 
     @property
     def healthy_per_s(self) -> float:
@@ -192,24 +202,42 @@ async def _run(
             await sink.prepare("bench")  # what a reader does first
         start = time.perf_counter()
         futures = []
+        scaling: asyncio.Task[int] | None = None
         for i in range(0, len(changes), batch):
-            if scale and i == (len(changes) // batch // 2) * batch:
-                await _scale(config, name)
+            # half-way (once a failing key is dead-lettered, so that records wait in the old
+            # RQ/DLQ storage topics with no retry due: only the feed carries them over)
+            due = i >= len(changes) // 2 and (not failing or sink.statistics().in_dlq > 0)
+            if scale and scaling is None and due:
+                scaling = asyncio.create_task(_scale(config, name))  # while records keep coming
             futures.append(
                 await sink.put(SinkBatch("bench", tuple(changes[i : i + batch]), watermark=i))
             )
         await asyncio.gather(*futures)
         seconds = time.perf_counter() - start
+        if scale and scaling is None:
+            scaling = asyncio.create_task(_scale(config, name))
+        fed = 0 if scaling is None else await scaling
         await asyncio.sleep(0.5)  # failing a while longer: retries and DLQ under way
         healed.set()
         async with asyncio.timeout(60):
             await sink.wait_idle()
+        mismatch = 0
+        if scale:  # what the RQ/DLQ hold, as 'dlq list' reads them (the storage topics the
+            # metadata names: the old ones are retired after the feed), against the sink's own
+            # state, before the replay: the DLQ records and the records parked behind them
+            listed, _ = await with_meta(config, cfg)
+            mine = {e.record_id for e in sink._core.durable_state()}
+            mismatch = len(mine ^ await _held_in_topics(config, listed))
         replayed = sink.replay_dlq()
         async with asyncio.timeout(60):
             await sink.wait_idle()
         stats = sink.statistics()
         dlq = {d.record_id for d in sink.dlq_records()}
         storage_topics = len(sink.output.storage_topics)
+        rq_shards = 1
+        if scale:
+            async with MetaLog(config, name) as meta_log:
+                rq_shards = (await meta_log.load())[0].shards
     if scale:
         got = [
             decode_output(m.value)
@@ -223,7 +251,8 @@ async def _run(
         f"{label:>9}: {len(changes)} records, {healthy} healthy, accepted in {seconds:.2f} s "
         f"({healthy / seconds:,.0f} healthy records/s); injected failures {stats.injected_failures}, "
         f"RQ writes {stats.rq_writes}, DLQ writes {stats.dlq_writes}, replayed {len(replayed)}; "
-        f"read back {len(got)}: lost {lost}, order violations {violations}, duplicates {duplicates}",
+        f"read back {len(got)}: lost {lost}, order violations {violations}, duplicates {duplicates}"
+        + (f"; RQ/DLQ fed {fed}, held mismatch {mismatch}" if scale else ""),
         file=sys.stderr,
     )
     return RunResult(
@@ -235,12 +264,29 @@ async def _run(
         violations,
         duplicates,
         storage_topics,
+        fed,
+        rq_shards,
+        mismatch,
     )
 
 
-async def _scale(config: KafkaConfig, name: str) -> None:
-    """``output add-storage-topic 3P`` and ``output switch-produce`` (the sink's own session acks,
-    commits and seals)."""
+async def _held_in_topics(config: KafkaConfig, sink: KafkaSinkConfig) -> set[str]:
+    """The records the RQ/DLQ storage topics of ``sink`` hold (RQ or DLQ), folded from them."""
+    producer = make_producer(config)
+    await producer.start()
+    try:
+        q = sink.queue_config()
+        loaded = await load_log(
+            config, producer, q.read_partitions(), fetch_max_wait_ms=50, timeout_s=60
+        )
+    finally:
+        await producer.stop()
+    return {e.record_id for e in from_log(loaded.entries).durable_state()}
+
+
+async def _scale(config: KafkaConfig, name: str) -> int:
+    """``output add-storage-topic 3P``, ``output switch-produce`` (the sink's own session acks,
+    commits and seals) and ``output shards 3``; returns how many held records the feed copied."""
     async with MetaLog(config, name) as meta:
         state, _ = await meta.load()
         plan = plan_add_storage_topic(state, 3 * state.composite().producing.partitions)
@@ -248,6 +294,8 @@ async def _scale(config: KafkaConfig, name: str) -> None:
         await meta.append(plan.entry)
         state, _ = await meta.load()
         await meta.append(plan_switch(state, time.time()))
+        done = await change_shards(config, meta, 3, grace_s=0.5, wait_s=60)
+        return 0 if done.fed is None else len(done.fed.copies)
 
 
 async def _main(args: argparse.Namespace) -> dict[str, object]:
@@ -309,6 +357,10 @@ async def _main(args: argparse.Namespace) -> dict[str, object]:
         "shared": args.shared,
         "scale": args.scale,
         "storage_topics": min(r.storage_topics for r in runs),
+        "rq_shards": min(r.rq_shards for r in runs),
+        "rq_fed": sum(r.rq_fed for r in runs),
+        "rq_fed_failing_run": fail.rq_fed,
+        "held_mismatch": sum(r.held_mismatch for r in runs),
     }
 
 
@@ -327,7 +379,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--scale",
         action="store_true",
-        help="add a storage topic and switch the output to it half-way through each run",
+        help="half-way through each run: add a storage topic and switch the output to it, and "
+        "change the RQ/DLQ shard count to 3 (new RQ/DLQ storage topics, held records fed)",
     )
     parser.add_argument("--repeat", type=int, default=None, help="runs of each kind (best kept)")
     args = parser.parse_args(argv)
@@ -339,7 +392,8 @@ def main(argv: list[str]) -> int:
         args.repeat = 1 if args.quick else 2
     result = asyncio.run(_main(args))
     print(json.dumps(result))
-    return 0 if result["lost"] == 0 and result["order_violations"] == 0 else 1
+    ok = result["lost"] == 0 and result["order_violations"] == 0 and result["held_mismatch"] == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -43,9 +43,26 @@ Rules, in log order:
   a reader stops at the first marker, and every marker follows every record).
 * **Joined(producer, until)** begins or renews a lease (a producer may produce only while it
   holds one it has read back); **Left(producer)** ends it (a clean exit, after its flush).
-* **ShardsSet(shards, rq_partitions, dlq_partitions)**: the RQ/DLQ shard count; when the RQ (DLQ)
-  partition count changes, a new RQ (DLQ) storage topic of that many partitions is appended to
-  its composite topic (:func:`shards_plan` picks the counts: the shard count must divide them).
+* **A shard-count change of the RQ/DLQ** is a barrier of the same kind, over the queues' writes
+  (their *layout*: the RQ and DLQ storage topics written to, numbered by ``shard_changes``).
+  **ShardsPrepared(change, shards, rq_partitions, dlq_partitions)** (``change`` is
+  ``shard_changes + 1``; :func:`shards_plan` picks the counts: the shard count must divide them)
+  is refused while another is pending or while an older RQ/DLQ storage topic is not fed yet. From
+  it, producers hold their RQ/DLQ writes, wait until their writes to the current layout are
+  acknowledged and append **ShardsAcked**; it is due by the same rule as a switch
+  (:meth:`OutputMeta.shards_due`), and the first **ShardsCommitted** folded applies it: the shard
+  count, and a new RQ (DLQ) storage topic when the RQ (DLQ) partition count changes. Producers
+  write RQ/DLQ entries to the new layout only after they read the commit, so no key has an entry
+  in flight to the old layout when its first entry goes to the new one.
+* **The feed.** After a commit that added storage topics, the old ones still hold parked and
+  dead-lettered records: readers read every RQ/DLQ storage topic from ``rq_from``/``dlq_from`` on,
+  so nothing is lost meanwhile. A feeder copies every record still held there into the newest
+  storage topic (:func:`protocol.retry.feed_plan`: the record's newest entry, same version, per
+  key in sequence order, skipping copies already there, so a feeder that crashed is simply run
+  again), then appends **Fed(change, rq_from, dlq_from)**: readers skip the storage topics before
+  those indexes from then on.
+* **ShardsSet(shards, rq_partitions, dlq_partitions)** (written by earlier versions) applies a
+  shard count at once, without a barrier; its old storage topics are then fed like any other.
 
 Entries that break a rule are ignored and counted in ``ignored`` (concurrent operators cannot
 corrupt the state; the operations check their entry with the ``plan_*`` functions first, which
@@ -118,6 +135,33 @@ class ShardsSet(MetaEntry, frozen=True, tag="shards"):
     dlq_partitions: int
 
 
+class ShardsPrepared(MetaEntry, frozen=True, tag="shards-prepare"):
+    """Begin shard-count change number ``change`` of the RQ/DLQ (the barrier)."""
+
+    change: int
+    shards: int
+    rq_partitions: int
+    dlq_partitions: int
+
+
+class ShardsAcked(MetaEntry, frozen=True, tag="shards-ack"):
+    producer: str
+    change: int
+
+
+class ShardsCommitted(MetaEntry, frozen=True, tag="shards-commit"):
+    change: int
+
+
+class Fed(MetaEntry, frozen=True, tag="fed"):
+    """Every record held in the RQ (DLQ) storage topics before ``rq_from`` (``dlq_from``) was
+    copied to the newest one, as of shard change ``change``: readers skip them from now on."""
+
+    change: int
+    rq_from: int
+    dlq_from: int
+
+
 class Marker(MetaEntry, frozen=True, tag="marker"):
     """A read marker (the "produce a marker and read until you see it" technique)."""
 
@@ -134,6 +178,10 @@ Entry = (
     | Joined
     | Left
     | ShardsSet
+    | ShardsPrepared
+    | ShardsAcked
+    | ShardsCommitted
+    | Fed
     | Marker
 )
 
@@ -160,6 +208,17 @@ class Pending(msgspec.Struct, frozen=True):
     acked: frozenset[str] = frozenset()
 
 
+class ShardsPending(msgspec.Struct, frozen=True):
+    """A prepared shard-count change: its number and counts, the producers that must ack it."""
+
+    change: int
+    shards: int
+    rq_partitions: int
+    dlq_partitions: int
+    ack_set: frozenset[str]
+    acked: frozenset[str] = frozenset()
+
+
 def rq_name(output: str) -> str:
     return f"{output}_rq"
 
@@ -173,10 +232,13 @@ def meta_topic(output: str) -> str:
     return f"{output}_meta"
 
 
-def _internal(name: str, counts: tuple[int, ...]) -> CompositeTopic:
-    """The RQ or DLQ composite topic: one storage topic per partition count it has had (K = 1:
-    their entries are folded in any order, so their routing needs no shard consistency)."""
-    topics = tuple(StorageTopic(storage_topic_name(name, i), n, 1) for i, n in enumerate(counts))
+def _internal(name: str, counts: tuple[int, ...], first: int = 0) -> CompositeTopic:
+    """The RQ or DLQ composite topic: one storage topic per partition count it has had, from
+    index ``first`` on (those before were fed to the newest; K = 1: their entries are folded in any
+    order, so their routing needs no shard consistency); the newest is produced to."""
+    topics = tuple(
+        StorageTopic(storage_topic_name(name, i), n, 1) for i, n in enumerate(counts) if i >= first
+    )
     return CompositeTopic(name, topics, len(topics) - 1)
 
 
@@ -194,6 +256,10 @@ class OutputMeta:
     sealed: dict[int, tuple[int, ...]] = field(default_factory=dict)  # index -> seal offsets
     ignored: Counter[str] = field(default_factory=Counter)
     entries: int = 0
+    shard_changes: int = 0  # committed shard-count changes: the RQ/DLQ layout's number
+    shards_pending: ShardsPending | None = None
+    rq_from: int = 0  # RQ storage topics before this index are fed (not read any more)
+    dlq_from: int = 0
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -207,32 +273,52 @@ class OutputMeta:
         return self.output
 
     def rq(self) -> CompositeTopic:
-        return _internal(rq_name(self.composite().name), self.rq_counts)
+        """The RQ storage topics readers read (from ``rq_from``); the newest is written to."""
+        return _internal(rq_name(self.composite().name), self.rq_counts, self.rq_from)
 
     def dlq(self) -> CompositeTopic:
-        return _internal(dlq_name(self.composite().name), self.dlq_counts)
+        return _internal(dlq_name(self.composite().name), self.dlq_counts, self.dlq_from)
+
+    def unfed(self) -> bool:
+        """Whether an RQ or DLQ storage topic before the newest still has to be fed."""
+        self.composite()
+        return self.rq_from < len(self.rq_counts) - 1 or self.dlq_from < len(self.dlq_counts) - 1
+
+    def layout(self) -> int | None:
+        """The RQ/DLQ layout a producer writes entries to now (``shard_changes``), or None: hold
+        (a shard-count change is pending)."""
+        if self.output is None or self.shards_pending is not None:
+            return None
+        return self.shard_changes
+
+    def _waiting(
+        self, ack_set: frozenset[str], acked: frozenset[str], now: float, grace: float
+    ) -> list[str]:
+        return sorted(
+            who
+            for who in ack_set
+            if who not in acked and who in self.leases and self.leases[who] + grace >= now
+        )
 
     def switch_due(self, now: float, grace: float) -> bool:
         """Whether the pending switch may commit at ``now``: every producer of its ack set acked,
         left, or held a lease that ran out more than ``grace`` ago."""
         p = self.pending
-        if p is None:
-            return False
-        return all(
-            who in p.acked or who not in self.leases or self.leases[who] + grace < now
-            for who in p.ack_set
-        )
+        return p is not None and not self._waiting(p.ack_set, p.acked, now, grace)
 
     def waiting_for(self, now: float, grace: float) -> list[str]:
         """The producers the pending switch still waits for (sorted)."""
         p = self.pending
-        if p is None:
-            return []
-        return sorted(
-            who
-            for who in p.ack_set
-            if who not in p.acked and who in self.leases and self.leases[who] + grace >= now
-        )
+        return [] if p is None else self._waiting(p.ack_set, p.acked, now, grace)
+
+    def shards_due(self, now: float, grace: float) -> bool:
+        """Whether the pending shard-count change may commit at ``now`` (the switch's rule)."""
+        p = self.shards_pending
+        return p is not None and not self._waiting(p.ack_set, p.acked, now, grace)
+
+    def shards_waiting_for(self, now: float, grace: float) -> list[str]:
+        p = self.shards_pending
+        return [] if p is None else self._waiting(p.ack_set, p.acked, now, grace)
 
     def unsealed(self) -> list[int]:
         """Storage topics before the produce pointer that have no seal yet."""
@@ -301,14 +387,53 @@ class OutputMeta:
             case ShardsSet(shards=s, rq_partitions=r, dlq_partitions=d):
                 if s <= 0 or r <= 0 or d <= 0 or r % s or d % s:
                     return self._ignore("bad shards")
-                if r != self.rq_counts[-1]:
-                    self.rq_counts = (*self.rq_counts, r)
-                if d != self.dlq_counts[-1]:
-                    self.dlq_counts = (*self.dlq_counts, d)
-                self.shards = s
+                self._set_shards(s, r, d)
+                return True
+            case ShardsPrepared(change=n, shards=s, rq_partitions=r, dlq_partitions=d):
+                if s <= 0 or r <= 0 or d <= 0 or r % s or d % s:
+                    return self._ignore("bad shards")
+                if self.shards_pending is not None:
+                    return self._ignore("shard change already pending")
+                if n != self.shard_changes + 1:
+                    return self._ignore("stale shard change")
+                if self.unfed():
+                    return self._ignore("shard change before the feed")
+                self.shards_pending = ShardsPending(n, s, r, d, frozenset(self.leases))
+                self.version += 1
+                return True
+            case ShardsAcked(producer=who, change=n):
+                sp = self.shards_pending
+                if sp is None or sp.change != n:
+                    return self._ignore("stale shards ack")
+                self.shards_pending = msgspec.structs.replace(sp, acked=sp.acked | {who})
+                return True
+            case ShardsCommitted(change=n):
+                sp = self.shards_pending
+                if sp is None or sp.change != n:
+                    return self._ignore("stale shards commit")
+                self.shards_pending = None
+                self._set_shards(sp.shards, sp.rq_partitions, sp.dlq_partitions)
+                return True
+            case Fed(change=n, rq_from=r, dlq_from=d):
+                if n != self.shard_changes or self.shards_pending is not None:
+                    return self._ignore("stale feed")
+                if not (0 <= r < len(self.rq_counts) and 0 <= d < len(self.dlq_counts)):
+                    return self._ignore("bad feed")
+                if r <= self.rq_from and d <= self.dlq_from:
+                    return self._ignore("fed already")
+                self.rq_from, self.dlq_from = max(r, self.rq_from), max(d, self.dlq_from)
                 self.version += 1
                 return True
         raise AssertionError(f"unhandled meta entry {entry!r}")  # pragma: no cover
+
+    def _set_shards(self, shards: int, rq: int, dlq: int) -> None:
+        if rq != self.rq_counts[-1]:
+            self.rq_counts = (*self.rq_counts, rq)
+        if dlq != self.dlq_counts[-1]:
+            self.dlq_counts = (*self.dlq_counts, dlq)
+        self.shards = shards
+        self.shard_changes += 1
+        self.version += 1
 
     def _created(self, e: Created) -> bool:
         if self.output is not None:
@@ -339,6 +464,10 @@ class OutputMeta:
         assert self.shards >= 1
         assert self.rq_counts[-1] % self.shards == 0
         assert self.dlq_counts[-1] % self.shards == 0
+        if self.shards_pending is not None:
+            assert self.shards_pending.change == self.shard_changes + 1
+        assert 0 <= self.rq_from < len(self.rq_counts)
+        assert 0 <= self.dlq_from < len(self.dlq_counts)
 
 
 def fold(entries: list[Entry] | tuple[Entry, ...]) -> OutputMeta:
@@ -392,17 +521,40 @@ def plan_switch(state: OutputMeta, at: float) -> SwitchPrepared:
     return SwitchPrepared(target, at)
 
 
-def shards_plan(state: OutputMeta, shards: int) -> ShardsSet:
-    """``output shards N``: the RQ/DLQ keep their partition counts when ``N`` divides them, else
-    they get new storage topics of the smallest multiple of ``N`` not below the current count."""
+def shards_plan(state: OutputMeta, shards: int) -> ShardsPrepared:
+    """``output shards N``: prepare shard-count change ``shard_changes + 1``. The RQ/DLQ keep
+    their partition counts when ``N`` divides them, else they get new storage topics of the
+    smallest multiple of ``N`` not below the current count. Refused while a change is pending or
+    an old storage topic is not fed yet (:func:`feed_due`: finish that first)."""
     if shards <= 0:
         raise MetaError(f"the shard count must be positive, not {shards}")
     state.composite()
+    if state.shards_pending is not None:
+        raise MetaError(
+            f"shard-count change {state.shards_pending.change} (to "
+            f"{state.shards_pending.shards}) is already pending"
+        )
+    if state.unfed():
+        raise MetaError(
+            "the old RQ/DLQ storage topics are not fed yet: run 'output shards "
+            f"{state.shards}' to finish the feed first"
+        )
 
     def count(current: int) -> int:
         return current if current % shards == 0 else -(-current // shards) * shards
 
-    return ShardsSet(shards, count(state.rq_counts[-1]), count(state.dlq_counts[-1]))
+    return ShardsPrepared(
+        state.shard_changes + 1, shards, count(state.rq_counts[-1]), count(state.dlq_counts[-1])
+    )
+
+
+def feed_due(state: OutputMeta) -> Fed | None:
+    """The ``Fed`` entry a feeder appends once it copied every record held in the old RQ/DLQ
+    storage topics (those before the newest, from ``rq_from``/``dlq_from``) to the newest; None
+    when there is nothing to feed (or a shard change is pending: feed after its commit)."""
+    if state.shards_pending is not None or not state.unfed():
+        return None
+    return Fed(state.shard_changes, len(state.rq_counts) - 1, len(state.dlq_counts) - 1)
 
 
 def switch_point(state: OutputMeta, index: int) -> tuple[int, ...] | None:

@@ -753,6 +753,69 @@ def from_log(
     return core
 
 
+# --- feeding old RQ/DLQ storage topics to new ones (a shard-count change) ----------------------
+
+
+class FeedCopy(msgspec.Struct, frozen=True):
+    """One entry the feeder writes to the newest RQ (``ParkInRetry``) or DLQ (``SendToDlq``)
+    storage topic: a record's newest entry, unchanged (same version), with its payload."""
+
+    entry: ParkInRetry | SendToDlq
+    payload: bytes | None
+
+
+class FeedPlan(msgspec.Struct, frozen=True):
+    copies: tuple[FeedCopy, ...]  # per key in sequence order (keys sorted)
+    held: int  # records held (RQ or DLQ) over all the storage topics read
+    present: int  # held records whose newest entry is in the newest storage topics already
+    missing_payloads: int  # copies without a payload (none was found: the record cannot be sent)
+
+
+def feed_plan(
+    entries: Iterable[tuple[LogEntry, bool]], payloads: dict[str, bytes] | None = None
+) -> FeedPlan:
+    """What a feeder writes so that the newest RQ/DLQ storage topics alone hold every record
+    still held (docs/design.md#retry-and-dead-letter-queues, "Shard-count changes").
+
+    ``entries``: every entry of the old and the newest RQ/DLQ storage topics, each with whether it
+    was read from a newest one (any order, duplicates allowed); ``payloads``: the newest payload
+    known per record. Rules:
+
+    1. A record's place is its entry with the highest version over all the topics (as in
+       :func:`from_log`); a record released or discarded there needs nothing.
+    2. A held record whose newest entry (that version) is in a newest storage topic already needs
+       nothing: it was written there after the commit, or copied by an earlier feed (so a feeder
+       that crashed half-way is run again and copies each record once).
+    3. Every other held record is copied: its newest entry unchanged (the version keeps the fold
+       exact: a copy of an entry that a newer one has meanwhile superseded is ignored by every
+       reader), to the RQ if it is parked there, to the DLQ if it is dead-lettered.
+    4. Copies go out per key in sequence order (keys sorted, so the plan is deterministic).
+    """
+    latest: dict[str, LogEntry] = {}
+    in_new: dict[str, int] = {}  # record id -> highest version read from a newest topic
+    for e, new in entries:
+        cur = latest.get(e.record_id)
+        if cur is None or e.version > cur.version:
+            latest[e.record_id] = e
+        if new:
+            in_new[e.record_id] = max(e.version, in_new.get(e.record_id, 0))
+    payloads = payloads or {}
+    copies: list[FeedCopy] = []
+    held = present = missing = 0
+    for rid, e in latest.items():
+        if not isinstance(e, ParkInRetry | SendToDlq):
+            continue
+        held += 1
+        if in_new.get(rid, 0) >= e.version:
+            present += 1
+            continue
+        payload = payloads.get(rid)
+        missing += payload is None
+        copies.append(FeedCopy(e, payload))
+    copies.sort(key=lambda c: (c.entry.key, c.entry.seq))
+    return FeedPlan(tuple(copies), held, present, missing)
+
+
 _log_encoder = msgspec.msgpack.Encoder()
 _log_decoder: msgspec.msgpack.Decoder[LogEntry] = msgspec.msgpack.Decoder(LogEntry)
 

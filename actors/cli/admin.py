@@ -238,11 +238,18 @@ async def dlq(
     return await _spark_dlq(config, kafka, action, ids, out, spark)
 
 
-def _kafka_sink_config(config: ShoalConfig) -> KafkaSinkConfig:
-    from runtime.kafka.sink import KafkaSinkConfig
+async def _kafka_sink_config(
+    config: ShoalConfig, kafka: KafkaConfig
+) -> tuple[KafkaSinkConfig, bool]:
+    """The Kafka sink's settings with the RQ/DLQ storage topics its metadata topic names (all
+    that readers read: after ``output shards N``, the new ones and the old ones until they are
+    fed), and whether the output has that metadata topic."""
+    from runtime.kafka.sink import KafkaSinkConfig, with_meta
 
     name = config.kafka.output_topic or f"{config.run.connector}_output"
-    return KafkaSinkConfig(name=name, partitions=config.kafka.output_partitions)
+    return await with_meta(
+        kafka, KafkaSinkConfig(name=name, partitions=config.kafka.output_partitions)
+    )
 
 
 def _spark_settings(
@@ -263,15 +270,25 @@ def _spark_settings(
 async def _kafka_dlq(
     config: ShoalConfig, kafka: KafkaConfig, action: str, ids: list[str], out: TextIO
 ) -> int:
+    from runtime.kafka.output_meta import MetaOptions
     from runtime.kafka.sink import list_dlq, replay_dlq
 
-    sink = _kafka_sink_config(config)
+    sink, has_meta = await _kafka_sink_config(config, kafka)
     name = sink.name
     if action == "list":
         records = await list_dlq(kafka, sink)
         _print_dlq(out, name, [(r.record_id, r.key, r.attempts, r.error) for r in records])
         return 0
-    replayed = await replay_dlq(kafka, sink, ids or None)
+    # with the metadata topic, the replaying sink takes part in its barriers (a lease, writes
+    # held during a shard-count change), as a shoal process does
+    meta = (
+        MetaOptions(
+            lease_ttl_s=config.kafka.output_lease_s, margin_s=config.kafka.output_lease_s / 5
+        )
+        if has_meta
+        else None
+    )
+    replayed = await replay_dlq(kafka, sink, ids or None, meta=meta)
     out.write(f"replayed {len(replayed)} record(s) from the DLQ of {name!r}\n")
     return 0
 
@@ -295,11 +312,26 @@ async def _spark_dlq(
 async def _replay_via_leader(
     config: ShoalConfig, kafka: KafkaConfig, ids: list[str], out: TextIO
 ) -> int:
+    from runtime.kafka.output_meta import MetaOptions, meta_session
     from runtime.kafka.retry_queue import replay_via_driver
 
     if config.run.sink == "kafka":
-        sink = _kafka_sink_config(config)
+        sink, has_meta = await _kafka_sink_config(config, kafka)
         name, queue = sink.name, sink.queue_config()
+        if has_meta:  # its RQ writes take part in the shard-count barrier
+            lease = config.kafka.output_lease_s
+            async with meta_session(
+                kafka, name, MetaOptions(lease_ttl_s=lease, margin_s=lease / 5)
+            ) as session:
+                st = session.state if session is not None else None
+                if st is not None:
+                    sink = msgspec.structs.replace(sink, rq=st.rq(), dlq=st.dlq())
+                    queue = sink.queue_config()
+                replayed = await replay_via_driver(kafka, queue, ids or None, gate=session)
+            out.write(
+                f"replayed {len(replayed)} record(s) from the DLQ of {name!r} via the leader\n"
+            )
+            return 0
     else:  # "spark" (dlq() refused "files")
         _, letters = _spark_settings(config, kafka)
         name, queue = letters.name, letters.queue_config()

@@ -8,15 +8,16 @@
 * ``output switch-produce``: prepare the switch to the next storage topic and wait until it is
   committed and the old storage topic sealed (the running producers do it; this command completes
   it too, e.g. when no producer runs).
-* ``output shards N``: the RQ/DLQ shard count; new RQ/DLQ storage topics when N does not divide
-  their partition counts.
+* ``output shards N``: the RQ/DLQ shard count, changed at a barrier like a switch (running
+  processes move their RQ/DLQ writes to the new layout together); new RQ/DLQ storage topics when N
+  does not divide their partition counts, and the records held in the old ones are fed to the new
+  ones. Interrupted, run it again: it resumes (waits for the pending change, or finishes the feed).
 * ``output tail``: print the records in per-key order across storage topics, one JSON line each.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import sys
 import time
 from typing import TYPE_CHECKING, TextIO
@@ -29,7 +30,6 @@ from protocol.output_meta import (
     SwitchCommitted,
     plan_add_storage_topic,
     plan_switch,
-    shards_plan,
 )
 from runtime.config import ConfigError, ShoalConfig, kafka_config
 
@@ -91,6 +91,15 @@ def describe(state: OutputMeta, now: float, grace: float) -> dict[str, object]:
         },
         "producers": {who: round(until - now, 1) for who, until in sorted(state.leases.items())},
         "shards": state.shards,
+        "shards_pending": None
+        if state.shards_pending is None
+        else {
+            "change": state.shards_pending.change,
+            "shards": state.shards_pending.shards,
+            "acked": sorted(state.shards_pending.acked),
+            "waiting_for": state.shards_waiting_for(now, grace),
+        },
+        "unfed": state.unfed(),
         "rq": [[st.name, st.partitions] for st in state.rq().storage_topics],
         "dlq": [[st.name, st.partitions] for st in state.dlq().storage_topics],
         "ignored_entries": dict(state.ignored),
@@ -136,7 +145,7 @@ async def output(
     wait_s: float = 120.0,
     idle_exit_s: float | None = None,
 ) -> int:
-    from runtime.kafka.output_meta import MetaLog, MetaOptions
+    from runtime.kafka.output_meta import MetaLog, MetaOptions, change_shards
     from runtime.kafka.retry_queue import make_producer
     from runtime.kafka.topics import ensure_topic
 
@@ -168,17 +177,25 @@ async def output(
                     )
                 case "shards":
                     assert count is not None
-                    entry = shards_plan(state, count)
-                    after = copy.deepcopy(state)
-                    after.apply(entry)
-                    for topic in (after.rq(), after.dlq()):
-                        for st in topic.storage_topics:
-                            await ensure_topic(kafka, st.name, partitions=st.partitions)
-                    await meta.append(entry)
+                    try:
+                        done = await change_shards(kafka, meta, count, grace_s=grace, wait_s=wait_s)
+                    except TimeoutError:
+                        state = await _load(meta)
+                        raise ConfigError(
+                            f"the shard-count change did not commit within {wait_s:g}s: waiting "
+                            f"for {state.shards_waiting_for(time.time(), grace)} (it commits when "
+                            "they ack or their leases run out; run the command again to go on)"
+                        ) from None
+                    fed = (
+                        "nothing to feed"
+                        if done.fed is None
+                        else (
+                            f"fed {len(done.fed.copies)} held record(s) from the old storage topics "
+                            f"({done.fed.present} were there already)"
+                        )
+                    )
                     out.write(
-                        f"RQ/DLQ shard count {count}: RQ {after.rq().producing.name} "
-                        f"({entry.rq_partitions} partitions), DLQ {after.dlq().producing.name} "
-                        f"({entry.dlq_partitions}); shoal processes take it at their next start\n"
+                        f"RQ/DLQ shard count {done.shards}: RQ {done.rq}, DLQ {done.dlq}; {fed}\n"
                     )
                 case "switch-produce":
                     prep = plan_switch(state, time.time())

@@ -16,16 +16,27 @@ the metadata topic ``<output>_meta`` (one partition) and a producer's session on
   the old storage topic are all acknowledged, and appends ``Acked``; any session that sees the
   switch due appends ``SwitchCommitted``, and one that sees a storage topic committed but not
   sealed seals it. A clean close appends ``Left``.
+  The same session gates the RQ/DLQ writes of its queue (:meth:`ProducerSession.acquire_layout`,
+  :meth:`ProducerSession.release_layout`): from a ``ShardsPrepared`` it holds them, acks
+  (``ShardsAcked``) once its writes to the current layout are acknowledged, commits when due, and
+  tells its owner the new layout (``on_relayout``) before any write goes there.
+* :func:`change_shards` is ``output shards N``: prepare, wait for the commit (committing it
+  itself when due), then feed the old RQ/DLQ storage topics to the new ones
+  (:func:`runtime.kafka.retry_queue.feed`) and append ``Fed``. Run again after a crash, it
+  resumes where the log says it stopped.
+* :func:`meta_session` opens a session for a short-lived writer of the RQ/DLQ (``dlq replay``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Self
 
@@ -41,13 +52,20 @@ from protocol.output_meta import (
     Joined,
     Left,
     Marker,
+    MetaError,
     OutputMeta,
     Sealed,
+    ShardsAcked,
+    ShardsCommitted,
     SwitchCommitted,
     decode_entry,
     encode_entry,
+    feed_due,
     meta_topic,
+    shards_plan,
 )
+from protocol.retry import FeedPlan
+from protocol.routing import CompositeTopic
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import ensure_topic
 
@@ -56,6 +74,9 @@ __all__ = [
     "MetaLog",
     "MetaOptions",
     "ProducerSession",
+    "ShardsResult",
+    "change_shards",
+    "meta_session",
     "open_meta",
     "seal",
 ]
@@ -209,21 +230,25 @@ class ProducerSession:
         log_: MetaLog,
         state: OutputMeta,
         start_offset: int,
-        producer: AIOKafkaProducer,
+        producer: AIOKafkaProducer | None = None,  # unused (seals go through a fresh producer)
         *,
         options: MetaOptions | None = None,
         clock: Callable[[], float] = time.time,
         on_switch: Callable[[OutputMeta], None] | None = None,
+        on_relayout: Callable[[OutputMeta], None] | None = None,
         name: str | None = None,
     ) -> None:
         self._config = config
         self._log = log_
         self.state = state
         self._offset = start_offset
-        self._producer = producer  # the sink's (seal markers go with the output)
         self.options = options or MetaOptions()
         self._clock = clock
         self._on_switch = on_switch
+        self._on_relayout = on_relayout
+        self._layout_in_flight: Counter[int] = Counter()  # RQ/DLQ layout -> unacknowledged writes
+        self._shards_acked: int | None = None
+        self._shards_committed: set[int] = set()
         self.me = name or f"producer-{uuid.uuid4().hex[:12]}"
         self._lease_until = 0.0  # of the latest renewal read back
         self._in_flight: Counter[int] = Counter()  # storage topic index -> unacknowledged sends
@@ -300,6 +325,29 @@ class ProducerSession:
             del self._in_flight[index]
             self._changed.set()
 
+    async def acquire_layout(self) -> tuple[int, CompositeTopic, CompositeTopic]:
+        """The RQ/DLQ layout to write one entry to: its number and the RQ and DLQ composite
+        topics (the newest storage topic of each is written to); waits while a shard-count
+        change is pending or the lease is not valid. Followed by one :meth:`release_layout`."""
+        held = False
+        while True:
+            if self._task is not None and self._task.done():
+                raise KafkaAdapterError(f"{self!r} stopped: {self._task!r}")
+            layout = self.state.layout()
+            if layout is not None and self._lease_ok():
+                self._layout_in_flight[layout] += 1
+                return layout, self.state.rq(), self.state.dlq()
+            if not held:
+                held = True
+                self.holds += 1
+            await self._wait_change(self.options.poll_s)
+
+    def release_layout(self, layout: int) -> None:
+        self._layout_in_flight[layout] -= 1
+        if self._layout_in_flight[layout] <= 0:
+            del self._layout_in_flight[layout]
+            self._changed.set()
+
     async def _wait_change(self, timeout: float) -> None:
         self._changed.clear()
         try:
@@ -340,6 +388,7 @@ class ProducerSession:
 
     def _fold(self, entry: Entry) -> None:
         before = self.state.composite().produce_pointer
+        layout = self.state.shard_changes
         self.state.apply(entry)
         if isinstance(entry, Joined) and entry.producer == self.me:
             self._lease_until = max(self._lease_until, entry.until)
@@ -347,6 +396,16 @@ class ProducerSession:
             log.info("%r: producing to %s now", self, self.state.composite().producing.name)
             if self._on_switch is not None:
                 self._on_switch(self.state)
+        if self.state.shard_changes != layout:
+            log.info(
+                "%r: RQ/DLQ shard count %d, writing to %s and %s now",
+                self,
+                self.state.shards,
+                self.state.rq().producing.name,
+                self.state.dlq().producing.name,
+            )
+            if self._on_relayout is not None:
+                self._on_relayout(self.state)
         self._changed.set()
 
     async def _barrier(self, now: float) -> None:
@@ -360,6 +419,14 @@ class ProducerSession:
             if state.switch_due(now, opts.grace_s) and pending.target not in self._committed:
                 self._committed.add(pending.target)
                 await self._log.append(SwitchCommitted(pending.target))
+        sp = state.shards_pending
+        if sp is not None:
+            if self._shards_acked != sp.change and self._layout_in_flight[sp.change - 1] == 0:
+                self._shards_acked = sp.change
+                await self._log.append(ShardsAcked(self.me, sp.change))
+            if state.shards_due(now, opts.grace_s) and sp.change not in self._shards_committed:
+                self._shards_committed.add(sp.change)
+                await self._log.append(ShardsCommitted(sp.change))
         for index in state.unsealed():
             if index not in self._sealing:
                 self._sealing.add(index)
@@ -377,3 +444,82 @@ class ProducerSession:
                 except KafkaError as exc:  # transient (e.g. a leader moving): try again later
                     self._sealing.discard(index)
                     log.warning("%r: sealing storage topic %d failed: %r", self, index, exc)
+
+
+@asynccontextmanager
+async def meta_session(
+    config: KafkaConfig, output: str, options: MetaOptions | None = None
+) -> AsyncIterator[ProducerSession | None]:
+    """A producer session on ``output``'s metadata for a short-lived writer of its RQ/DLQ (the
+    ``dlq replay`` commands): its writes take part in the shard-count barrier. None when the
+    output has no metadata topic yet (it never ran with one)."""
+    async with MetaLog(config, output) as log_:
+        state, at = await log_.load()
+        if not state.created:
+            yield None
+            return
+        async with ProducerSession(config, log_, state, at, options=options) as session:
+            yield session
+
+
+class ShardsResult(msgspec.Struct, frozen=True):
+    shards: int
+    rq: str  # the RQ storage topic written to now
+    dlq: str
+    fed: FeedPlan | None  # what the feed copied (None: nothing to feed)
+
+
+async def change_shards(
+    config: KafkaConfig,
+    log_: MetaLog,
+    shards: int,
+    *,
+    grace_s: float,
+    wait_s: float = 120.0,
+    clock: Callable[[], float] = time.time,
+    poll_s: float = 0.5,  # each look appends a read marker to the metadata topic
+) -> ShardsResult:
+    """``output shards N`` (rules: :mod:`protocol.output_meta`): create the new RQ/DLQ storage
+    topics, prepare the change, wait until it is committed (the running producers ack and commit;
+    this commits it too once it is due, e.g. when none runs), then feed the old storage topics'
+    held records to the new ones and append ``Fed``. Every step is decided from the log, so after
+    a crash the same call resumes: a pending change with these counts is waited for, a committed
+    one not yet fed is fed. Raises :class:`protocol.output_meta.MetaError` when the log forbids it
+    and ``TimeoutError`` when the change did not commit within ``wait_s``."""
+    from runtime.kafka.retry_queue import feed
+
+    state, _ = await log_.load()
+    sp = state.shards_pending
+    if sp is not None and sp.shards != shards:
+        raise MetaError(f"shard-count change {sp.change} to {sp.shards} is pending; wait for it")
+    if sp is None and not (state.unfed() and shards == state.shards):
+        prepare = shards_plan(state, shards)
+        after = copy.deepcopy(state)  # as the commit will leave it: create its topics first
+        after.apply(prepare)
+        after.apply(ShardsCommitted(prepare.change))
+        for topic in (after.rq(), after.dlq()):
+            st = topic.producing
+            await ensure_topic(config, st.name, partitions=st.partitions)
+        await log_.append(prepare)
+        log.info("%s: shard-count change %d to %d prepared", log_.topic, prepare.change, shards)
+    async with asyncio.timeout(wait_s):
+        while True:
+            state, _ = await log_.load()
+            sp = state.shards_pending
+            if sp is None:
+                break
+            if state.shards_due(clock(), grace_s):
+                await log_.append(ShardsCommitted(sp.change))
+            else:
+                await asyncio.sleep(poll_s)
+    fed: FeedPlan | None = None
+    entry = feed_due(state)
+    if entry is not None:
+        # every storage topic from rq_from/dlq_from on is read; the newest are written to
+        fed = await feed(config, state.rq(), state.dlq())
+        await log_.append(entry)
+        log.info(
+            "%s: fed %d record(s) to the new RQ/DLQ storage topics", log_.topic, len(fed.copies)
+        )
+        state, _ = await log_.load()
+    return ShardsResult(state.shards, state.rq().producing.name, state.dlq().producing.name, fed)

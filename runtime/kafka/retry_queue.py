@@ -45,6 +45,13 @@ some change-stream partitions):
 * Markers stay in the topics (one per partition per barrier; barriers of one moment share one).
 * The DLQ replay subcommand runs its own driving queue: stop the processes first.
 
+**Shard-count changes** (docs/design.md#retry-and-dead-letter-queues): with a ``gate`` (the
+sink's :class:`runtime.kafka.output_meta.ProducerSession`), every RQ/DLQ write asks the gate for
+the layout to write to (and waits while a change is pending); :meth:`RetryQueue.relayout` moves
+the queue to a committed layout (it writes there, and tails the new storage topics too).
+:func:`feed` copies what the old storage topics still hold to the newest ones, by the rule of
+:func:`protocol.retry.feed_plan`.
+
 Failures are not swallowed: a failed RQ/DLQ write kills the queue's driver (logged), every pending
 future fails with :class:`RetryQueueError`, and the exception leaves ``__aexit__``.
 """
@@ -60,7 +67,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Protocol, Self
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -77,6 +84,7 @@ from protocol.retry import (
     DriverElection,
     Duplicate,
     Event,
+    FeedPlan,
     LogEntry,
     Observe,
     ParkInRetry,
@@ -87,6 +95,7 @@ from protocol.retry import (
     SendToDlq,
     SendToSink,
     Tick,
+    feed_plan,
     from_log,
 )
 from protocol.routing import CompositeTopic, StorageTopic, key_hash
@@ -101,6 +110,8 @@ __all__ = [
     "RetryQueueConfig",
     "RetryQueueError",
     "RetryQueueStats",
+    "WriteGate",
+    "feed",
     "internal_topic",
     "load_dlq",
     "ordering_key",
@@ -215,6 +226,7 @@ Send = Callable[[PendingSend], Awaitable[None]]
 class LoadedLog(msgspec.Struct):
     entries: list[LogEntry]
     payloads: dict[str, bytes]
+    topics: list[str] = msgspec.field(default_factory=list)  # the topic of each entry
 
 
 async def check_partitions(producer: AIOKafkaProducer, topic: CompositeTopic) -> None:
@@ -246,6 +258,7 @@ async def load_log(
     for tp, fut in sends:
         want[tp] = (await fut).offset
     entries: list[LogEntry] = []
+    topics: list[str] = []
     payloads: dict[str, tuple[int, bytes]] = {}
     consumer = AIOKafkaConsumer(
         **config.client_kwargs(),
@@ -277,13 +290,14 @@ async def load_log(
                         if msg.entry is None:
                             continue  # an older marker
                         entries.append(msg.entry)
+                        topics.append(tp.topic)
                         if msg.payload is not None:
                             rid, ver = msg.entry.record_id, msg.entry.version
                             if rid not in payloads or payloads[rid][0] < ver:
                                 payloads[rid] = (ver, msg.payload)
     finally:
         await consumer.stop()
-    return LoadedLog(entries, {rid: p for rid, (_, p) in payloads.items()})
+    return LoadedLog(entries, {rid: p for rid, (_, p) in payloads.items()}, topics)
 
 
 def make_producer(config: KafkaConfig, linger_ms: int = 2) -> AIOKafkaProducer:
@@ -315,12 +329,70 @@ async def load_dlq(
     return [(e, loaded.payloads.get(e.record_id)) for e in core.dlq_records()]
 
 
+async def feed(
+    config: KafkaConfig,
+    rq: CompositeTopic,
+    dlq: CompositeTopic,
+    *,
+    fetch_max_wait_ms: int = 50,
+    timeout_s: float = 60.0,
+) -> FeedPlan:
+    """Copy every record still held in the old storage topics of ``rq`` and ``dlq`` (all but
+    the one each produces to) to the one it produces to, by :func:`protocol.retry.feed_plan`, and
+    wait until Kafka acknowledged every copy. Reads every storage topic from the beginning up to
+    a fresh marker, so it is idempotent: run again after a crash, it copies only what is missing.
+    The caller runs it after the shard-count change committed (nobody writes to the old storage
+    topics any more) and then appends ``Fed``."""
+    producer = make_producer(config)
+    await producer.start()
+    try:
+        for topic in (rq, dlq):
+            await check_partitions(producer, topic)
+        parts = [
+            (st.name, p) for t in (rq, dlq) for st in t.storage_topics for p in range(st.partitions)
+        ]
+        loaded = await load_log(
+            config, producer, parts, fetch_max_wait_ms=fetch_max_wait_ms, timeout_s=timeout_s
+        )
+        newest = {rq.producing.name, dlq.producing.name}
+        plan = feed_plan(
+            zip(loaded.entries, (t in newest for t in loaded.topics), strict=True),
+            loaded.payloads,
+        )
+        acks = []
+        for c in plan.copies:
+            target = rq if isinstance(c.entry, ParkInRetry) else dlq
+            table, keys = split_key(c.entry.key)
+            _, partition = target.route(key_hash(table, keys))
+            raw = _int_encoder.encode(InternalMessage(entry=c.entry, payload=c.payload))
+            acks.append(
+                await producer.send(
+                    target.producing.name, raw, key=c.entry.key.encode(), partition=partition
+                )
+            )
+        await asyncio.gather(*acks)
+    finally:
+        await producer.stop()
+    if plan.missing_payloads:
+        log.error("feed: %d held record(s) had no payload to copy", plan.missing_payloads)
+    return plan
+
+
+class WriteGate(Protocol):
+    """Where RQ/DLQ entries go while the layout may change (a ``ProducerSession``)."""
+
+    async def acquire_layout(self) -> tuple[int, CompositeTopic, CompositeTopic]: ...
+
+    def release_layout(self, layout: int) -> None: ...
+
+
 async def replay_via_driver(
     config: KafkaConfig,
     queue: RetryQueueConfig,
     record_ids: Iterable[str] | None = None,
     *,
     timeout_s: float = 60.0,
+    gate: WriteGate | None = None,
 ) -> list[str]:
     """Put DLQ records (all, or those named) back into the RQ **for the running driver** (the
     shoal process that leads the group) to deliver, and wait until it did (or dead-lettered
@@ -331,7 +403,9 @@ async def replay_via_driver(
         raise RetryQueueError(f"a replay helper does not send records ({p.record_id})")
 
     timed_out = False
-    async with RetryQueue(config, queue, never, name="dlq-replay", driver=lambda: False) as rq:
+    async with RetryQueue(
+        config, queue, never, name="dlq-replay", driver=lambda: False, gate=gate
+    ) as rq:
         chosen = rq.replay_dlq(record_ids)
         try:
             async with asyncio.timeout(timeout_s):
@@ -423,8 +497,10 @@ class RetryQueue:
         driver: Callable[[], bool] | None = None,
         takeover_grace_s: float = 10.0,
         steer_interval_s: float = 0.25,
+        gate: WriteGate | None = None,
     ) -> None:
         self._config = config
+        self.gate = gate  # RQ/DLQ writes ask it for the layout (a shard-count change may hold)
         # Several owners over these topics (see "Several owners" in the module docstring):
         # ``driver()`` says whether this one may drive the RQ now; None: the only owner.
         self._is_driver = driver
@@ -433,7 +509,8 @@ class RetryQueue:
         self._steer_interval = steer_interval_s
         self._driving = not self._shared
         self._tail_task: asyncio.Task[None] | None = None
-        self._helpers: list[asyncio.Task[None]] = []  # the tail and the steering loop
+        self._helpers: list[asyncio.Task[None]] = []  # the tails and the steering loop
+        self._tailing: set[tuple[str, int]] = set()
         self._barriers: dict[str, tuple[set[tuple[str, int]], asyncio.Future[None]]] = {}
         self._next_barrier: asyncio.Future[None] | None = None
         self.queue_config = queue
@@ -478,7 +555,11 @@ class RetryQueue:
         self._tg = tg
         self._driver = tg.create_task(self._drive(), name=f"retry-queue-{self.name}")
         if self._shared:
-            self._tail_task = tg.create_task(self._tail(), name=f"retry-queue-tail-{self.name}")
+            parts = self.queue_config.read_partitions()
+            self._tailing = set(parts)
+            self._tail_task = tg.create_task(
+                self._tail(parts), name=f"retry-queue-tail-{self.name}"
+            )
             self._helpers.append(self._tail_task)
             try:
                 await self.barrier()  # everything written so far is folded in
@@ -808,10 +889,35 @@ class RetryQueue:
                 f.set_exception(error)
                 f.exception()
 
-    async def _tail(self) -> None:
-        """Read the RQ and DLQ partitions from the beginning, for as long as the queue runs:
+    def relayout(
+        self,
+        rq: CompositeTopic,
+        dlq: CompositeTopic,
+        partitions: Sequence[tuple[str, int]] | None = None,
+    ) -> None:
+        """A shard-count change committed: RQ/DLQ entries go to the newest storage topics of
+        ``rq`` and ``dlq`` from now on (the gate routes each write; this keeps the queue's view
+        in step), and the queue reads ``partitions`` (None: every partition of both) as well as
+        what it read before: a shared queue tails the new ones from the beginning."""
+        old = self.queue_config.read_partitions()
+        fresh = msgspec.structs.replace(self.queue_config, rq=rq, dlq=dlq, partitions=None)
+        wanted = fresh.read_partitions() if partitions is None else list(partitions)
+        merged = list(dict.fromkeys([*old, *wanted]))
+        self.queue_config = msgspec.structs.replace(fresh, partitions=tuple(merged))
+        self.rq, self.dlq = rq, dlq
+        if not self._shared or self._tg is None:
+            return  # not tailing (yet): __aenter__ reads the new set
+        new = [tp for tp in merged if tp not in self._tailing]
+        if new:
+            self._tailing.update(new)
+            self._helpers.append(
+                self._tg.create_task(self._tail(new), name=f"retry-queue-tail-{self.name}")
+            )
+
+    async def _tail(self, read: Sequence[tuple[str, int]]) -> None:
+        """Read RQ and DLQ partitions ``read`` from the beginning, for as long as the queue runs:
         every entry goes to the core (``Observe``), in order with this queue's other events."""
-        parts = [TopicPartition(t, p) for t, p in self.queue_config.read_partitions()]
+        parts = [TopicPartition(t, p) for t, p in read]
         consumer = AIOKafkaConsumer(
             **self._config.client_kwargs(),
             group_id=None,
@@ -965,15 +1071,11 @@ class RetryQueue:
                 case ParkInRetry() | Released():
                     self._n.rq_writes += 1
                     payload = self._payloads.get(cmd.record_id)
-                    await self._write(
-                        self.rq, cmd, payload if isinstance(cmd, ParkInRetry) else None
-                    )
+                    await self._write(False, cmd, payload if isinstance(cmd, ParkInRetry) else None)
                 case SendToDlq() | Discarded():
                     self._n.dlq_writes += 1
                     payload = self._payloads.get(cmd.record_id)
-                    await self._write(
-                        self.dlq, cmd, payload if isinstance(cmd, SendToDlq) else None
-                    )
+                    await self._write(True, cmd, payload if isinstance(cmd, SendToDlq) else None)
                     if isinstance(cmd, Discarded):
                         self._payloads.pop(cmd.record_id, None)
                 case Duplicate():
@@ -993,7 +1095,13 @@ class RetryQueue:
             return
         await self._send(PendingSend(rid, key, attempts, payload))
 
-    async def _write(self, topic: CompositeTopic, entry: LogEntry, payload: bytes | None) -> None:
+    async def _write(self, dlq: bool, entry: LogEntry, payload: bytes | None) -> None:
+        gate, layout = self.gate, -1
+        if gate is None:
+            topic = self.dlq if dlq else self.rq
+        else:  # the layout a shard-count change committed last (waits while one is pending)
+            layout, rq_topic, dlq_topic = await gate.acquire_layout()
+            topic = dlq_topic if dlq else rq_topic
         table, keys = split_key(entry.key)
         idx, partition = topic.route(key_hash(table, keys))
         name = topic.storage_topics[idx].name
@@ -1003,10 +1111,14 @@ class RetryQueue:
         try:
             fut = await self.producer.send(name, raw, key=entry.key.encode(), partition=partition)
         except KafkaError as exc:
+            if gate is not None:
+                gate.release_layout(layout)
             raise RetryQueueError(f"{self!r}: writing {what} failed: {exc!r}") from exc
         rid = entry.record_id
 
         def done(f: asyncio.Future[object]) -> None:
+            if gate is not None:
+                gate.release_layout(layout)
             if f.cancelled():
                 self._queue.put_nowait(_WriteFailed(what, RetryQueueError("cancelled")))
             elif (exc := f.exception()) is not None:

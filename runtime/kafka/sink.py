@@ -90,6 +90,7 @@ __all__ = [
     "output_records",
     "replay_dlq",
     "split_key",
+    "with_meta",
 ]
 
 log = logging.getLogger(__name__)
@@ -306,7 +307,9 @@ class KafkaSink:
         ``meta``: the output is the composite topic that the metadata topic ``<name>_meta``
         describes (created from ``sink`` on a first start; :mod:`runtime.kafka.output_meta`), and
         this sink takes part in its switch barrier; its storage topics, produce pointer and
-        RQ/DLQ topics come from there. None: the composite topic of ``sink`` alone."""
+        RQ/DLQ topics come from there, and its RQ/DLQ writes follow shard-count changes (held
+        during one, then to the new storage topics, which it reads too). None: the composite
+        topic of ``sink`` and its RQ/DLQ alone."""
         self._config = config
         self._clock = clock
         self._driver = driver
@@ -318,7 +321,7 @@ class KafkaSink:
         self._injected = 0
         self._configure(sink)
 
-    def _configure(self, sink: KafkaSinkConfig) -> None:
+    def _configure(self, sink: KafkaSinkConfig, gate: ProducerSession | None = None) -> None:
         self.sink_config = sink
         self.output = sink.output_topic()
         self.rq = sink.rq_topic()
@@ -332,6 +335,7 @@ class KafkaSink:
             name=sink.name,
             driver=self._driver,
             takeover_grace_s=self._grace,
+            gate=gate,
         )
 
     def __repr__(self) -> str:
@@ -358,31 +362,39 @@ class KafkaSink:
                 rq_partitions=sink.rq_partitions,
                 dlq_partitions=sink.dlq_partitions,
             )
-            self._configure(
-                msgspec.structs.replace(
-                    sink, output=state.composite(), rq=state.rq(), dlq=state.dlq()
-                )
+            # the session first: the queue's RQ/DLQ writes go through it (the shard barrier)
+            session = ProducerSession(
+                self._config,
+                meta_log,
+                state,
+                at,
+                options=self._meta_options,
+                on_switch=self._switched,
+                on_relayout=self._relayout,
             )
-            await self._queue.__aenter__()
+            await session.__aenter__()
             try:
-                session = ProducerSession(
-                    self._config,
-                    meta_log,
-                    state,
-                    at,
-                    self._queue.producer,
-                    options=self._meta_options,
-                    on_switch=self._switched,
+                st = session.state  # (a relayout before here is in it)
+                self._configure(
+                    msgspec.structs.replace(sink, output=st.composite(), rq=st.rq(), dlq=st.dlq()),
+                    gate=session,
                 )
-                await session.__aenter__()
+                await self._queue.__aenter__()
             except BaseException as exc:
-                await self._queue.__aexit__(type(exc), exc, exc.__traceback__)
+                await session.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
         except BaseException:
             await meta_log.__aexit__(None, None, None)
             raise
         self._meta_log, self.session = meta_log, session
         return self
+
+    def _relayout(self, state: OutputMeta) -> None:
+        """A shard-count change of the RQ/DLQ committed (called by the session before any
+        write goes to the new layout): write there, and read the new storage topics too."""
+        sink = msgspec.structs.replace(self.sink_config, rq=state.rq(), dlq=state.dlq())
+        self.sink_config, self.rq, self.dlq = sink, sink.rq_topic(), sink.dlq_topic()
+        self._queue.relayout(self.rq, self.dlq, sink.internal_partitions())
 
     def _switched(self, state: OutputMeta) -> None:
         self.output = state.composite()
@@ -552,8 +564,22 @@ def _maybe_decode(raw: bytes | None) -> OutputRecord | None:
 # --- operator helpers ----------------------------------------------------------------------
 
 
+async def with_meta(config: KafkaConfig, sink: KafkaSinkConfig) -> tuple[KafkaSinkConfig, bool]:
+    """``sink`` with the RQ/DLQ storage topics its metadata topic ``<name>_meta`` names (every one
+    readers read: after a shard-count change, the old ones until they are fed), and whether the
+    metadata topic exists; ``sink`` unchanged (and False) when it does not."""
+    async with MetaLog(config, sink.name, load_timeout_s=sink.load_timeout_s) as meta:
+        state, _ = await meta.load()
+    if not state.created:
+        return sink, False
+    return msgspec.structs.replace(
+        sink, output=state.composite(), rq=state.rq(), dlq=state.dlq()
+    ), True
+
+
 async def list_dlq(config: KafkaConfig, sink: KafkaSinkConfig) -> list[DlqRecord]:
-    """The records in the DLQ of ``sink`` (read from the RQ and DLQ topics; nothing is sent)."""
+    """The records in the DLQ of ``sink`` (read from the RQ and DLQ topics; nothing is sent).
+    Give it the storage topics of the metadata (:func:`with_meta`)."""
     return [
         DlqRecord(e.record_id, e.key, e.attempts, e.error, _maybe_decode(raw))
         for e, raw in await load_dlq(config, sink.queue_config())
@@ -566,11 +592,13 @@ async def replay_dlq(
     record_ids: Iterable[str] | None = None,
     *,
     timeout_s: float = 60.0,
+    meta: MetaOptions | None = None,
 ) -> list[str]:
     """Send DLQ records (all, or those named) again, through a sink over the same topics, and
     wait until they are delivered (or dead-lettered again). Returns the ids replayed. The
-    regular owner of the sink must not run meanwhile."""
-    async with KafkaSink(config, sink) as s:
+    regular owner of the sink must not run meanwhile. ``meta``: the output has a metadata topic;
+    the sink takes its topics from there and takes part in its barriers."""
+    async with KafkaSink(config, sink, meta=meta) as s:
         chosen = s.replay_dlq(record_ids)
         async with asyncio.timeout(timeout_s):
             await s._queue.wait_replayed(chosen)

@@ -11,18 +11,23 @@ import pytest
 from protocol.output_meta import (
     Acked,
     Created,
+    Fed,
     Joined,
     Left,
     Marker,
     MetaError,
     OutputMeta,
     Sealed,
+    ShardsAcked,
+    ShardsCommitted,
+    ShardsPrepared,
     ShardsSet,
     StorageAdded,
     SwitchCommitted,
     SwitchPrepared,
     decode_entry,
     encode_entry,
+    feed_due,
     fold,
     plan_add_storage_topic,
     plan_switch,
@@ -131,24 +136,100 @@ def test_stale_and_bad_entries_are_ignored() -> None:
 
 def test_shards_plan_keeps_or_grows_the_rq_dlq() -> None:
     state = folded()
-    assert shards_plan(state, 2) == ShardsSet(2, 4, 2)
-    assert shards_plan(state, 3) == ShardsSet(3, 6, 3)
-    state.apply(shards_plan(state, 3))
-    state.validate()
-    assert [st.name for st in state.rq().storage_topics] == ["out_rq", "out_rq.1"]
-    assert state.rq().producing == StorageTopic("out_rq.1", 6, 1)
-    assert state.dlq().producing == StorageTopic("out_dlq.1", 3, 1)
-    state.apply(shards_plan(state, 1))  # 1 divides everything: nothing new
-    assert len(state.rq().storage_topics) == 2
-    assert state.shards == 1
+    assert shards_plan(state, 2) == ShardsPrepared(1, 2, 4, 2)
+    assert shards_plan(state, 3) == ShardsPrepared(1, 3, 6, 3)
     with pytest.raises(MetaError):
         shards_plan(state, 0)
 
 
+def test_shard_change_is_a_barrier_then_a_feed() -> None:
+    state = folded(Joined("a", 10.0), Joined("b", 10.0))
+    assert state.layout() == 0
+    state.apply(shards_plan(state, 3))
+    state.validate()
+    assert state.layout() is None  # RQ/DLQ writes hold
+    assert state.shards == 1
+    assert state.rq().producing.name == "out_rq"  # nothing changes before the commit
+    assert state.shards_waiting_for(5.0, grace=1.0) == ["a", "b"]
+    with pytest.raises(MetaError, match="already pending"):
+        shards_plan(state, 2)
+    assert feed_due(state) is None  # feed after the commit
+    state.apply(ShardsAcked("a", 1))
+    assert not state.shards_due(5.0, grace=1.0)
+    assert state.shards_due(11.5, grace=1.0)  # b's lease ran out a grace ago
+    state.apply(ShardsAcked("b", 1))
+    assert state.shards_due(5.0, grace=1.0)
+    assert state.apply(ShardsCommitted(1))
+    assert not state.apply(ShardsCommitted(1))  # a second committer: ignored
+    state.validate()
+    assert (state.layout(), state.shards, state.shard_changes) == (1, 3, 1)
+    assert [st.name for st in state.rq().storage_topics] == ["out_rq", "out_rq.1"]
+    assert state.rq().producing == StorageTopic("out_rq.1", 6, 1)
+    assert state.dlq().producing == StorageTopic("out_dlq.1", 3, 1)
+    # the old storage topics are read until fed; no new change before
+    assert state.unfed()
+    with pytest.raises(MetaError, match="not fed yet"):
+        shards_plan(state, 2)
+    assert not state.apply(ShardsPrepared(2, 2, 6, 4))
+    fed = feed_due(state)
+    assert fed == Fed(1, 1, 1)
+    assert state.apply(fed)
+    assert not state.apply(fed)  # a feeder run twice appends twice: harmless
+    state.validate()
+    assert not state.unfed()
+    assert [st.name for st in state.rq().storage_topics] == ["out_rq.1"]
+    assert [st.name for st in state.dlq().storage_topics] == ["out_dlq.1"]
+    assert feed_due(state) is None
+    # 1 divides everything: a change without new storage topics, nothing to feed after it
+    state.apply(shards_plan(state, 1))
+    state.apply(ShardsCommitted(2))
+    state.validate()
+    assert (state.shards, state.layout()) == (1, 2)
+    assert state.rq().producing.name == "out_rq.1"
+    assert feed_due(state) is None
+
+
+def test_producers_joining_during_a_shard_change_are_not_waited_for() -> None:
+    state = folded(Joined("a", 10.0))
+    state.apply(shards_plan(state, 2))
+    state.apply(Joined("late", 50.0))  # holds too (layout None) but is not in the ack set
+    state.apply(Left("a"))
+    assert state.shards_due(1.0, grace=1.0)
+
+
+def test_stale_shard_entries_and_the_legacy_shards_set() -> None:
+    state = folded()
+    for e in (
+        ShardsAcked("a", 1),  # nothing pending
+        ShardsCommitted(1),
+        ShardsPrepared(2, 2, 4, 2),  # not the next change
+        ShardsPrepared(1, 3, 4, 2),  # 3 does not divide 4
+        Fed(0, 0, 0),  # nothing to feed
+    ):
+        assert not state.apply(e)
+    state.validate()
+    assert state.version == 1
+    # written by earlier versions: applied at once, its old storage topics fed like any other
+    assert state.apply(ShardsSet(3, 6, 3))
+    assert (state.shards, state.layout()) == (3, 1)
+    assert feed_due(state) == Fed(1, 1, 1)
+
+
 def test_entries_round_trip_with_stable_tags() -> None:
-    for e in (CREATED, StorageAdded(12), SwitchPrepared(1, 2.5), Acked("p", 1), Marker("x")):
+    for e in (
+        CREATED,
+        StorageAdded(12),
+        SwitchPrepared(1, 2.5),
+        Acked("p", 1),
+        Marker("x"),
+        ShardsPrepared(1, 3, 6, 3),
+        ShardsAcked("p", 1),
+        ShardsCommitted(1),
+        Fed(1, 1, 1),
+    ):
         assert decode_entry(encode_entry(e)) == e
     assert encode_entry(Acked("p", 1)) == b'{"m":"ack","producer":"p","target":1}'
+    assert encode_entry(Fed(1, 1, 0)) == b'{"m":"fed","change":1,"rq_from":1,"dlq_from":0}'
 
 
 # --- a model: producers, keys moving between them, a reader of storage topics in order ----------
@@ -220,3 +301,76 @@ def test_model_following_the_barrier_keeps_per_key_order() -> None:
 def test_model_switching_at_the_own_ack_breaks_order() -> None:
     """Teeth: the same seeds, a producer that goes to the new topic at its own ack."""
     assert sum(_simulate(seed, obey=False) for seed in range(200)) > 0
+
+
+# --- a model of the RQ/DLQ shard-count change: producers' RQ writes, the barrier, the feed ------
+
+
+def _shard_change(seed: int, *, ack_early: bool = False, commit_early: bool = False) -> int:
+    """Two producers write RQ entries to the layout they know (each reads the log ``lag`` steps
+    late; entries land a while after they are sent). A shard-count change is prepared; after its
+    commit a feeder reads the old layout once, copies what it read and retires it. Returns the
+    entries lost: landed in the old layout after the feeder read it. Teeth: ``ack_early`` acks
+    with writes still in flight; ``commit_early`` commits at one's own ack."""
+    rng = random.Random(seed)
+    state = folded(Joined("a", 60.0), Joined("b", 60.0))
+    lag = {p: rng.randrange(0, 15) for p in "ab"}
+    prepared_at = rng.randrange(5, 30)
+    committed_at: int | None = None
+    layouts: list[list[int]] = [[], []]
+    in_flight: dict[str, list[tuple[int, int]]] = {"a": [], "b": []}  # (layout, entry)
+    acked: set[str] = set()
+    fed: set[int] | None = None
+    n = 0
+    for step in range(120):
+        now = step * 0.01
+        if step == prepared_at:
+            state.apply(shards_plan(state, 3))
+        for p in "ab":
+            while in_flight[p] and rng.random() < 0.5:
+                where, e = in_flight[p].pop(0)
+                layouts[where].append(e)
+            sees_prepare = step >= prepared_at + lag[p]
+            old_writes = any(where == 0 for where, _ in in_flight[p])
+            if sees_prepare and p not in acked and (ack_early or not old_writes):
+                acked.add(p)
+                state.apply(ShardsAcked(p, 1))
+                if commit_early and state.apply(ShardsCommitted(1)):
+                    committed_at = step
+        if state.shards_due(now, grace=1.0) and state.apply(ShardsCommitted(1)):
+            committed_at = step
+        if fed is None and committed_at is not None and rng.random() < 0.3:
+            fed = set(layouts[0])  # the feeder reads the old layout and copies it
+            layouts[1].extend(fed)
+            fed_entry = feed_due(state)
+            assert fed_entry is not None
+            state.apply(fed_entry)
+        p = rng.choice("ab")
+        if step < prepared_at + lag[p]:
+            layout: int | None = 0  # it has not read the prepare yet
+        elif committed_at is not None and step >= committed_at + lag[p]:
+            layout = 1
+        else:
+            layout = None  # holds between the prepare and the commit it has read
+        if layout is not None:
+            in_flight[p].append((layout, n))
+            n += 1
+        state.validate()
+    for p in "ab":
+        for where, e in in_flight[p]:
+            layouts[where].append(e)
+    if fed is None:
+        return 0
+    return sum(1 for e in layouts[0] if e not in fed)
+
+
+def test_model_the_shard_barrier_and_the_feed_lose_no_rq_entry() -> None:
+    assert sum(_shard_change(seed) for seed in range(300)) == 0
+
+
+def test_model_teeth_acking_with_writes_in_flight_loses_entries() -> None:
+    assert sum(_shard_change(seed, ack_early=True) for seed in range(300)) > 0
+
+
+def test_model_teeth_committing_at_the_own_ack_loses_entries() -> None:
+    assert sum(_shard_change(seed, commit_early=True) for seed in range(300)) > 0
