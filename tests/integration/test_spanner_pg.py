@@ -15,7 +15,11 @@ import asyncio
 import base64
 import datetime as dt
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -31,7 +35,9 @@ from runtime.spanner.reader import (
     walk_stream,
 )
 from runtime.typed import typed_tables
+from runtime.typed_files import read_table
 from tests.fixtures.spanner import churn_emulator
+from tests.helpers import REPO
 
 __all__ = ["churn_emulator"]  # fixture, imported for pytest
 
@@ -224,3 +230,68 @@ async def test_a_change_stream_the_postgresql_database_lacks_is_a_clear_error(
 
 def _fields(config: Any) -> dict[str, Any]:
     return {f: getattr(config, f) for f in config.__struct_fields__}
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+def test_the_cli_writes_the_postgresql_changes_typed(
+    churn_emulator: SpannerEmulator, committed: Committed, tmp_path: Path
+) -> None:
+    """``--source spanner`` on the PostgreSQL-dialect database, bounded by ``--start-at`` /
+    ``--end-at``: the run exits 0 by itself and the typed output holds the committed changes."""
+    config = churn_emulator.config
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "actors.runtime",
+            "--source",
+            "spanner",
+            "--spanner-emulator-host",
+            config.emulator_host or "",
+            "--spanner-project",
+            config.project,
+            "--spanner-instance",
+            config.instance,
+            "--spanner-database",
+            DB,
+            "--spanner-change-stream",
+            "PgStream",
+            "--sink",
+            "files",
+            "--output-dir",
+            str(out),
+            "--progress",
+            "off",
+            "--tasks",
+            "1",
+            "--start-at",
+            _rfc3339(committed.start),
+            "--end-at",
+            _rfc3339(committed.end),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=150,
+        check=False,
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err + proc.stdout.decode()
+    everything = read_table(out / "data", "everything")
+    assert everything.schema.field("n").type == pa.string()
+    rows = sorted(everything.to_pylist(), key=lambda r: (r["_commit_ts"], r["_record_sequence"]))
+    assert [r["_mod_type"] for r in rows] == ["INSERT", "INSERT", "UPDATE", "DELETE"]
+    assert {k: rows[0][k] for k in FULL} == FULL
+    small = read_table(out / "data", "small").to_pylist()
+    assert sorted((r["id"], r["_mod_type"]) for r in small) == sorted(
+        [(i, "INSERT") for i in range(SMALL)] + [(0, "UPDATE"), (1, "DELETE")]
+    )
+
+
+def _rfc3339(micros: int) -> str:
+    when = dt.datetime(1970, 1, 1, tzinfo=UTC) + dt.timedelta(microseconds=micros)
+    return when.isoformat().replace("+00:00", "Z")
