@@ -239,11 +239,55 @@ def test_the_cli_writes_the_postgresql_changes_typed(
 ) -> None:
     """``--source spanner`` on the PostgreSQL-dialect database, bounded by ``--start-at`` /
     ``--end-at``: the run exits 0 by itself and the typed output holds the committed changes."""
-    config = churn_emulator.config
+    out = tmp_path / "out"
+    proc = _cli(
+        churn_emulator,
+        out,
+        "--start-at",
+        _rfc3339(committed.start),
+        "--end-at",
+        _rfc3339(committed.end),
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err + proc.stdout.decode()
+    everything = read_table(out / "data", "everything")
+    assert everything.schema.field("n").type == pa.string()
+    rows = sorted(everything.to_pylist(), key=lambda r: (r["_commit_ts"], r["_record_sequence"]))
+    assert [r["_mod_type"] for r in rows] == ["INSERT", "INSERT", "UPDATE", "DELETE"]
+    assert {k: rows[0][k] for k in FULL} == FULL
+    small = read_table(out / "data", "small").to_pylist()
+    assert sorted((r["id"], r["_mod_type"]) for r in small) == sorted(
+        [(i, "INSERT") for i in range(SMALL)] + [(0, "UPDATE"), (1, "DELETE")]
+    )
+
+
+def _rfc3339(micros: int) -> str:
+    when = dt.datetime(1970, 1, 1, tzinfo=UTC) + dt.timedelta(microseconds=micros)
+    return when.isoformat().replace("+00:00", "Z")
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+def test_a_start_too_far_in_the_past_is_a_bad_option_in_postgresql_too(
+    churn_emulator: SpannerEmulator, committed: Committed, tmp_path: Path
+) -> None:
+    proc = _cli(churn_emulator, tmp_path / "out", "--start-at", "2020-01-01T00:00:00Z")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err + proc.stdout.decode()
+    lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(
+        "shoal: error: start_at 2020-01-01T00:00:00Z: the change stream refused this start:"
+    ), lines[0]
+    assert "Traceback" not in err
+
+
+def _cli(emulator: SpannerEmulator, out: Path, *extra: str) -> subprocess.CompletedProcess[bytes]:
+    """The CLI on the PostgreSQL-dialect database (one task, file sink, embedded broker)."""
+    config = emulator.config
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
     env["PYTHONPATH"] = str(REPO)
-    out = tmp_path / "out"
-    proc = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -268,30 +312,11 @@ def test_the_cli_writes_the_postgresql_changes_typed(
             "off",
             "--tasks",
             "1",
-            "--start-at",
-            _rfc3339(committed.start),
-            "--end-at",
-            _rfc3339(committed.end),
+            *extra,
         ],
         cwd=REPO,
         env=env,
         capture_output=True,
-        timeout=150,
+        timeout=100,
         check=False,
     )
-    err = proc.stderr.decode()
-    assert proc.returncode == 0, err + proc.stdout.decode()
-    everything = read_table(out / "data", "everything")
-    assert everything.schema.field("n").type == pa.string()
-    rows = sorted(everything.to_pylist(), key=lambda r: (r["_commit_ts"], r["_record_sequence"]))
-    assert [r["_mod_type"] for r in rows] == ["INSERT", "INSERT", "UPDATE", "DELETE"]
-    assert {k: rows[0][k] for k in FULL} == FULL
-    small = read_table(out / "data", "small").to_pylist()
-    assert sorted((r["id"], r["_mod_type"]) for r in small) == sorted(
-        [(i, "INSERT") for i in range(SMALL)] + [(0, "UPDATE"), (1, "DELETE")]
-    )
-
-
-def _rfc3339(micros: int) -> str:
-    when = dt.datetime(1970, 1, 1, tzinfo=UTC) + dt.timedelta(microseconds=micros)
-    return when.isoformat().replace("+00:00", "Z")
