@@ -20,9 +20,14 @@ also warms up), then:
 2. **End to end from the emulator**: every partition read concurrently over gRPC, once with each
    decoder. The emulator serves only ~5–10k change records/s here, so both are bounded by it.
 
+3. With ``--postgresql``: the same load (same seed) written to a PostgreSQL-dialect database on
+   the same emulator (same tables and stream), captured and replayed through shoal's
+   PostgreSQL decoder (``postgresql_records_per_s``, and ``postgresql_ratio`` to the GoogleSQL
+   figure of step 1).
+
 Prints figures, and as the last line one JSON object.
 
-``python -m bench spanner [--quick]``; ``--quick`` stays under a minute.
+``python -m bench spanner [--quick] [--postgresql]``; ``--quick`` stays under a minute.
 """
 
 from __future__ import annotations
@@ -148,36 +153,62 @@ async def _best(
     return best, n
 
 
+async def _load_and_walk(
+    args: argparse.Namespace, loader: LoadGenerator, source: SpannerSource, tables: int
+) -> Parts:
+    """Pre-load ``args.records`` records, one time range (epoch) at a time, and walk each range
+    (which warms up): the partition ranges of the load."""
+    per_commit = 3 * tables
+    parts: Parts = []
+    data_records = 0
+    load_s = walk_s = 0.0
+    remaining = max(1, args.records // per_commit)
+    while remaining > 0:
+        commits = min(remaining, max(1, EPOCH_RECORDS // per_commit))
+        remaining -= commits
+        first = len(loader.committed)
+        t0 = time.perf_counter()
+        await loader.bulk(commits)
+        load_s += time.perf_counter() - t0
+        start_ts = loader.committed[first].commit_ts
+        end_ts = loader.committed[-1].commit_ts
+        t0 = time.perf_counter()
+        walk = await walk_stream(source, start_ts, end_ts)
+        walk_s += time.perf_counter() - t0
+        data_records += len(walk.data)
+        parts.extend((tok, begin, end_ts) for tok, (begin, _) in walk.partitions.items())
+    print(
+        f"pre-loaded {data_records} data records in {load_s:.1f} s "
+        f"({tables} tables, {len(parts)} partition ranges); walk (warm-up) {walk_s:.1f} s",
+        flush=True,
+    )
+    return parts
+
+
+async def _postgresql(args: argparse.Namespace, emulator: SpannerEmulator) -> tuple[float, int]:
+    """Step 3: the same load on a PostgreSQL-dialect database, decoded by shoal's reader."""
+    config = await asyncio.to_thread(emulator.create_postgresql_database, "shoal-pg")
+    loader = await LoadGenerator.connect(config, emulator.tables, seed=1)
+    source = await SpannerSource.connect(config, max_batch=4096)
+    try:
+        await source.detect_dialect(config.database)
+        parts = await _load_and_walk(args, loader, source, len(emulator.tables))
+        captured = await _capture(source, parts)
+        print("PostgreSQL dialect, decoding capacity (captured responses replayed):")
+        return await _best(
+            args.rounds, lambda: _replay_fast(source, captured), "shoal pg", warmup=True
+        )
+    finally:
+        await source.close()
+        await loader.close()
+
+
 async def _run(args: argparse.Namespace, emulator: SpannerEmulator) -> dict[str, object]:
     config = emulator.config
     loader = await LoadGenerator.connect(config, emulator.tables, seed=1)
     source = await SpannerSource.connect(config, max_batch=4096)
     try:
-        per_commit = 3 * len(emulator.tables)
-        parts: Parts = []
-        data_records = 0
-        load_s = walk_s = 0.0
-        remaining = max(1, args.records // per_commit)
-        while remaining > 0:  # pre-load and walk one time range (epoch) at a time
-            commits = min(remaining, max(1, EPOCH_RECORDS // per_commit))
-            remaining -= commits
-            first = len(loader.committed)
-            t0 = time.perf_counter()
-            await loader.bulk(commits)
-            load_s += time.perf_counter() - t0
-            start_ts = loader.committed[first].commit_ts
-            end_ts = loader.committed[-1].commit_ts
-            t0 = time.perf_counter()
-            walk = await walk_stream(source, start_ts, end_ts)
-            walk_s += time.perf_counter() - t0
-            data_records += len(walk.data)
-            parts.extend((tok, begin, end_ts) for tok, (begin, _) in walk.partitions.items())
-        print(
-            f"pre-loaded {data_records} data records in {load_s:.1f} s "
-            f"({len(emulator.tables)} tables, {len(parts)} partition ranges); "
-            f"walk (warm-up) {walk_s:.1f} s",
-            flush=True,
-        )
+        parts = await _load_and_walk(args, loader, source, len(emulator.tables))
         captured = await _capture(source, parts)
         size = sum(len(p) for c in captured for p in c)
         print(f"captured {sum(map(len, captured))} partial result sets, {size / 1e6:.1f} MB")
@@ -210,7 +241,7 @@ async def _run(args: argparse.Namespace, emulator: SpannerEmulator) -> dict[str,
         print(
             f"end to end, shoal / default rows only:    {e2e_fast:,.0f} / {e2e_slow:,.0f} records/s"
         )
-        return {
+        result: dict[str, object] = {
             "scenario": "spanner",
             "records_per_s": round(fast),
             "default_client_records_per_s": round(slow),
@@ -225,6 +256,18 @@ async def _run(args: argparse.Namespace, emulator: SpannerEmulator) -> dict[str,
     finally:
         await source.close()
         await loader.close()
+    if args.postgresql:
+        pg, n_pg = await _postgresql(args, emulator)
+        if n_pg != n_fast:
+            print(f"WARNING: PostgreSQL records {n_pg} != GoogleSQL records {n_fast}", flush=True)
+        print(
+            f"shoal reader, PostgreSQL dialect:         {pg:,.0f} records/s  "
+            f"({pg / fast:.2f}x GoogleSQL)"
+        )
+        result["postgresql_records_per_s"] = round(pg)
+        result["postgresql_records"] = n_pg
+        result["postgresql_ratio"] = round(pg / fast, 2) if fast else None
+    return result
 
 
 def main(argv: list[str]) -> int:
@@ -234,6 +277,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tables", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--emulator", default=None, help="path of emulator_main")
+    parser.add_argument(
+        "--postgresql",
+        action="store_true",
+        help="also decode the same load from a PostgreSQL-dialect database",
+    )
     args = parser.parse_args(argv)
     if args.records is None:
         args.records = 40_000 if args.quick else 120_000

@@ -17,6 +17,7 @@ Spanner                     Arrow                                 Spark
 INT64 (also ENUM)           int64                                 long
 FLOAT64 / FLOAT32           float64 / float32                     double / float
 NUMERIC                     decimal128(38, 9)                     decimal(38,9)
+PostgreSQL numeric          string (its exact text)               string
 STRING, JSON (and others)   string                                string
 BYTES (also PROTO)          binary                                binary
 BOOL                        bool                                  boolean
@@ -24,6 +25,13 @@ DATE                        date32                                date
 TIMESTAMP                   timestamp[us, tz=UTC]                 timestamp
 ARRAY<T>                    list<T>                               array<T>
 ==========================  ====================================  ==================
+
+PostgreSQL-dialect databases send the same type codes (bigint INT64, float8 FLOAT64, float4
+FLOAT32, varchar/text STRING, jsonb JSON, bytea BYTES, bool BOOL, date DATE, timestamptz
+TIMESTAMP, arrays ARRAY), so they map alike, except ``numeric`` (NUMERIC with the annotation
+``PG_NUMERIC``): it has no fixed precision or scale and holds ``NaN``, so no decimal type holds
+every value; it is written as a string with the value's exact text (cast it in Spark, e.g.
+``CAST(n AS DECIMAL(38,9))``, where the values fit).
 
 One row per mod: the key columns from ``keys``, the other columns from ``new_values`` (a
 column an UPDATE did not write is null; ``_columns`` says which were written), the old values
@@ -96,6 +104,7 @@ class TypedError(ValueError):
 class _Type(msgspec.Struct, frozen=True):
     code: str
     array_element_type: _Type | None = None
+    type_annotation: str = ""  # PG_NUMERIC, PG_JSONB, ... (PostgreSQL-dialect databases)
 
 
 _type_decoder = msgspec.json.Decoder(_Type)
@@ -118,6 +127,8 @@ def _arrow(t: _Type) -> pa.DataType:
             return pa.float64()
         case "FLOAT32":
             return pa.float32()
+        case "NUMERIC" if t.type_annotation == "PG_NUMERIC":
+            return pa.string()
         case "NUMERIC":
             return pa.decimal128(38, 9)
         case "BYTES" | "PROTO":
@@ -163,6 +174,8 @@ def _converter(t: _Type) -> Callable[[Any], Any]:
             return int
         case "FLOAT64" | "FLOAT32":
             return _float
+        case "NUMERIC" if t.type_annotation == "PG_NUMERIC":
+            return str
         case "NUMERIC":
             return decimal.Decimal
         case "BYTES" | "PROTO":

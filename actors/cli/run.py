@@ -489,7 +489,7 @@ class Pipeline:
                 )
                 source = await SpannerSource.connect(spanner)
                 stack.push_async_callback(source.close)
-                await source.check_dialect(spanner.database)
+                await source.detect_dialect(spanner.database)
                 return source
 
     def _sim_source(self) -> ChangeStreamSource:

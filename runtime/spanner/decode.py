@@ -14,6 +14,18 @@ walked once, straight into msgspec records:
 - ``column_types`` repeat for every record of a table, so their decoded tuples are interned by
   their serialized bytes.
 
+PostgreSQL-dialect databases (:class:`PgRecordDecoder`) read their change stream with
+``spanner."read_json_<stream>"($1, $2, $3, $4, null)``, whose one column (JSON, annotated
+``PG_JSONB``) holds each record as a JSON object with one of the keys ``data_change_record``,
+``heartbeat_record``, ``child_partitions_record``: the same fields as the GoogleSQL STRUCTs, but
+nested JSON instead of JSON text (``keys``, ``new_values``, ``old_values``, a column's ``type``),
+numbers instead of INT64 strings, and timestamps ending in ``+00:00``. One msgspec decode per row
+into typed structs does the parsing in C; the nested JSON parts are taken as raw slices of the
+row's text (``msgspec.Raw``), not parsed and re-encoded, so ``keys`` / ``new_values`` /
+``old_values`` become the same JSON text the GoogleSQL form carries (the server sends compact JSON
+with sorted keys). The result is the same ``protocol.records`` types, so nothing downstream knows
+the dialect.
+
 Pure and synchronous: no I/O, no clock.
 """
 
@@ -23,6 +35,8 @@ import datetime as _dt
 from collections.abc import Callable, Iterable, Sequence
 from json import dumps as _json_dumps
 from typing import Any, cast
+
+import msgspec
 
 from protocol.records import (
     ChangeRecord,
@@ -37,6 +51,7 @@ from protocol.records import (
 
 __all__ = [
     "DecodeError",
+    "PgRecordDecoder",
     "RecordLayout",
     "count_default_decoded",
     "parse_timestamp",
@@ -55,8 +70,13 @@ class DecodeError(ValueError):
 
 def parse_timestamp(text: str) -> int:
     """RFC 3339 UTC text as Spanner sends it (``2026-11-22T14:16:53.473301Z``, 0–9 fraction
-    digits) to integer microseconds since the epoch. Digits beyond microseconds are truncated."""
-    if len(text) < 20 or text[-1] != "Z" or text[10] != "T":
+    digits; PostgreSQL-dialect change records end in ``+00:00`` instead of ``Z``) to integer
+    microseconds since the epoch. Digits beyond microseconds are truncated."""
+    if not text.endswith("Z"):
+        if not text.endswith("+00:00"):
+            return _parse_timestamp_slow(text)
+        text = text[:-6] + "Z"
+    if len(text) < 20 or text[10] != "T":
         return _parse_timestamp_slow(text)
     head = text[:19]
     seconds = _SECONDS.get(head)
@@ -325,6 +345,174 @@ class RecordLayout:
             return len(out) - n0
 
         return decode_values
+
+
+# -- PostgreSQL dialect ------------------------------------------------------------------------
+class _PgColumn(msgspec.Struct):
+    name: str
+    type: msgspec.Raw
+    is_primary_key: bool = False
+    ordinal_position: int = 0
+
+
+_EMPTY_OBJECT = msgspec.Raw(b"{}")
+
+
+class _PgMod(msgspec.Struct):
+    keys: msgspec.Raw
+    new_values: msgspec.Raw = _EMPTY_OBJECT  # a JSON null arrives as Raw(b"null")
+    old_values: msgspec.Raw = _EMPTY_OBJECT
+
+
+class _PgData(msgspec.Struct):
+    commit_timestamp: str
+    record_sequence: str
+    server_transaction_id: str
+    table_name: str
+    column_types: msgspec.Raw
+    mods: list[_PgMod]
+    mod_type: str
+    is_last_record_in_transaction_in_partition: bool = False
+    value_capture_type: str = ""
+    number_of_records_in_transaction: int = 1
+    number_of_partitions_in_transaction: int = 1
+    transaction_tag: str | None = None
+    is_system_transaction: bool = False
+
+
+class _PgHeartbeat(msgspec.Struct):
+    timestamp: str
+
+
+class _PgChild(msgspec.Struct):
+    token: str
+    parent_partition_tokens: list[str] = []
+
+
+class _PgChildren(msgspec.Struct):
+    start_timestamp: str
+    record_sequence: str
+    child_partitions: list[_PgChild]
+
+
+class _PgRow(msgspec.Struct):
+    data_change_record: _PgData | None = None
+    heartbeat_record: _PgHeartbeat | None = None
+    child_partitions_record: _PgChildren | None = None
+
+
+_pg_row = msgspec.json.Decoder(_PgRow)
+_pg_columns = msgspec.json.Decoder(list[_PgColumn])
+_json_any = msgspec.json.Decoder()
+_sorted_json = msgspec.json.Encoder(order="sorted")
+
+
+def _raw_text(raw: msgspec.Raw) -> str:
+    text = bytes(raw).decode()
+    return "{}" if text == "null" else text
+
+
+class PgRecordDecoder:
+    """Decoder of PostgreSQL-dialect change-stream rows (``spanner."read_json_<stream>"``) into
+    ``protocol.records`` — the counterpart of :class:`RecordLayout`, with the same
+    ``decode_values(values, out)``: ``values`` are the rows' raw protobuf ``Value``s, each a
+    ``string_value`` holding one JSON record."""
+
+    def __init__(self) -> None:
+        self._columns_cache: dict[bytes, tuple[ColumnType, ...]] = {}
+
+    def _columns(self, raw: msgspec.Raw) -> tuple[ColumnType, ...]:
+        key = bytes(raw)
+        cached = self._columns_cache.get(key)
+        if cached is not None:
+            return cached
+        try:
+            columns = _pg_columns.decode(key)
+        except msgspec.ValidationError as exc:
+            raise DecodeError(f"PostgreSQL column_types: {exc}") from exc
+        result = tuple(
+            # the type as compact JSON text with sorted keys, as the GoogleSQL form sends it
+            ColumnType(
+                c.name,
+                _sorted_json.encode(_json_any.decode(c.type)).decode(),
+                c.is_primary_key,
+                c.ordinal_position,
+            )
+            for c in columns
+        )
+        if len(self._columns_cache) >= 4096:
+            self._columns_cache.clear()
+        self._columns_cache[key] = result
+        return result
+
+    def decode_values(self, values: Iterable[Any], out: list[ChangeRecord]) -> int:
+        """Decode rows (raw protobuf ``Value``s holding JSON text) and append their records to
+        ``out``; return how many were appended."""
+        n0 = len(out)
+        append = out.append
+        decode = _pg_row.decode
+        ts = parse_timestamp
+        columns = self._columns
+        mod_types = _MOD_TYPES
+        last_ts_text = ""
+        last_ts = 0
+        for value in values:
+            text = value.string_value
+            try:
+                row = decode(text)
+            except msgspec.DecodeError as exc:
+                raise DecodeError(f"PostgreSQL change record {text[:200]!r}: {exc}") from exc
+            d = row.data_change_record
+            if d is not None:
+                if d.commit_timestamp != last_ts_text:
+                    last_ts = ts(d.commit_timestamp)
+                    last_ts_text = d.commit_timestamp
+                append(
+                    DataChange(
+                        last_ts,
+                        d.record_sequence,
+                        d.server_transaction_id,
+                        d.is_last_record_in_transaction_in_partition,
+                        d.table_name,
+                        columns(d.column_types),
+                        tuple(
+                            [
+                                Mod(
+                                    bytes(m.keys).decode(),
+                                    _raw_text(m.new_values),
+                                    _raw_text(m.old_values),
+                                )
+                                for m in d.mods
+                            ]
+                        ),
+                        mod_types.get(d.mod_type) or _bad_mod_type(d.mod_type),
+                        d.value_capture_type,
+                        d.number_of_records_in_transaction,
+                        d.number_of_partitions_in_transaction,
+                        d.transaction_tag or "",
+                        d.is_system_transaction,
+                    )
+                )
+            h = row.heartbeat_record
+            if h is not None:
+                append(Heartbeat(ts(h.timestamp)))
+            c = row.child_partitions_record
+            if c is not None:
+                append(
+                    ChildPartitions(
+                        ts(c.start_timestamp),
+                        c.record_sequence,
+                        tuple(
+                            [
+                                ChildPartition(k.token, tuple(k.parent_partition_tokens))
+                                for k in c.child_partitions
+                            ]
+                        ),
+                    )
+                )
+            if d is None and h is None and c is None:
+                raise DecodeError(f"PostgreSQL change record of no known kind: {text[:200]!r}")
+        return len(out) - n0
 
 
 def _bad_mod_type(mod_type: str) -> ModType:

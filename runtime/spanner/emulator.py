@@ -38,6 +38,7 @@ __all__ = [
     "EmulatorUnavailable",
     "SpannerEmulator",
     "find_emulator",
+    "pg_table_ddl",
     "table_ddl",
 ]
 
@@ -72,6 +73,15 @@ def find_emulator(path: str | None = None) -> str:
     raise EmulatorUnavailable(
         f"Cloud Spanner emulator binary not found or not executable ({tried}); install the Debian "
         f"package google-cloud-cli-spanner-emulator or set {EMULATOR_ENV} to emulator_main"
+    )
+
+
+def pg_table_ddl(table: str) -> str:
+    """:func:`table_ddl` in the PostgreSQL dialect, names quoted so they keep their case (the
+    load generator's mutations name them as in GoogleSQL)."""
+    return (
+        f'CREATE TABLE "{table}" ("Id" bigint NOT NULL, "Name" varchar, "Value" bigint, '
+        'PRIMARY KEY ("Id"))'
     )
 
 
@@ -202,6 +212,30 @@ class SpannerEmulator:
             )
             db: Any = instance.database(self.database, ddl_statements=ddl)
             db.create().result(timeout_s)
+
+    def create_postgresql_database(self, database: str, timeout_s: float = 60.0) -> SpannerConfig:
+        """A PostgreSQL-dialect database beside the provisioned one, with the same tables
+        (:func:`pg_table_ddl`) and change stream (name quoted: its case is kept); its config."""
+        from google.cloud.spanner_admin_database_v1.types import DatabaseDialect
+
+        with sync_client(self.config) as client:
+            db: Any = client.instance(self.instance).database(
+                database, database_dialect=DatabaseDialect.POSTGRESQL
+            )
+            db.create().result(timeout_s)
+            ddl = [pg_table_ddl(t) for t in self.tables]
+            ddl.append(
+                f'CREATE CHANGE STREAM "{self.change_stream}" FOR ALL '
+                "WITH (value_capture_type = 'OLD_AND_NEW_VALUES')"
+            )
+            db.update_ddl(ddl).result(timeout_s)
+        return SpannerConfig(
+            project=self.project,
+            instance=self.instance,
+            database=database,
+            change_stream=self.change_stream,
+            emulator_host=self.host,
+        )
 
     def _log_tail(self, limit: int = 2000) -> str:
         if self._log is None:

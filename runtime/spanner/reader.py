@@ -11,6 +11,14 @@ pyproject pins) with ``lazy_decode=True``; every partial result set the server s
 ``runtime.spanner.decode`` and yielded at once as one or more batches of at most ``max_batch``
 records. ``token=None`` gives the root partitions as one ``ChildPartitions`` record.
 
+PostgreSQL-dialect databases: ``detect_dialect()`` (the CLI calls it on connecting) asks the
+database its dialect; a PostgreSQL one is then read with
+
+    SELECT * FROM spanner."read_json_<stream>"($1, $2, $3, $4, null)
+
+(the same four arguments, positional), whose JSONB rows ``runtime.spanner.decode`` turns into the
+same records; which decoder runs follows the result set's column type.
+
 - Backpressure: nothing is read from the gRPC stream while the consumer holds a batch.
 - Cancellation: cancelling the consuming task cancels the RPC (grpc.aio does that on
   cancellation); closing the iterator early (``aclose()``) closes the client's response iterator,
@@ -52,21 +60,30 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
 from runtime import compat
 from runtime.spanner.config import SpannerConfig
-from runtime.spanner.decode import DecodeError, RecordLayout, count_default_decoded
+from runtime.spanner.decode import (
+    DecodeError,
+    PgRecordDecoder,
+    RecordLayout,
+    count_default_decoded,
+)
 
 __all__ = [
+    "GOOGLE_SQL",
+    "POSTGRESQL",
     "PartitionQueryError",
     "SourceStats",
     "SpannerSource",
     "UnsupportedDialect",
     "WalkResult",
+    "change_stream_sql",
+    "detect_dialect",
     "micros_to_datetime",
     "walk_stream",
 ]
@@ -93,8 +110,12 @@ class PartitionQueryError(RuntimeError):
 
 
 class UnsupportedDialect(RuntimeError):
-    """The database is not a GoogleSQL one: its change stream cannot be read by this source."""
+    """The database's dialect is neither GoogleSQL nor PostgreSQL, or its change stream is not
+    there: the message says which."""
 
+
+GOOGLE_SQL: Final = "GOOGLE_STANDARD_SQL"
+POSTGRESQL: Final = "POSTGRESQL"
 
 # The dialect, asked in SQL both dialects read alike (PostgreSQL folds the unquoted names to
 # the lower case its information schema uses); no admin permission needed, unlike GetDatabase.
@@ -102,28 +123,61 @@ _DIALECT_SQL = (
     "SELECT OPTION_VALUE FROM INFORMATION_SCHEMA.DATABASE_OPTIONS "
     "WHERE OPTION_NAME = 'database_dialect'"
 )
+_STREAMS_SQL = "SELECT CHANGE_STREAM_NAME FROM INFORMATION_SCHEMA.CHANGE_STREAMS"
 
 
-async def check_dialect(database: Any, name: str, change_stream: str) -> None:
-    """Raise :class:`UnsupportedDialect` for a PostgreSQL-dialect database: its change stream
-    is read with ``spanner.read_json_<stream>(start, end, token, heartbeat, null)`` and returns
-    JSONB records, which this source does not decode (yet); the GoogleSQL query would fail with
-    a syntax error that names neither. A dialect that cannot be asked (a role without access to
-    the information schema) is assumed to be GoogleSQL."""
+def change_stream_sql(dialect: str, change_stream: str) -> str:
+    """The partition query of ``change_stream`` in ``dialect``: GoogleSQL's ``READ_<stream>``
+    with named parameters, or PostgreSQL's ``spanner."read_json_<stream>"`` with positional
+    ones (start, end, token, heartbeat ms, and a reserved null). The PostgreSQL function name is
+    quoted, so it must be spelt as the database stores it (``detect_dialect`` resolves it)."""
+    if dialect == POSTGRESQL:
+        return f'SELECT * FROM spanner."read_json_{change_stream}"($1, $2, $3, $4, null)'
+    return (
+        f"SELECT ChangeRecord FROM READ_{change_stream}(start_timestamp => @start, "
+        "end_timestamp => @end, partition_token => @token, heartbeat_milliseconds => @hb)"
+    )
+
+
+async def detect_dialect(database: Any, name: str, change_stream: str) -> tuple[str, str]:
+    """The database's dialect (:data:`GOOGLE_SQL` or :data:`POSTGRESQL`) and, for PostgreSQL,
+    the change stream's name as the database stores it: PostgreSQL folds unquoted names to lower
+    case (``CREATE CHANGE STREAM Orders`` makes ``orders``), so a name given in another case is
+    matched case-insensitively when exactly one stream matches. A dialect that cannot be asked
+    (a role without access to the information schema) is assumed to be GoogleSQL.
+    Raises :class:`UnsupportedDialect` for any other dialect."""
     try:
         async with database.snapshot() as snapshot:
             rs = await snapshot.execute_sql(_DIALECT_SQL)
             rows = [row async for row in rs]
     except _service_errors() as exc:
         log.info("could not ask database %s for its dialect (%s); assuming GoogleSQL", name, exc)
-        return
-    dialect = str(rows[0][0]) if rows else "GOOGLE_STANDARD_SQL"
-    if dialect.upper() == "POSTGRESQL":
+        return GOOGLE_SQL, change_stream
+    dialect = str(rows[0][0]).upper() if rows else GOOGLE_SQL
+    if dialect == GOOGLE_SQL:
+        return dialect, change_stream
+    if dialect != POSTGRESQL:
         raise UnsupportedDialect(
-            f"database {name!r} is a PostgreSQL-dialect database: its change stream "
-            f"{change_stream!r} is read with spanner.read_json_{change_stream.lower()}(...) as "
-            "JSONB records, which shoal does not read yet; use a GoogleSQL-dialect database"
+            f"database {name!r} has dialect {dialect}: shoal reads GoogleSQL and PostgreSQL "
+            "change streams only"
         )
+    try:
+        async with database.snapshot() as snapshot:
+            rs = await snapshot.execute_sql(_STREAMS_SQL)
+            streams = [str(row[0]) async for row in rs]
+    except _service_errors() as exc:
+        log.info("could not list the change streams of %s (%s)", name, exc)
+        return dialect, change_stream
+    if change_stream in streams:
+        return dialect, change_stream
+    folded = [s for s in streams if s.lower() == change_stream.lower()]
+    if len(folded) == 1:
+        log.info("change stream %r of %s is stored as %r", change_stream, name, folded[0])
+        return dialect, folded[0]
+    raise UnsupportedDialect(
+        f"PostgreSQL-dialect database {name!r} has no change stream {change_stream!r} "
+        f"(it has {sorted(streams) or 'none'}); names are case-sensitive as stored"
+    )
 
 
 class SourceStats(msgspec.Struct, frozen=True):
@@ -174,8 +228,11 @@ class SpannerSource:
         max_batch: int = 1024,
         query_window_s: float | None = None,
         rpc_priority: str | None = None,
+        dialect: str = GOOGLE_SQL,
         on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        if dialect not in (GOOGLE_SQL, POSTGRESQL):
+            raise ValueError(f"dialect must be {GOOGLE_SQL} or {POSTGRESQL}, got {dialect!r}")
         if not change_stream.replace("_", "").isalnum():
             raise ValueError(f"change stream name must be an identifier: {change_stream!r}")
         if max_batch < 1:
@@ -185,15 +242,13 @@ class SpannerSource:
         self._window_us = None if query_window_s is None else int(query_window_s * 1_000_000)
         self._db = database
         self._stream = change_stream
-        self._sql = (
-            f"SELECT ChangeRecord FROM READ_{change_stream}(start_timestamp => @start, "
-            "end_timestamp => @end, partition_token => @token, heartbeat_milliseconds => @hb)"
-        )
+        self._dialect = dialect
+        self._sql = change_stream_sql(dialect, change_stream)
         self._heartbeat_ms = heartbeat_ms
         self._request_options = _request_options(rpc_priority)
         self._max_batch = max_batch
         self._on_close = on_close
-        self._layouts: dict[bytes, RecordLayout] = {}
+        self._layouts: dict[bytes, RecordLayout | PgRecordDecoder] = {}
         self._errors = _service_errors()
         self._started = 0
         self._active = 0
@@ -230,9 +285,19 @@ class SpannerSource:
             on_close=close,
         )
 
-    async def check_dialect(self, name: str = "") -> None:
-        """:func:`check_dialect` on this source's database (``name`` for the message)."""
-        await check_dialect(self._db, name or "?", self._stream)
+    @property
+    def dialect(self) -> str:
+        return self._dialect
+
+    async def detect_dialect(self, name: str = "") -> str:
+        """Ask the database its dialect (:func:`detect_dialect`; ``name`` for messages) and read
+        its change stream the way that dialect does from now on; returns the dialect."""
+        dialect, stream = await detect_dialect(self._db, name or "?", self._stream)
+        self._dialect, self._stream = dialect, stream
+        self._sql = change_stream_sql(dialect, stream)
+        if dialect == POSTGRESQL:
+            log.info("database %s is PostgreSQL-dialect: reading %s", name or "?", self._sql)
+        return dialect
 
     async def close(self) -> None:
         if self._closed:
@@ -269,6 +334,21 @@ class SpannerSource:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         from google.cloud.spanner_v1 import param_types
 
+        if self._dialect == POSTGRESQL:
+            return (
+                {
+                    "p1": micros_to_datetime(start_ts),
+                    "p2": None if end_ts is None else micros_to_datetime(end_ts),
+                    "p3": token,
+                    "p4": self._heartbeat_ms,
+                },
+                {
+                    "p1": param_types.TIMESTAMP,
+                    "p2": param_types.TIMESTAMP,
+                    "p3": param_types.STRING,
+                    "p4": param_types.INT64,
+                },
+            )
         params: dict[str, Any] = {
             "start": micros_to_datetime(start_ts),
             "end": None if end_ts is None else micros_to_datetime(end_ts),
@@ -283,11 +363,19 @@ class SpannerSource:
         }
         return params, types
 
-    def _layout(self, column_type: Any) -> RecordLayout:
+    def _layout(self, column_type: Any) -> RecordLayout | PgRecordDecoder:
+        """The decoder of a result set whose one column has type ``column_type``: a JSON column
+        is the PostgreSQL form, anything else the GoogleSQL STRUCTs."""
         key: bytes = column_type.SerializeToString()
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layouts[key] = RecordLayout(column_type)
+            from google.cloud.spanner_v1 import TypeCode
+
+            if column_type.code == TypeCode.JSON:
+                layout = PgRecordDecoder()
+            else:
+                layout = RecordLayout(column_type)
+            self._layouts[key] = layout
         return layout
 
     async def query(
@@ -392,7 +480,7 @@ class SpannerSource:
 
         merge = compat.merge_function()
         responses = compat.response_iterator(rs)
-        layout: RecordLayout | None = None
+        layout: RecordLayout | PgRecordDecoder | None = None
         column_type: Any = None
         pending: Any = None  # the chunked last value of the previous partial result set
         max_batch = self._max_batch

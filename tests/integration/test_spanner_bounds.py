@@ -30,10 +30,9 @@ from runtime.spanner.emulator import (
     EmulatorUnavailable,
     SpannerEmulator,
     find_emulator,
-    sync_client,
 )
 from runtime.spanner.loadgen import LoadGenerator, expected_from_records
-from runtime.spanner.reader import SpannerSource, UnsupportedDialect
+from runtime.spanner.reader import SpannerSource
 from tests.fixtures.kafka import kafka_broker, kafka_config
 from tests.fixtures.spanner import (
     MockSpanner,
@@ -165,41 +164,3 @@ def test_a_start_before_the_earliest_read_timestamp_is_a_bad_option(tmp_path: Pa
     assert "too far in the past" in lines[0]
     assert "earliest read timestamp" in lines[0]
     assert "Traceback" not in err
-
-
-@pytest.mark.asyncio
-@pytest.mark.spanner
-@pytest.mark.timeout(120)
-async def test_a_postgresql_dialect_database_is_refused_clearly(
-    churn_emulator: SpannerEmulator,
-) -> None:
-    """The emulator serves PostgreSQL-dialect databases and their change streams
-    (``spanner.read_json_<stream>``); the source does not read them yet and says so at connect,
-    naming the database and the function, instead of failing every query with a syntax error.
-    Control: the GoogleSQL database of the same emulator connects."""
-    from google.cloud.spanner_admin_database_v1.types import DatabaseDialect
-
-    config = churn_emulator.config
-
-    def create() -> None:
-        with sync_client(config) as client:
-            pg: Any = client.instance(config.instance).database(
-                "pgdb", database_dialect=DatabaseDialect.POSTGRESQL
-            )
-            pg.create().result(30)
-            ddl = [
-                "CREATE TABLE t (id bigint primary key, v text)",
-                "CREATE CHANGE STREAM s FOR ALL",
-            ]
-            pg.update_ddl(ddl).result(30)
-
-    await asyncio.to_thread(create)
-    async with await SpannerSource.connect(config) as source:
-        await source.check_dialect(config.database)  # GoogleSQL: accepted
-    pg_config = msgspec.structs.replace(config, database="pgdb", change_stream="s")
-    async with await SpannerSource.connect(pg_config) as source:
-        with pytest.raises(
-            UnsupportedDialect,
-            match=r"'pgdb' is a PostgreSQL-dialect database.*spanner\.read_json_s",
-        ):
-            await source.check_dialect("pgdb")
