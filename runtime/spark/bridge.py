@@ -590,7 +590,7 @@ class SparkBridge:
                 [cut],
                 BridgeError(
                     f"Spark micro-batch {cut.batch_id} failed after {self.config.max_attempts} "
-                    f"attempts: {error!r}"
+                    f"attempts: {_error_text(error)}"
                 ),
             )
             return
@@ -626,14 +626,14 @@ class SparkBridge:
             except Exception as exc:
                 error = exc
                 self._attempts_failed += 1
-                log.warning(
-                    "%r: micro-batch %d (%d rows) failed, attempt %d/%d: %r",
+                log.warning(  # the text: PySpark errors' repr is often just "PySparkValueError()"
+                    "%r: micro-batch %d (%d rows) failed, attempt %d/%d: %s",
                     self,
                     batch_id,
                     rows,
                     attempt,
                     cfg.max_attempts,
-                    exc,
+                    _error_text(exc),
                 )
                 if attempt < cfg.max_attempts:
                     await asyncio.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
