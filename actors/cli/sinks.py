@@ -18,7 +18,9 @@ the same directory applies when it opens. ``<id>`` is the batch identity
 committed twice appears once. A batch's future resolves when its micro-batch committed;
 ``durable_position(token)`` answers a partition's committed position from its progress file (a new
 owner resumes after it). ``max_buffered_rows`` bounds what is accepted and not yet written
-(``put`` waits: backpressure).
+(``put`` waits: backpressure). ``fence(batches)`` fences batches a stopping reader abandons
+(docs/design.md#exactly-once-output, rule 4): the committer refuses a micro-batch holding one
+at its commit point (the whole micro-batch fails; the other partitions' readers re-read theirs).
 
 The sink also drops re-reads itself, as a defence (a reader resuming at an exact position sends
 none): per partition it remembers the newest commit timestamp it wrote and the records at it
@@ -40,7 +42,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -52,7 +54,7 @@ from protocol.dedup import Position, Tails
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer
 from runtime.kafka.sink import output_records
-from runtime.ports import Sink, SinkBatch, prepare_sink, sink_committed
+from runtime.ports import Sink, SinkBatch, fence_sink, prepare_sink, sink_committed
 
 if TYPE_CHECKING:
     from runtime.config import ShoalConfig
@@ -87,6 +89,7 @@ class FileSinkStats(msgspec.Struct, frozen=True):
     buffered_rows: int
     failures: int
     duplicates_dropped: int  # records already written (a re-read at a watermark)
+    fenced_refused: int = 0  # micro-batches refused: they held a batch a stopped reader fenced
 
 
 class FileSink:
@@ -114,6 +117,10 @@ class FileSink:
         self._waiting: list[tuple[asyncio.Future[None], int]] = []
         self._entries: list[tuple[str, tuple[DataChange, ...], int]] = []
         self._fresh_entries: list[tuple[str, list[DataChange]]] = []  # what the files hold
+        self._keys: list[int] = []  # the fence keys of the buffered batches
+        # id(batch) -> (fence key, batch) while the sink holds it (the reference keeps id unique)
+        self._held: dict[int, tuple[int, SinkBatch]] = {}
+        self._next_key = 0
         self.committer = Committer(self.directory, permit=permit, fsync=fsync)
         self._first_at: float | None = None
         self._buffered = 0
@@ -159,7 +166,13 @@ class FileSink:
 
     def statistics(self) -> FileSinkStats:
         return FileSinkStats(
-            self._files, self._rows, self._batches, self._buffered, self._failures, self._dropped
+            self._files,
+            self._rows,
+            self._batches,
+            self._buffered,
+            self._failures,
+            self._dropped,
+            self.committer.fenced_refused,
         )
 
     def waiting(self) -> list[asyncio.Future[None]]:
@@ -173,6 +186,14 @@ class FileSink:
         if position is not None:
             self._tails.resume(token, position)
         return position
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool]:
+        """For each batch, whether it passed the commit point; those that did not never will
+        (a batch no longer held is answered False: its future tells)."""
+        held = [self._held.get(id(b)) for b in batches]
+        keys = [h[0] for h in held if h is not None]
+        outcome = await asyncio.to_thread(self.committer.fence, keys)
+        return [h is not None and h[0] in outcome.committed for h in held]
 
     def _fresh(self, batch: SinkBatch) -> list[DataChange]:
         tail = self._tails.get(batch.token)
@@ -213,6 +234,11 @@ class FileSink:
                 cols["old_values"].append(out.old_values)
         self._buffered += rows
         self._waiting.append((future, rows))
+        key = self._next_key
+        self._next_key += 1
+        self._keys.append(key)
+        self._held[id(batch)] = (key, batch)
+        future.add_done_callback(lambda _: self._release(id(batch), key))
         self._entries.append((batch.token, batch.records, batch.watermark))
         self._fresh_entries.append((batch.token, records))
         if self._first_at is None:
@@ -221,6 +247,13 @@ class FileSink:
         if self._buffered >= self._max_rows:
             self._kick.set()
         return future
+
+    def _release(self, batch_id: int, key: int) -> None:
+        """A batch's future resolved: the sink no longer holds it."""
+        held = self._held.get(batch_id)
+        if held is not None and held[0] == key:
+            del self._held[batch_id]
+        self.committer.forget((key,))
 
     async def _write_loop(self) -> None:
         while True:
@@ -241,14 +274,15 @@ class FileSink:
 
     async def _flush(self) -> None:
         columns, waiting, rows = self._columns, self._waiting, self._buffered
-        entries, fresh = self._entries, self._fresh_entries
+        entries, fresh, keys = self._entries, self._fresh_entries, self._keys
         self._columns = {c: [] for c in COLUMNS}
         self._waiting = []
         self._entries = []
         self._fresh_entries = []
+        self._keys = []
         self._first_at = None
         try:
-            await asyncio.to_thread(self._commit_batch, columns, entries, rows, fresh)
+            await asyncio.to_thread(self._commit_batch, columns, entries, rows, fresh, keys)
         except CommitRefused as exc:
             self._failures += 1
             log.warning("%s; its batches will be re-read by the partitions' owners", exc)
@@ -290,6 +324,7 @@ class FileSink:
         entries: list[tuple[str, tuple[DataChange, ...], int]],
         rows: int,
         fresh: list[tuple[str, list[DataChange]]],
+        keys: list[int],
     ) -> None:
         """In a worker thread: stage the micro-batch's files (if it has rows) and commit it."""
         batch = batch_identity((token, records) for token, records, _ in entries)
@@ -308,7 +343,7 @@ class FileSink:
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-        self.committer.commit(batch, moves, entries)
+        self.committer.commit(batch, moves, entries, fence=keys)
 
     def _write_file(self, columns: dict[str, list[Any]], directory: Path) -> None:
         import pyarrow as pa
@@ -381,6 +416,9 @@ class CountingSink:
 
     async def durable_position(self, token: str) -> Position | None:
         return await sink_committed(self.inner, token)
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
+        return await fence_sink(self.inner, batches)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)

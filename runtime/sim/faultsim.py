@@ -25,7 +25,9 @@ At the end, after a quiet period without faults and without partition churn:
 
 Each simulated reader runs the real reader core (``protocol/reader.py``) against the model as
 its source and a simulated sink that commits each batch after a delay, in order, or fails it
-(``sink_fail_p``), and refuses the batches of a task whose lease ran out. The sink keeps each
+(``sink_fail_p``), and refuses the batches of a task whose lease ran out; a reader ending with
+batches in flight fences them (none of them has passed its commit point here, so all are
+dropped, counted in ``batches_fenced``). The sink keeps each
 partition's position atomically with every batch it commits; a crashed task's committed batches
 stay committed, and a new owner starts from the newer of the sync log's and the sink's position
 (a kill -9 between the sink's commit and the watermark's publication writes nothing twice).
@@ -56,10 +58,12 @@ from protocol.messages import (
 from protocol.planner import Plan, plan
 from protocol.reader import (
     BatchCommitted,
+    BatchesFenced,
     BatchFailed,
     CancelQuery,
     Chunk,
     Done,
+    FenceBatches,
     PutBatch,
     QueryEnded,
     ReaderCommand,
@@ -493,6 +497,14 @@ class Simulation:
                     if reader.inflight:
                         due = max(due, reader.inflight[-1][0])
                     reader.inflight.append((due, command.batch, command.records, command.watermark))
+                case FenceBatches():
+                    # the sink's fence (protocol/commit.py, CommitFences): a batch in flight
+                    # here has not reached its commit point, so every one is fenced
+                    fenced = set(command.batches)
+                    kept = [b for b in reader.inflight if b[1] not in fenced]
+                    self.stats["batches_fenced"] += len(reader.inflight) - len(kept)
+                    reader.inflight = deque(kept)
+                    self.reader_do(node, reader, reader.core.handle(BatchesFenced(), self.now()))
                 case Report():
                     event = command.event
                     if isinstance(event, ReaderCommitted):

@@ -1,0 +1,192 @@
+"""The fence of abandoned batches (docs/design.md#exactly-once-output, rule 4) on the real
+reader shell and file sink: a reader stopped for a hand-off whose drain times out fences the
+batches it still has in the sink before its end is reported; the new owner (another file sink
+over the same output, as another process) reads them again; when the old sink later reaches
+their commit point it is refused (counted, logged, nothing written), and the output holds each
+row once. The control: the same run with a sink that cannot fence writes them twice."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from actors.cli.sinks import FileSink, read_rows
+from actors.kernel import Supervisor
+from actors.reader import PartitionReader
+from protocol.events import ReaderCommitted, ReaderStopped, StopReason, TaskEvent
+from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
+from runtime.ports import Sink, SinkBatch
+
+T0 = 1_700_000_000_000_000
+N = 40
+
+
+def _record(i: int) -> DataChange:
+    ts = T0 + 1000 * i
+    mod = Mod(f'{{"Id":{i}}}', "{}", "{}")
+    return DataChange(ts, "00000000", f"tx{ts}", True, "T", (), (mod,), "INSERT")
+
+
+class Source:
+    """Records 1..N in chunks of 5, then a heartbeat at the last one every 10 ms."""
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        records = [_record(i) for i in range(1, N + 1) if T0 + 1000 * i >= start_ts]
+        for i in range(0, len(records), 5):
+            yield records[i : i + 5]
+            await asyncio.sleep(0.005)
+        while True:
+            yield [Heartbeat(T0 + 1000 * N)]
+            await asyncio.sleep(0.01)
+
+
+class Unfenced:
+    """The file sink as a sink that cannot fence (the control)."""
+
+    def __init__(self, inner: FileSink) -> None:
+        self.inner = inner
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        return await self.inner.put(batch)
+
+
+async def _wait(predicate: object, what: str, timeout: float = 20.0) -> None:
+    assert callable(predicate)
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def _hand_off(out: Path, fence: bool) -> tuple[FileSink, list[TaskEvent]]:
+    """The old owner reads with a sink that holds everything (it commits only when closed),
+    is stopped for a hand-off whose drain times out, and reports its end; then the new owner
+    reads the partition from the released position into its own sink over ``out``. The old
+    sink is closed last: its late commit of the abandoned batches."""
+    old_events: list[TaskEvent] = []
+    old = FileSink(out, max_rows=10_000, max_age_s=3600, fsync=False, layout="generic")
+    async with old:
+        sink: Sink = old if fence else Unfenced(old)
+        async with Supervisor("old") as sup:
+            reader = PartitionReader(
+                "p",
+                T0,
+                source=Source(),
+                sink=sink,
+                report=old_events.append,
+                permit=lambda: True,
+                drain_timeout=0.2,
+            )
+            await sup.spawn(reader)
+            await _wait(lambda: old.statistics().buffered_rows >= N, "the old owner's batches")
+            reader.request_stop(StopReason.HANDOFF, drain=True)
+            await _wait(lambda: not reader.alive, "the old owner's end")
+        (released,) = [e for e in old_events if isinstance(e, ReaderStopped)]
+        assert released.watermark == T0  # nothing committed: the drain timed out
+        new_events: list[TaskEvent] = []
+        async with FileSink(out, max_age_s=0.02, fsync=False, layout="generic") as new:
+            start = await new.durable_position("p")
+            assert start is None  # the old owner's batches are not in the output
+            async with Supervisor("new") as sup:
+                successor = PartitionReader(
+                    "p",
+                    released.watermark,
+                    tail=released.tail,
+                    source=Source(),
+                    sink=new,
+                    report=new_events.append,
+                    permit=lambda: True,
+                )
+                await sup.spawn(successor)
+                await _wait(lambda: successor.committed >= T0 + 1000 * N, "the new owner")
+                successor.request_stop(StopReason.HANDOFF, drain=True)
+        assert any(isinstance(e, ReaderCommitted) for e in new_events)
+    return old, old_events
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_late_commit_of_a_fenced_batch_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    old, _ = await _hand_off(tmp_path, fence=True)
+    stats = old.statistics()
+    assert stats.fenced_refused == 1
+    assert stats.rows == 0
+    assert stats.failures == 1
+    assert "refused at its commit point" in caplog.text
+    assert "fenced" in caplog.text
+    rows = Counter(r["record_id"] for r in read_rows(tmp_path))
+    assert len(rows) == N
+    assert set(rows.values()) == {1}
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_control_without_a_fence_the_late_commit_writes_twice(tmp_path: Path) -> None:
+    old, _ = await _hand_off(tmp_path, fence=False)
+    assert old.statistics().fenced_refused == 0
+    rows = Counter(r["record_id"] for r in read_rows(tmp_path))
+    assert len(rows) == N
+    assert set(rows.values()) == {2}  # the hole the fence closes
+
+
+class _Frame:
+    def count(self) -> int:
+        return 1
+
+
+class _NoSpark:
+    """A session stand-in: the typed layout is written by pyarrow, no Spark job."""
+
+    def createDataFrame(self, table: object) -> _Frame:
+        return _Frame()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_the_spark_bridge_refuses_a_micro_batch_holding_a_fenced_batch(
+    tmp_path: Path,
+) -> None:
+    """The Spark bridge fences through the same committer: a fenced batch still buffered is
+    refused with its micro-batch when the old bridge commits it (at close here), after the new
+    owner wrote the same records: each row is in the output once."""
+    from protocol.records import ColumnType
+    from runtime.spark import BridgeError, SparkBridge, SparkConfig
+
+    id_column = ColumnType("Id", '{"code":"INT64"}', True, 1)
+
+    def typed(i: int) -> DataChange:
+        ts = T0 + 1000 * i
+        mod = Mod(f'{{"Id":"{i}"}}', "{}", "{}")
+        return DataChange(ts, "0", f"tx{ts}", True, "T", (id_column,), (mod,), "INSERT")
+
+    batch = SinkBatch("p", (typed(1), typed(2)), T0 + 2000)
+    out = tmp_path / "out"
+    held = SparkConfig(output_dir=str(out), max_rows=10_000, max_age_s=3600)  # cut at close
+    async with SparkBridge(held, spark=_NoSpark()) as old:
+        assert old.layout == "typed"
+        abandoned = await old.put(batch)
+        assert await old.fence([batch]) == [False]
+        # the new owner (another bridge over the output, as another process) writes it
+        config = SparkConfig(output_dir=str(out), max_rows=10_000, max_age_s=0.02)
+        async with SparkBridge(config, spark=_NoSpark()) as new:
+            assert await new.durable_position("p") is None
+            again = SinkBatch("p", batch.records, batch.watermark)
+            await (await new.put(again))
+    with pytest.raises(BridgeError, match="fenced"):
+        abandoned.result()
+    assert old.committer is not None
+    assert old.committer.fenced_refused == 1
+    rows = Counter(r["commit_ts"] for r in read_rows(out))
+    assert rows == Counter({T0 + 1000: 1, T0 + 2000: 1})
