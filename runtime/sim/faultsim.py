@@ -158,6 +158,9 @@ class SimParams(msgspec.Struct, frozen=True):
     reader_rules: ReaderRules = ReaderRules()
     # the teeth test ignores the sink's durable position at take-over (exactly-once rule 2)
     sink_position: bool = True
+    # the teeth test's sink cannot fence (exactly-once rule 4): a stopped reader's batches in
+    # flight still commit when due, after the partition may have been released
+    sink_fences: bool = True
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -264,6 +267,7 @@ class Simulation:
         # the sink's own durable record: each partition's position, moved atomically with
         # every batch it commits (docs/design.md#exactly-once-output, rule 2)
         self.sink_tails: dict[str, PartitionTail] = {}
+        self.orphans: list[tuple[_Node, _Reader]] = []  # stopped readers unfenced batches
 
     # -- clock -------------------------------------------------------------------------------
     def now(self) -> int:
@@ -497,6 +501,10 @@ class Simulation:
                     if reader.inflight:
                         due = max(due, reader.inflight[-1][0])
                     reader.inflight.append((due, command.batch, command.records, command.watermark))
+                case FenceBatches() if not self.p.sink_fences:
+                    self.orphans.append((node, reader))  # its batches commit when due
+                    held = BatchesFenced(held=False)
+                    self.reader_do(node, reader, reader.core.handle(held, self.now()))
                 case FenceBatches():
                     # the sink's fence (protocol/commit.py, CommitFences): a batch in flight
                     # here has not reached its commit point, so every one is fenced
@@ -581,6 +589,10 @@ class Simulation:
     def run_readers(self, node: _Node) -> None:
         now = self.now()
         lease = node.core.lease_valid(now)
+        for orphan in [o for o in self.orphans if o[0] is node]:  # only with sink_fences off
+            self.run_sink(node, orphan[1])
+            if not orphan[1].inflight:
+                self.orphans.remove(orphan)
         for reader in list(node.readers.values()):
             self.run_sink(node, reader)
             if not lease or node.readers.get(reader.token) is not reader:
