@@ -21,6 +21,10 @@ owner resumes after it). ``max_buffered_rows`` bounds what is accepted and not y
 (``put`` waits: backpressure). ``fence(batches)`` fences batches a stopping reader abandons
 (docs/design.md#exactly-once-output, rule 4): the committer refuses a micro-batch holding one
 at its commit point (the whole micro-batch fails; the other partitions' readers re-read theirs).
+A micro-batch that fails (refused, or its write failed) fails what is buffered behind it too,
+and a later batch of one of its partitions is refused until that partition's reader re-reads
+from before the failed records (as the Spark bridge does): committing it would move the
+partition's recorded position past records that were never written.
 
 The sink also drops re-reads itself, as a defence (a reader resuming at an exact position sends
 none): per partition it remembers the newest commit timestamp it wrote and the records at it
@@ -121,6 +125,7 @@ class FileSink:
         # id(batch) -> (fence key, batch) while the sink holds it (the reference keeps id unique)
         self._held: dict[int, tuple[int, SinkBatch]] = {}
         self._next_key = 0
+        self._gaps: dict[str, int] = {}  # token -> first commit timestamp of a failed batch
         self.committer = Committer(self.directory, permit=permit, fsync=fsync)
         self._first_at: float | None = None
         self._buffered = 0
@@ -218,6 +223,12 @@ class FileSink:
                 lambda: self._buffered == 0 or self._buffered + rows <= self._max_buffered
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._refuses(batch):
+            future.set_exception(
+                SinkError(f"an earlier batch of {batch.token} failed; re-read from before it")
+            )
+            future.exception()  # its reader re-reads; nobody else needs to retrieve it
+            return future
         cols = self._columns
         for change in records if self.layout == "generic" else ():
             for out in output_records(change):
@@ -247,6 +258,39 @@ class FileSink:
         if self._buffered >= self._max_rows:
             self._kick.set()
         return future
+
+    def _refuses(self, batch: SinkBatch) -> bool:
+        """Whether ``batch`` continues a partition past a failed batch (see the module
+        docstring); a batch starting at or before the gap is the re-read and closes it."""
+        gap = self._gaps.get(batch.token)
+        if gap is None:
+            return False
+        if batch.records and batch.records[0].commit_ts <= gap:
+            del self._gaps[batch.token]
+            return False
+        return batch.watermark > gap
+
+    def _open_gaps(self, entries: list[tuple[str, tuple[DataChange, ...], int]]) -> None:
+        for token, records, _ in entries:
+            if records:
+                first = min(r.commit_ts for r in records)
+                self._gaps[token] = min(self._gaps.get(token, first), first)
+
+    def _fail_buffered(self, error: BaseException) -> int:
+        """After a failed micro-batch: fail every batch buffered behind it (some may continue
+        its partitions) and open their gaps too; the rows dropped."""
+        self._open_gaps(self._entries)
+        waiting, rows = self._waiting, sum(n for _, n in self._waiting)
+        self._columns = {c: [] for c in COLUMNS}
+        self._waiting = []
+        self._entries = []
+        self._fresh_entries = []
+        self._keys = []
+        self._first_at = None
+        for future, _ in waiting:
+            if not future.done():
+                future.set_exception(error)
+        return rows
 
     def _release(self, batch_id: int, key: int) -> None:
         """A batch's future resolved: the sink no longer holds it."""
@@ -281,6 +325,7 @@ class FileSink:
         self._fresh_entries = []
         self._keys = []
         self._first_at = None
+        dropped = 0
         try:
             await asyncio.to_thread(self._commit_batch, columns, entries, rows, fresh, keys)
         except CommitRefused as exc:
@@ -289,6 +334,8 @@ class FileSink:
             for future, _ in waiting:
                 if not future.done():
                     future.set_exception(SinkError(str(exc)))
+            self._open_gaps(entries)
+            dropped = self._fail_buffered(SinkError(f"an earlier micro-batch failed: {exc}"))
         except CommitIncomplete as exc:
             # committed, not visible yet: stop here; the next open applies the manifest
             self._failures += 1
@@ -305,6 +352,8 @@ class FileSink:
                     future.set_exception(
                         SinkError(f"writing parquet failed: {type(exc).__name__}: {exc}")
                     )
+            self._open_gaps(entries)
+            dropped = self._fail_buffered(SinkError(f"an earlier micro-batch failed: {exc}"))
         else:
             if rows:
                 self._files += 1
@@ -315,7 +364,7 @@ class FileSink:
                 if not future.done():
                     future.set_result(None)
         async with self._room:
-            self._buffered -= rows
+            self._buffered -= rows + dropped
             self._room.notify_all()
 
     def _commit_batch(

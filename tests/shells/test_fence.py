@@ -190,3 +190,34 @@ async def test_the_spark_bridge_refuses_a_micro_batch_holding_a_fenced_batch(
     assert old.committer.fenced_refused == 1
     rows = Counter(r["commit_ts"] for r in read_rows(out))
     assert rows == Counter({T0 + 1000: 1, T0 + 2000: 1})
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_refused_micro_batch_holds_back_its_partitions_until_they_re_read(
+    tmp_path: Path,
+) -> None:
+    """After a micro-batch is refused (here: it holds a fenced batch of p), a later batch of a
+    partition it held (q) is refused too until q's reader re-reads from before the refused
+    records: committing it would move q's recorded position past records never written."""
+    # a micro-batch is cut at two rows (and never by age)
+    sink = FileSink(tmp_path, max_rows=2, max_age_s=3600, fsync=False, layout="generic")
+    async with sink:
+        p1 = SinkBatch("p", (_record(1),), T0 + 1000)
+        first = await sink.put(p1)
+        assert await sink.fence([p1]) == [False]
+        second = await sink.put(SinkBatch("q", (_record(2),), T0 + 2000))  # cut now: refused
+        await _wait(lambda: first.done() and second.done(), "the refused micro-batch")
+        assert second.exception() is not None
+        assert sink.statistics().fenced_refused == 1
+        later = await sink.put(SinkBatch("q", (_record(3),), T0 + 3000))
+        heartbeat = await sink.put(SinkBatch("q", (), T0 + 4000))
+        assert later.exception() is not None
+        assert heartbeat.exception() is not None
+        assert await sink.durable_position("q") is None  # not moved past the refused record
+        await (await sink.put(SinkBatch("q", (_record(2), _record(3)), T0 + 4000)))  # re-read
+        position = await sink.durable_position("q")
+    assert position is not None
+    assert position.ts == T0 + 4000
+    rows = Counter(r["commit_ts"] for r in read_rows(tmp_path))
+    assert rows == Counter({T0 + 2000: 1, T0 + 3000: 1})
