@@ -443,6 +443,7 @@ class SparkBridge:
             isolation_runs=self._isolation_runs,
             rq_held=0 if self._rq is None else self._rq.core.held_count(),
             in_dlq=0 if self._rq is None else len(self._rq.core.dlq_records()),
+            fenced_refused=0 if self.committer is None else self.committer.fenced_refused,
         )
 
     # --- the cutter -----------------------------------------------------------------------
