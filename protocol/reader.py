@@ -565,5 +565,6 @@ class ReaderCore:
     def _finish(self, end: ReaderStopped | ReaderFinished, out: list[ReaderCommand]) -> None:
         self.phase = _Phase.DONE
         self.end = end
+        self.pending.clear()  # nothing left in flight: committed, failed or fenced
         self.answer_deadline = self.restart_at = self.drain_until = -1
         out.append(Done(end))
