@@ -186,7 +186,11 @@ class FileSink:
 
     async def durable_position(self, token: str) -> Position | None:
         """Partition ``token``'s committed position by this output's own record (after
-        applying what a killed process left): a new owner resumes after it."""
+        applying what a killed process left): a new owner resumes after it. A new reader of
+        the partition asks this first: a gap an earlier reader's failed batch left here is
+        closed (the new one resumes from what is committed; another process may have written
+        those records meanwhile)."""
+        self._gaps.pop(token, None)
         position = await asyncio.to_thread(self.committer.committed, token)
         if position is not None:
             self._tails.resume(token, position)

@@ -207,6 +207,7 @@ async def test_a_refused_micro_batch_holds_back_its_partitions_until_they_re_rea
         assert await sink.fence([p1]) == [False]
         second = await sink.put(SinkBatch("q", (_record(2),), T0 + 2000))  # cut now: refused
         await _wait(lambda: first.done() and second.done(), "the refused micro-batch")
+        assert first.exception() is not None
         assert second.exception() is not None
         assert sink.statistics().fenced_refused == 1
         later = await sink.put(SinkBatch("q", (_record(3),), T0 + 3000))
@@ -214,9 +215,37 @@ async def test_a_refused_micro_batch_holds_back_its_partitions_until_they_re_rea
         assert later.exception() is not None
         assert heartbeat.exception() is not None
         assert await sink.durable_position("q") is None  # not moved past the refused record
-        await (await sink.put(SinkBatch("q", (_record(2), _record(3)), T0 + 4000)))  # re-read
+        # q's reader re-reads from before it (a new reader of q would ask the position first,
+        # as just done, which closes the gap too: it resumes from what is committed)
+        await (await sink.put(SinkBatch("q", (_record(2), _record(3)), T0 + 4000)))
         position = await sink.durable_position("q")
     assert position is not None
     assert position.ts == T0 + 4000
     rows = Counter(r["commit_ts"] for r in read_rows(tmp_path))
     assert rows == Counter({T0 + 2000: 1, T0 + 3000: 1})
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_partition_back_from_another_process_is_not_held_back(tmp_path: Path) -> None:
+    """A gap a refused batch left in one sink does not outlive its reader: the partition was
+    read on elsewhere (another sink over the output wrote the refused records); when a new
+    reader here asks for its position and goes on from there, its batches are accepted."""
+    here = FileSink(tmp_path, max_rows=2, max_age_s=3600, fsync=False, layout="generic")
+    async with here:
+        p1 = SinkBatch("p", (_record(1),), T0 + 1000)
+        first = await here.put(p1)
+        assert await here.fence([p1]) == [False]
+        second = await here.put(SinkBatch("p", (_record(2),), T0 + 2000))
+        await _wait(lambda: first.done() and second.done(), "the refused micro-batch")
+        assert first.exception() is not None
+        assert second.exception() is not None
+        async with FileSink(tmp_path, max_age_s=0.02, fsync=False, layout="generic") as there:
+            await (await there.put(SinkBatch("p", (_record(1), _record(2)), T0 + 2000)))
+        position = await here.durable_position("p")  # a new reader of p here
+        assert position is not None
+        assert position.ts == T0 + 2000
+        later = await here.put(SinkBatch("p", (_record(3),), T0 + 3000))  # written at close
+    await later
+    rows = Counter(r["commit_ts"] for r in read_rows(tmp_path))
+    assert rows == Counter({T0 + 1000: 1, T0 + 2000: 1, T0 + 3000: 1})
