@@ -404,7 +404,11 @@ class SparkBridge:
 
     async def durable_position(self, token: str) -> Position | None:
         """Partition ``token``'s committed position by the default output's own record (None
-        without atomic commits: then the sync topic's position is the one)."""
+        without atomic commits: then the sync topic's position is the one). A new reader of
+        the partition asks this first: a gap an earlier reader's failed batch left is closed
+        (it resumes from what is committed; a partition read on elsewhere and back here was
+        refused for ever)."""
+        self._gate.close_gap(token)
         if self.committer is None:
             return None
         return await asyncio.to_thread(self.committer.committed, token)
