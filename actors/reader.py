@@ -14,6 +14,10 @@ The shell only does what the core's commands say and feeds it what happens:
   an event; ``CancelQuery`` cancels that task (its stream is closed);
 * ``PutBatch`` puts a batch into the sink; the sink's future comes back as ``BatchCommitted`` or
   ``BatchFailed``;
+* ``FenceBatches`` (a stop with batches in flight) asks the sink to fence them (``fence_sink``)
+  and answers ``BatchesFenced`` with those that committed (their futures succeeded, or the sink
+  says they passed its commit point); a sink that cannot fence, or whose fence fails, answers
+  ``held=False`` (logged);
 * it calls the core again at ``next_deadline()`` (stalls, backoff, the drain's end);
 * ``Report`` goes to the task at once; ``Done``'s event is reported **once, as the last thing,
   when this reader is no longer alive** (the task may start a new reader for the partition as
@@ -34,10 +38,12 @@ from protocol.dedup import Position
 from protocol.events import Ids, ReaderFailed, ReaderStopped, StopReason, TaskEvent
 from protocol.reader import (
     BatchCommitted,
+    BatchesFenced,
     BatchFailed,
     CancelQuery,
     Chunk,
     Done,
+    FenceBatches,
     PutBatch,
     QueryEnded,
     QueryError,
@@ -52,7 +58,14 @@ from protocol.reader import (
     StopRequested,
 )
 from protocol.records import ChangeRecord
-from runtime.ports import ChangeStreamSource, Sink, SinkBatch, prepare_sink, sink_committed
+from runtime.ports import (
+    ChangeStreamSource,
+    Sink,
+    SinkBatch,
+    fence_sink,
+    prepare_sink,
+    sink_committed,
+)
 
 log = logging.getLogger("shoal.reader")
 
@@ -117,6 +130,9 @@ class PartitionReader(Actor[Stop]):
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._query: asyncio.Task[None] | None = None
         self._group: asyncio.TaskGroup | None = None
+        # batches in the sink, by the core's batch id, until their future resolves
+        self._handed: dict[int, tuple[SinkBatch, asyncio.Future[None]]] = {}
+        self._fence_timeout = max(drain_timeout, 5.0)
 
     @property
     def committed(self) -> int:
@@ -242,6 +258,8 @@ class PartitionReader(Actor[Stop]):
                     self._query = None
             case PutBatch():
                 await self._put(command)
+            case FenceBatches():
+                self._inbox.put_nowait((await self._fence(command.batches), None))
             case Report():
                 if isinstance(command.event, ReaderFailed):
                     log.warning(
@@ -255,15 +273,53 @@ class PartitionReader(Actor[Stop]):
                 return command.end
         return None
 
+    async def _fence(self, ids: Sequence[int]) -> BatchesFenced:
+        """Fence the batches ``ids`` still in the sink (rule 12 of the core)."""
+        handed = [(i, *self._handed[i]) for i in ids if i in self._handed]
+        open_ = [(i, batch, f) for i, batch, f in handed if not f.done()]
+        said: list[bool] | None = [] if not open_ else None
+        try:
+            if open_:
+                async with asyncio.timeout(self._fence_timeout):
+                    said = await fence_sink(self._sink, [batch for _, batch, _ in open_])
+        except Exception:
+            log.exception(
+                "reader %s: fencing %d batches in flight failed: they may still commit "
+                "after the partition is released",
+                self.token,
+                len(open_),
+            )
+            said = None
+        passed = {i for (i, _, _), ok in zip(open_, said or (), strict=False) if ok}
+        # a future that succeeded meanwhile committed (the sink resolves only after the point)
+        committed = tuple(i for i, _, f in handed if i in passed or (f.done() and _succeeded(f)))
+        if said is None and open_:
+            log.warning(
+                "reader %s: %d batches in flight abandoned to a sink that cannot fence them",
+                self.token,
+                len(open_),
+            )
+        elif open_:
+            log.info(
+                "reader %s: fenced %d batches in flight (%d had committed)",
+                self.token,
+                len(open_),
+                len(passed),
+            )
+        return BatchesFenced(committed, held=said is not None or not open_)
+
     async def _put(self, command: PutBatch) -> None:
         batch_id = command.batch
+        batch = SinkBatch(self.token, command.records, command.watermark)
         try:
-            future = await self._sink.put(SinkBatch(self.token, command.records, command.watermark))
+            future = await self._sink.put(batch)
         except Exception as exc:
             self._inbox.put_nowait((BatchFailed(batch_id, repr(exc)), None))
             return
+        self._handed[batch_id] = (batch, future)
 
         def settled(done: asyncio.Future[None]) -> None:
+            self._handed.pop(batch_id, None)
             if done.cancelled():
                 self._inbox.put_nowait((BatchFailed(batch_id, "cancelled"), None))
             elif (exc := done.exception()) is not None:
@@ -288,6 +344,10 @@ class PartitionReader(Actor[Stop]):
             self._inbox.put_nowait((QueryError(query, f"{type(exc).__name__}: {exc}"), None))
         finally:
             await _close(stream)
+
+
+def _succeeded(future: asyncio.Future[None]) -> bool:
+    return not future.cancelled() and future.exception() is None
 
 
 def _records(records: Sequence[ChangeRecord]) -> tuple[ChangeRecord, ...]:

@@ -26,6 +26,16 @@ partitions and, per partition, the number of records and the identities of the f
 ones. The same records cut the same way give the same id in any process and after any restart,
 so a user's write keyed on it (or the final directory named by it) is idempotent.
 
+**Fences** (:class:`CommitFences`, rule 4 of docs/design.md#exactly-once-output). A reader that
+stops with batches still in flight (a hand-off whose drain timed out) must know, before its task
+releases the partition, that none of them can commit later: a batch committed after the new
+owner looked up its position would be written twice. So the reader *fences* them: the sink
+answers which of them passed the commit point already and guarantees the rest never will. The
+fence and the commit point exclude each other (the shell runs both under one lock): a commit
+whose batch holds a fenced entry is refused at its commit point, whole (its other entries fail
+and are re-read by their readers, as after a refusal for the lease). Keys are the sink's names
+for the batches it was handed, unique while it holds them.
+
 No I/O here: the shell observes the file system (which paths exist, the manifests, the current
 positions) and passes what it saw in; the core returns the operations to carry out, in order.
 """
@@ -46,8 +56,10 @@ __all__ = [
     "PROGRESS_DIR",
     "STAGING_DIR",
     "CommitError",
+    "CommitFences",
     "DeleteManifest",
     "DeleteStaged",
+    "FenceOutcome",
     "Manifest",
     "Move",
     "Op",
@@ -282,3 +294,55 @@ def records_identity(record_ids: Iterable[str]) -> str:
         h.update(record_id.encode())
         h.update(b"\n")
     return "r" + h.hexdigest()
+
+
+# --- fences ----------------------------------------------------------------------------------
+
+
+class FenceOutcome(msgspec.Struct, frozen=True):
+    """The fate of the batches a reader fenced: ``committed`` passed the commit point before
+    the fence; ``fenced`` never will."""
+
+    committed: frozenset[int]
+    fenced: frozenset[int]
+
+
+class CommitFences:
+    """The fence rule (see the module docstring) over the keys of the batches a sink holds.
+
+    The shell calls :meth:`admit` right before a commit point and :meth:`passed` right after
+    it, and :meth:`fence` for a stopping reader, all under the lock that makes them exclusive;
+    :meth:`forget` once it resolved a batch (its reader learns the outcome from the batch's
+    future from then on). A key is in at most one of ``passed`` and ``fenced``."""
+
+    def __init__(self) -> None:
+        self.passed_keys: set[int] = set()  # passed their commit point, not forgotten yet
+        self.fenced_keys: set[int] = set()  # fenced before their commit point
+        self.refused = 0  # commits refused because they held a fenced batch
+
+    def fence(self, keys: Iterable[int]) -> FenceOutcome:
+        """Fence ``keys``: those that passed their commit point are committed; the others may
+        never pass it."""
+        keys = set(keys)
+        committed = keys & self.passed_keys
+        fenced = keys - committed
+        self.fenced_keys |= fenced
+        return FenceOutcome(frozenset(committed), frozenset(fenced))
+
+    def admit(self, keys: Iterable[int]) -> frozenset[int]:
+        """The fenced keys among a commit's ``keys``: if any, the commit is refused (whole;
+        a retry of it is refused again until the sink forgets the keys)."""
+        refused = frozenset(self.fenced_keys.intersection(keys))
+        if refused:
+            self.refused += 1
+        return refused
+
+    def passed(self, keys: Iterable[int]) -> None:
+        """A commit holding ``keys`` passed its commit point (it was admitted)."""
+        self.passed_keys.update(keys)
+
+    def forget(self, keys: Iterable[int]) -> None:
+        """The sink resolved these batches (their futures say the outcome now)."""
+        for key in keys:
+            self.passed_keys.discard(key)
+            self.fenced_keys.discard(key)

@@ -44,8 +44,16 @@ The rules:
     which reads the child-partition record again.
 11. **Stops.** ``StopRequested`` cancels the query. Without ``drain`` the reader stops at once;
     with it, in-flight batches may commit until ``drain_timeout`` (a batch failing ends the
-    drain): then ``Done`` carries ``ReaderStopped`` with the committed position. Batches still
-    in flight then are abandoned (the next owner re-reads them).
+    drain): then ``Done`` carries ``ReaderStopped`` with the committed position.
+12. **No batch outlives its reader's end.** A reader that ends with batches still in flight
+    (the drain timed out or failed, a stop without drain, the permit refused) first *fences*
+    them (``FenceBatches``; docs/design.md#exactly-once-output, rule 4): the sink answers which
+    of them passed its commit point already and guarantees the others never will
+    (``BatchesFenced``). The committed position moves over the committed ones (in order, up to
+    the first that did not commit) and only then ``Done`` carries ``ReaderStopped``, so the
+    position the task releases is exact and the next owner re-reads only what was never
+    written. A sink that cannot fence answers ``held=False``: its abandoned batches may still
+    commit (counted in ``unfenced``).
 
 ``Done`` is the last command; the shell reports its event once the reader is no longer alive.
 """
@@ -70,9 +78,11 @@ from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, Data
 __all__ = [
     "BatchCommitted",
     "BatchFailed",
+    "BatchesFenced",
     "CancelQuery",
     "Chunk",
     "Done",
+    "FenceBatches",
     "PutBatch",
     "QueryEnded",
     "QueryError",
@@ -137,6 +147,15 @@ class BatchFailed(_Event, frozen=True, tag="reader-batch-failed"):
     error: str
 
 
+class BatchesFenced(_Event, frozen=True, tag="reader-batches-fenced"):
+    """The sink's answer to ``FenceBatches``: ``committed`` passed the commit point, the rest
+    of the fenced batches never will; ``held=False``: the sink cannot fence (nothing is
+    known of the rest)."""
+
+    committed: tuple[int, ...] = ()
+    held: bool = True
+
+
 class StopRequested(_Event, frozen=True, tag="reader-stop"):
     reason: StopReason
     drain: bool
@@ -153,6 +172,7 @@ ReaderEvent = (
     | QueryError
     | BatchCommitted
     | BatchFailed
+    | BatchesFenced
     | StopRequested
     | ReaderTick
 )
@@ -177,6 +197,12 @@ class PutBatch(_Command, frozen=True, tag="put-batch"):
     watermark: int
 
 
+class FenceBatches(_Command, frozen=True, tag="fence-batches"):
+    """Ask the sink to fence these batches (by ``PutBatch.batch``); answer ``BatchesFenced``."""
+
+    batches: tuple[int, ...]
+
+
 class Report(_Command, frozen=True, tag="report"):
     event: ReaderCommitted | ReaderFailed
 
@@ -187,7 +213,7 @@ class Done(_Command, frozen=True, tag="done"):
     end: ReaderStopped | ReaderFinished
 
 
-ReaderCommand = StartQuery | CancelQuery | PutBatch | Report | Done
+ReaderCommand = StartQuery | CancelQuery | PutBatch | FenceBatches | Report | Done
 
 
 class ReaderRules(msgspec.Struct, frozen=True):
@@ -217,6 +243,7 @@ class _Phase(enum.Enum):
     BACKOFF = "backoff"
     ENDED = "ended"  # the query ended: waiting for every batch to commit
     DRAINING = "draining"
+    FENCING = "fencing"  # ending: waiting for the sink's answer to FenceBatches
     DONE = "done"
 
 
@@ -254,6 +281,8 @@ class ReaderCore:
         self.records = 0
         self.dropped = 0  # re-reads dropped by identity
         self.restarts = 0
+        self.fenced = 0  # batches fenced at the end (they never commit)
+        self.unfenced = 0  # batches abandoned at the end to a sink that cannot fence
         self.end: ReaderStopped | ReaderFinished | None = None
 
     # -- the entry point ------------------------------------------------------------------
@@ -278,6 +307,8 @@ class ReaderCore:
                 self._on_ack(event.batch, "", now, out)
             case BatchFailed():
                 self._on_ack(event.batch, event.error, now, out)
+            case BatchesFenced():
+                self._on_fenced(event, now, out)
             case StopRequested():
                 self._on_stop(event, now, out)
             case ReaderTick():
@@ -395,6 +426,8 @@ class ReaderCore:
         moved = False
         while self.pending and (self.pending[0].acked or self.pending[0].failed):
             head = self.pending[0]
+            if head.failed and self.phase is _Phase.FENCING:
+                break  # ending anyway: the position stays before it
             if head.failed:
                 if moved:
                     self._report_committed(out)
@@ -415,17 +448,42 @@ class ReaderCore:
             self._done(ReaderStopped(self.token, self.committed.ts, self._ids()), out)
 
     def _on_batch_failed(self, error: str, now: int, out: list[ReaderCommand]) -> None:
-        self.pending.clear()
         if self.phase is _Phase.DRAINING:
             # the drain ends: the committed position stays before the batch; the next owner
-            # re-reads it
+            # re-reads it; the batches after it are fenced (rule 12)
             self._done(ReaderStopped(self.token, self.committed.ts, self._ids()), out)
             return
+        self.pending.clear()
         if self.config.rules.resume_at_committed:
             self.handed = self.committed.copy()
         self._restart(f"sink failed a batch: {error}", now, out, cancel=True)
 
+    def _on_fenced(self, event: BatchesFenced, now: int, out: list[ReaderCommand]) -> None:
+        if self.phase is not _Phase.FENCING:
+            return
+        committed = set(event.committed)
+        for batch in self.pending:
+            if batch.id in committed and not batch.failed:
+                batch.acked = True
+        moved = False
+        while self.pending and self.pending[0].acked:
+            head = self.pending.popleft()
+            self.committed.commit(head.watermark, head.records)
+            moved = True
+            self.committed_at = now
+        left = sum(1 for b in self.pending if not b.acked and not b.failed)
+        if event.held:
+            self.fenced += left
+        else:
+            self.unfenced += left
+        self.pending.clear()
+        if moved:
+            self._report_committed(out)
+        self._finish(ReaderStopped(self.token, self.committed.ts, self._ids()), out)
+
     def _on_stop(self, event: StopRequested, now: int, out: list[ReaderCommand]) -> None:
+        if self.phase is _Phase.FENCING:
+            return
         if self.phase is _Phase.DRAINING:
             if not event.drain:
                 self._done(ReaderStopped(self.token, self.committed.ts, self._ids()), out)
@@ -495,7 +553,18 @@ class ReaderCore:
         return self.committed.position().ids
 
     def _done(self, end: ReaderStopped | ReaderFinished, out: list[ReaderCommand]) -> None:
+        """End the reader with ``end``; a stop with batches in flight fences them first."""
+        open_ = tuple(b.id for b in self.pending if not b.acked and not b.failed)
+        if isinstance(end, ReaderStopped) and open_:
+            self.phase = _Phase.FENCING
+            self.answer_deadline = self.restart_at = self.drain_until = -1
+            out.append(FenceBatches(open_))
+            return
+        self._finish(end, out)
+
+    def _finish(self, end: ReaderStopped | ReaderFinished, out: list[ReaderCommand]) -> None:
         self.phase = _Phase.DONE
         self.end = end
+        self.pending.clear()  # nothing left in flight: committed, failed or fenced
         self.answer_deadline = self.restart_at = self.drain_until = -1
         out.append(Done(end))

@@ -16,6 +16,13 @@ process left and deletes staged directories no manifest names once they are olde
 ``garbage_age_s``; it runs at open and before :meth:`committed` answers. :meth:`committed` reads
 one progress file.
 
+**Fences** (``protocol.commit.CommitFences``): a commit names the batches it holds by the sink's
+keys (``fence=``); :meth:`Committer.fence` (a reader stopping with batches in flight) answers
+which of them passed the commit point and makes sure the rest never do: the fence and the
+commit point both run under the committer's lock, and a commit holding a fenced batch is refused
+there (:class:`CommitFenced`, counted in ``fenced_refused``, logged) and its staged files
+dropped. :meth:`Committer.forget` is called once the sink resolved a batch.
+
 One writer per partition at a time is assumed (the lease gives that); a process that stalls
 between its manifest and its progress files and wakes up after another process recovered its
 batch and committed a newer one could write the older position back. The progress rule
@@ -30,7 +37,8 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -39,8 +47,10 @@ from protocol.commit import (
     COMMITS_DIR,
     PROGRESS_DIR,
     STAGING_DIR,
+    CommitFences,
     DeleteManifest,
     DeleteStaged,
+    FenceOutcome,
     Manifest,
     Move,
     Op,
@@ -61,13 +71,18 @@ from protocol.commit import (
 from protocol.dedup import Position
 from protocol.records import DataChange
 
-__all__ = ["CommitIncomplete", "CommitRefused", "Committer"]
+__all__ = ["CommitFenced", "CommitIncomplete", "CommitRefused", "Committer"]
 
 log = logging.getLogger("shoal.commit")
 
 
 class CommitRefused(RuntimeError):
     """The lease ran out before the commit point: nothing of the batch was committed."""
+
+
+class CommitFenced(CommitRefused):
+    """The batch holds a batch its reader fenced (it stopped and its partition may be owned
+    elsewhere now): nothing of the batch was committed."""
 
 
 class CommitIncomplete(RuntimeError):
@@ -98,6 +113,8 @@ class Committer:
         self._positions: dict[str, Position | None] = {}  # cache of the progress files
         self.batches = 0  # committed by this committer
         self.recovered = 0  # manifests applied at recovery
+        self.fences = CommitFences()  # guarded by _lock
+        self._forgotten: deque[int] = deque()  # keys to forget at the next locked call
 
     def __repr__(self) -> str:
         return f"Committer({str(self.root)!r})"
@@ -143,18 +160,43 @@ class Committer:
 
     # --- committing -------------------------------------------------------------------------
 
+    @property
+    def fenced_refused(self) -> int:
+        """Commits refused because they held a fenced batch."""
+        return self.fences.refused
+
+    def fence(self, keys: Iterable[int]) -> FenceOutcome:
+        """Blocking: fence the sink's batches ``keys`` (see the module docstring): which passed
+        the commit point; the others never will."""
+        with self._lock:
+            self._forget_now()
+            return self.fences.fence(keys)
+
+    def forget(self, keys: Iterable[int]) -> None:
+        """The sink resolved these batches (any thread; applied at the next locked call)."""
+        self._forgotten.extend(keys)
+
+    def _forget_now(self) -> None:
+        keys = []
+        while self._forgotten:
+            keys.append(self._forgotten.popleft())
+        self.fences.forget(keys)
+
     def commit(
         self,
         batch: str,
         moves: Sequence[tuple[str, str]],
         entries: Sequence[tuple[str, Sequence[DataChange], int]],
+        fence: Collection[int] = (),
     ) -> Manifest:
         """Blocking: commit ``batch``, staged under :meth:`staging`. ``moves``: (staged, final)
         paths relative to ``root``; ``entries``: (partition token, records, watermark) of the
         batch, in order (all its records, also those already written: the new position covers
-        them). Raises :class:`CommitRefused` (and drops the staged files) if ``permit()`` says
-        the lease ran out."""
+        them); ``fence``: the sink's keys of the batches it holds. Raises
+        :class:`CommitRefused` (and drops the staged files) if ``permit()`` says the lease ran
+        out, :class:`CommitFenced` if one of ``fence`` was fenced."""
         with self._lock:
+            self._forget_now()
             positions: dict[str, Position] = {}
             for token, records, watermark in entries:
                 base = positions.get(token) or self._current(token)
@@ -168,7 +210,23 @@ class Committer:
             if self.permit is not None and not self.permit():
                 shutil.rmtree(self.root / manifest.staging, ignore_errors=True)
                 raise CommitRefused(f"{self!r}: the lease ran out before batch {batch} committed")
+            fenced = self.fences.admit(fence)
+            if fenced:
+                shutil.rmtree(self.root / manifest.staging, ignore_errors=True)
+                log.warning(
+                    "%r: batch %s refused at its commit point: it holds %d batches fenced by "
+                    "readers that stopped (refused so far: %d)",
+                    self,
+                    batch,
+                    len(fenced),
+                    self.fences.refused,
+                )
+                raise CommitFenced(
+                    f"{self!r}: batch {batch} holds {len(fenced)} batches fenced by readers "
+                    "that stopped; nothing of it was committed"
+                )
             self._write_manifest(manifest)
+            self.fences.passed(fence)
             try:
                 self._apply(manifest, {t: self._positions.get(t) for t in positions})
             except Exception:

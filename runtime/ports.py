@@ -102,7 +102,14 @@ class Sink(Protocol):
     A sink may also have ``async def prepare(token)``: a reader of partition ``token`` awaits
     it before it hands over anything (:func:`prepare_sink`). Sinks with a shared retry queue
     catch up with it there, so what the partition's previous owner parked keeps its keys
-    blocked."""
+    blocked.
+
+    A sink with a commit point may also have ``async def fence(batches) -> list[bool] | None``
+    (:func:`fence_sink`; docs/design.md#exactly-once-output, rule 4): for each batch it was
+    handed and has not resolved yet, True if it passed the commit point already, else False,
+    and then it never will. A reader that stops with batches in flight fences them before its
+    task releases the partition, so none is written after the next owner looked up its
+    position."""
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         """Hand over a batch. Waits while too much is in flight (backpressure); the returned
@@ -115,6 +122,20 @@ async def prepare_sink(sink: Sink, token: str) -> None:
     prepare = getattr(sink, "prepare", None)
     if prepare is not None:
         await prepare(token)
+
+
+async def fence_sink(sink: Sink, batches: Sequence[SinkBatch]) -> list[bool] | None:
+    """``await sink.fence(batches)`` if the sink can fence (see :class:`Sink`), else None."""
+    fence = getattr(sink, "fence", None)
+    if fence is None:
+        return None
+    answered: Sequence[bool] | None = await fence(batches)
+    if answered is None:  # a wrapper around a sink that cannot fence
+        return None
+    answer = list(answered)
+    if len(answer) != len(batches):
+        raise ValueError(f"{sink!r}.fence answered {len(answer)} of {len(batches)} batches")
+    return answer
 
 
 async def sink_committed(sink: Sink, token: str) -> Position | None:

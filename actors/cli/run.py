@@ -68,6 +68,7 @@ from runtime.ports import (
     Membership,
     Sink,
     SinkBatch,
+    fence_sink,
     prepare_sink,
     sink_committed,
 )
@@ -103,6 +104,9 @@ class Ledger:
 
     async def durable_position(self, token: str) -> Position | None:
         return await sink_committed(self.inner, token)
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
+        return await fence_sink(self.inner, batches)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         try:

@@ -18,7 +18,13 @@ the same directory applies when it opens. ``<id>`` is the batch identity
 committed twice appears once. A batch's future resolves when its micro-batch committed;
 ``durable_position(token)`` answers a partition's committed position from its progress file (a new
 owner resumes after it). ``max_buffered_rows`` bounds what is accepted and not yet written
-(``put`` waits: backpressure).
+(``put`` waits: backpressure). ``fence(batches)`` fences batches a stopping reader abandons
+(docs/design.md#exactly-once-output, rule 4): the committer refuses a micro-batch holding one
+at its commit point (the whole micro-batch fails; the other partitions' readers re-read theirs).
+A micro-batch that fails (refused, or its write failed) fails what is buffered behind it too,
+and a later batch of one of its partitions is refused until that partition's reader re-reads
+from before the failed records (as the Spark bridge does): committing it would move the
+partition's recorded position past records that were never written.
 
 The sink also drops re-reads itself, as a defence (a reader resuming at an exact position sends
 none): per partition it remembers the newest commit timestamp it wrote and the records at it
@@ -40,7 +46,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -52,7 +58,7 @@ from protocol.dedup import Position, Tails
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer
 from runtime.kafka.sink import output_records
-from runtime.ports import Sink, SinkBatch, prepare_sink, sink_committed
+from runtime.ports import Sink, SinkBatch, fence_sink, prepare_sink, sink_committed
 
 if TYPE_CHECKING:
     from runtime.config import ShoalConfig
@@ -87,6 +93,7 @@ class FileSinkStats(msgspec.Struct, frozen=True):
     buffered_rows: int
     failures: int
     duplicates_dropped: int  # records already written (a re-read at a watermark)
+    fenced_refused: int = 0  # micro-batches refused: they held a batch a stopped reader fenced
 
 
 class FileSink:
@@ -114,6 +121,11 @@ class FileSink:
         self._waiting: list[tuple[asyncio.Future[None], int]] = []
         self._entries: list[tuple[str, tuple[DataChange, ...], int]] = []
         self._fresh_entries: list[tuple[str, list[DataChange]]] = []  # what the files hold
+        self._keys: list[int] = []  # the fence keys of the buffered batches
+        # id(batch) -> (fence key, batch) while the sink holds it (the reference keeps id unique)
+        self._held: dict[int, tuple[int, SinkBatch]] = {}
+        self._next_key = 0
+        self._gaps: dict[str, int] = {}  # token -> first commit timestamp of a failed batch
         self.committer = Committer(self.directory, permit=permit, fsync=fsync)
         self._first_at: float | None = None
         self._buffered = 0
@@ -159,7 +171,13 @@ class FileSink:
 
     def statistics(self) -> FileSinkStats:
         return FileSinkStats(
-            self._files, self._rows, self._batches, self._buffered, self._failures, self._dropped
+            self._files,
+            self._rows,
+            self._batches,
+            self._buffered,
+            self._failures,
+            self._dropped,
+            self.committer.fenced_refused,
         )
 
     def waiting(self) -> list[asyncio.Future[None]]:
@@ -168,11 +186,23 @@ class FileSink:
 
     async def durable_position(self, token: str) -> Position | None:
         """Partition ``token``'s committed position by this output's own record (after
-        applying what a killed process left): a new owner resumes after it."""
+        applying what a killed process left): a new owner resumes after it. A new reader of
+        the partition asks this first: a gap an earlier reader's failed batch left here is
+        closed (the new one resumes from what is committed; another process may have written
+        those records meanwhile)."""
+        self._gaps.pop(token, None)
         position = await asyncio.to_thread(self.committer.committed, token)
         if position is not None:
             self._tails.resume(token, position)
         return position
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool]:
+        """For each batch, whether it passed the commit point; those that did not never will
+        (a batch no longer held is answered False: its future tells)."""
+        held = [self._held.get(id(b)) for b in batches]
+        keys = [h[0] for h in held if h is not None]
+        outcome = await asyncio.to_thread(self.committer.fence, keys)
+        return [h is not None and h[0] in outcome.committed for h in held]
 
     def _fresh(self, batch: SinkBatch) -> list[DataChange]:
         tail = self._tails.get(batch.token)
@@ -197,6 +227,12 @@ class FileSink:
                 lambda: self._buffered == 0 or self._buffered + rows <= self._max_buffered
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._refuses(batch):
+            future.set_exception(
+                SinkError(f"an earlier batch of {batch.token} failed; re-read from before it")
+            )
+            future.exception()  # its reader re-reads; nobody else needs to retrieve it
+            return future
         cols = self._columns
         for change in records if self.layout == "generic" else ():
             for out in output_records(change):
@@ -213,6 +249,11 @@ class FileSink:
                 cols["old_values"].append(out.old_values)
         self._buffered += rows
         self._waiting.append((future, rows))
+        key = self._next_key
+        self._next_key += 1
+        self._keys.append(key)
+        self._held[id(batch)] = (key, batch)
+        future.add_done_callback(lambda _: self._release(id(batch), key))
         self._entries.append((batch.token, batch.records, batch.watermark))
         self._fresh_entries.append((batch.token, records))
         if self._first_at is None:
@@ -221,6 +262,46 @@ class FileSink:
         if self._buffered >= self._max_rows:
             self._kick.set()
         return future
+
+    def _refuses(self, batch: SinkBatch) -> bool:
+        """Whether ``batch`` continues a partition past a failed batch (see the module
+        docstring); a batch starting at or before the gap is the re-read and closes it."""
+        gap = self._gaps.get(batch.token)
+        if gap is None:
+            return False
+        if batch.records and batch.records[0].commit_ts <= gap:
+            del self._gaps[batch.token]
+            return False
+        return batch.watermark > gap
+
+    def _open_gaps(self, entries: list[tuple[str, tuple[DataChange, ...], int]]) -> None:
+        for token, records, _ in entries:
+            if records:
+                first = min(r.commit_ts for r in records)
+                self._gaps[token] = min(self._gaps.get(token, first), first)
+
+    def _fail_buffered(self, error: BaseException) -> int:
+        """After a failed micro-batch: fail every batch buffered behind it (some may continue
+        its partitions) and open their gaps too; the rows dropped."""
+        self._open_gaps(self._entries)
+        waiting, rows = self._waiting, sum(n for _, n in self._waiting)
+        self._columns = {c: [] for c in COLUMNS}
+        self._waiting = []
+        self._entries = []
+        self._fresh_entries = []
+        self._keys = []
+        self._first_at = None
+        for future, _ in waiting:
+            if not future.done():
+                future.set_exception(error)
+        return rows
+
+    def _release(self, batch_id: int, key: int) -> None:
+        """A batch's future resolved: the sink no longer holds it."""
+        held = self._held.get(batch_id)
+        if held is not None and held[0] == key:
+            del self._held[batch_id]
+        self.committer.forget((key,))
 
     async def _write_loop(self) -> None:
         while True:
@@ -241,20 +322,24 @@ class FileSink:
 
     async def _flush(self) -> None:
         columns, waiting, rows = self._columns, self._waiting, self._buffered
-        entries, fresh = self._entries, self._fresh_entries
+        entries, fresh, keys = self._entries, self._fresh_entries, self._keys
         self._columns = {c: [] for c in COLUMNS}
         self._waiting = []
         self._entries = []
         self._fresh_entries = []
+        self._keys = []
         self._first_at = None
+        dropped = 0
         try:
-            await asyncio.to_thread(self._commit_batch, columns, entries, rows, fresh)
+            await asyncio.to_thread(self._commit_batch, columns, entries, rows, fresh, keys)
         except CommitRefused as exc:
             self._failures += 1
             log.warning("%s; its batches will be re-read by the partitions' owners", exc)
             for future, _ in waiting:
                 if not future.done():
                     future.set_exception(SinkError(str(exc)))
+            self._open_gaps(entries)
+            dropped = self._fail_buffered(SinkError(f"an earlier micro-batch failed: {exc}"))
         except CommitIncomplete as exc:
             # committed, not visible yet: stop here; the next open applies the manifest
             self._failures += 1
@@ -271,6 +356,8 @@ class FileSink:
                     future.set_exception(
                         SinkError(f"writing parquet failed: {type(exc).__name__}: {exc}")
                     )
+            self._open_gaps(entries)
+            dropped = self._fail_buffered(SinkError(f"an earlier micro-batch failed: {exc}"))
         else:
             if rows:
                 self._files += 1
@@ -281,7 +368,7 @@ class FileSink:
                 if not future.done():
                     future.set_result(None)
         async with self._room:
-            self._buffered -= rows
+            self._buffered -= rows + dropped
             self._room.notify_all()
 
     def _commit_batch(
@@ -290,6 +377,7 @@ class FileSink:
         entries: list[tuple[str, tuple[DataChange, ...], int]],
         rows: int,
         fresh: list[tuple[str, list[DataChange]]],
+        keys: list[int],
     ) -> None:
         """In a worker thread: stage the micro-batch's files (if it has rows) and commit it."""
         batch = batch_identity((token, records) for token, records, _ in entries)
@@ -308,7 +396,7 @@ class FileSink:
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-        self.committer.commit(batch, moves, entries)
+        self.committer.commit(batch, moves, entries, fence=keys)
 
     def _write_file(self, columns: dict[str, list[Any]], directory: Path) -> None:
         import pyarrow as pa
@@ -381,6 +469,9 @@ class CountingSink:
 
     async def durable_position(self, token: str) -> Position | None:
         return await sink_committed(self.inner, token)
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
+        return await fence_sink(self.inner, batches)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)

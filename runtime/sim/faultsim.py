@@ -25,7 +25,9 @@ At the end, after a quiet period without faults and without partition churn:
 
 Each simulated reader runs the real reader core (``protocol/reader.py``) against the model as
 its source and a simulated sink that commits each batch after a delay, in order, or fails it
-(``sink_fail_p``), and refuses the batches of a task whose lease ran out. The sink keeps each
+(``sink_fail_p``), and refuses the batches of a task whose lease ran out; a reader ending with
+batches in flight fences them (none of them has passed its commit point here, so all are
+dropped, counted in ``batches_fenced``). The sink keeps each
 partition's position atomically with every batch it commits; a crashed task's committed batches
 stay committed, and a new owner starts from the newer of the sync log's and the sink's position
 (a kill -9 between the sink's commit and the watermark's publication writes nothing twice).
@@ -56,10 +58,12 @@ from protocol.messages import (
 from protocol.planner import Plan, plan
 from protocol.reader import (
     BatchCommitted,
+    BatchesFenced,
     BatchFailed,
     CancelQuery,
     Chunk,
     Done,
+    FenceBatches,
     PutBatch,
     QueryEnded,
     ReaderCommand,
@@ -154,6 +158,9 @@ class SimParams(msgspec.Struct, frozen=True):
     reader_rules: ReaderRules = ReaderRules()
     # the teeth test ignores the sink's durable position at take-over (exactly-once rule 2)
     sink_position: bool = True
+    # the teeth test's sink cannot fence (exactly-once rule 4): a stopped reader's batches in
+    # flight still commit when due, after the partition may have been released
+    sink_fences: bool = True
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -260,6 +267,7 @@ class Simulation:
         # the sink's own durable record: each partition's position, moved atomically with
         # every batch it commits (docs/design.md#exactly-once-output, rule 2)
         self.sink_tails: dict[str, PartitionTail] = {}
+        self.orphans: list[tuple[_Node, _Reader]] = []  # stopped readers unfenced batches
 
     # -- clock -------------------------------------------------------------------------------
     def now(self) -> int:
@@ -493,6 +501,18 @@ class Simulation:
                     if reader.inflight:
                         due = max(due, reader.inflight[-1][0])
                     reader.inflight.append((due, command.batch, command.records, command.watermark))
+                case FenceBatches() if not self.p.sink_fences:
+                    self.orphans.append((node, reader))  # its batches commit when due
+                    held = BatchesFenced(held=False)
+                    self.reader_do(node, reader, reader.core.handle(held, self.now()))
+                case FenceBatches():
+                    # the sink's fence (protocol/commit.py, CommitFences): a batch in flight
+                    # here has not reached its commit point, so every one is fenced
+                    fenced = set(command.batches)
+                    kept = [b for b in reader.inflight if b[1] not in fenced]
+                    self.stats["batches_fenced"] += len(reader.inflight) - len(kept)
+                    reader.inflight = deque(kept)
+                    self.reader_do(node, reader, reader.core.handle(BatchesFenced(), self.now()))
                 case Report():
                     event = command.event
                     if isinstance(event, ReaderCommitted):
@@ -569,6 +589,10 @@ class Simulation:
     def run_readers(self, node: _Node) -> None:
         now = self.now()
         lease = node.core.lease_valid(now)
+        for orphan in [o for o in self.orphans if o[0] is node]:  # only with sink_fences off
+            self.run_sink(node, orphan[1])
+            if not orphan[1].inflight:
+                self.orphans.remove(orphan)
         for reader in list(node.readers.values()):
             self.run_sink(node, reader)
             if not lease or node.readers.get(reader.token) is not reader:

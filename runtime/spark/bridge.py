@@ -41,7 +41,9 @@ futures, so a crash anywhere loses nothing.
   staged ``table=<t>`` directory is renamed to ``table=<t>/batch=<id>`` and each partition's
   position recorded. ``<id>`` is the batch
   identity (``protocol.commit.batch_identity``), so a micro-batch written twice appears once.
-  ``durable_position(token)`` answers a partition's committed position. The renames are done by this
+  ``durable_position(token)`` answers a partition's committed position; ``fence(batches)``
+  fences the batches a stopping reader abandons (docs/design.md#exactly-once-output, rule 4): a
+  micro-batch holding one is refused at its commit point. The renames are done by this
   process: over Spark Connect the output must be a path this process sees as the server does
   (a shared or local file system); ``SparkConfig.atomic_commit=False`` writes straight into
   place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
@@ -148,6 +150,8 @@ class SparkBridge:
         self.run_id = f"{time.time_ns():020d}"
         self._batcher = Batcher(config.max_rows, config.max_age_s)
         self._futures: dict[int, asyncio.Future[None]] = {}  # id(SinkBatch) → future
+        self._fence_keys: dict[int, int] = {}  # id(SinkBatch) → its key for the committer
+        self._next_fence_key = 0
         self._tails = Tails()  # what the cutter accepted (touched only by the cutter)
         self._committed = Tails()  # what Spark committed
         self._gate = Tails()  # gaps left by failed batches (checked in put)
@@ -372,6 +376,8 @@ class SparkBridge:
             self._batcher.add(batch, now)
             self._futures[id(batch)] = future
             self._put_at[id(batch)] = now
+            self._fence_keys[id(batch)] = self._next_fence_key
+            self._next_fence_key += 1
         assert self._kick is not None
         if self._batcher.entries == 1 or self._batcher.full():
             self._kick.set()
@@ -398,10 +404,25 @@ class SparkBridge:
 
     async def durable_position(self, token: str) -> Position | None:
         """Partition ``token``'s committed position by the default output's own record (None
-        without atomic commits: then the sync topic's position is the one)."""
+        without atomic commits: then the sync topic's position is the one). A new reader of
+        the partition asks this first: a gap an earlier reader's failed batch left is closed
+        (it resumes from what is committed; a partition read on elsewhere and back here was
+        refused for ever)."""
+        self._gate.close_gap(token)
         if self.committer is None:
             return None
         return await asyncio.to_thread(self.committer.committed, token)
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
+        """For each batch, whether it passed the commit point; those that did not never will
+        (a batch no longer held is answered False: its future tells). None without atomic
+        commits: nothing to fence against (at-least-once there)."""
+        committer = self.committer
+        if committer is None:
+            return None
+        keys = [self._fence_keys.get(id(b)) for b in batches]
+        outcome = await asyncio.to_thread(committer.fence, [k for k in keys if k is not None])
+        return [k is not None and k in outcome.committed for k in keys]
 
     def _stopping(self) -> bool:
         return self._closing
@@ -426,6 +447,7 @@ class SparkBridge:
             isolation_runs=self._isolation_runs,
             rq_held=0 if self._rq is None else self._rq.core.held_count(),
             in_dlq=0 if self._rq is None else len(self._rq.core.dlq_records()),
+            fenced_refused=0 if self.committer is None else self.committer.fenced_refused,
         )
 
     # --- the cutter -----------------------------------------------------------------------
@@ -590,7 +612,7 @@ class SparkBridge:
                 [cut],
                 BridgeError(
                     f"Spark micro-batch {cut.batch_id} failed after {self.config.max_attempts} "
-                    f"attempts: {error!r}"
+                    f"attempts: {_error_text(error)}"
                 ),
             )
             return
@@ -626,14 +648,14 @@ class SparkBridge:
             except Exception as exc:
                 error = exc
                 self._attempts_failed += 1
-                log.warning(
-                    "%r: micro-batch %d (%d rows) failed, attempt %d/%d: %r",
+                log.warning(  # the text: PySpark errors' repr is often just "PySparkValueError()"
+                    "%r: micro-batch %d (%d rows) failed, attempt %d/%d: %s",
                     self,
                     batch_id,
                     rows,
                     attempt,
                     cfg.max_attempts,
-                    exc,
+                    _error_text(exc),
                 )
                 if attempt < cfg.max_attempts:
                     await asyncio.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
@@ -984,7 +1006,10 @@ class SparkBridge:
                 )
             rel = f"{STAGING_DIR}/{identity}"
             moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in tables]
-        committer.commit(identity, moves, [(e.token, e.records, e.watermark) for e in cut.entries])
+        keys = [k for e in cut.entries if (k := self._fence_keys.get(id(e))) is not None]
+        committer.commit(
+            identity, moves, [(e.token, e.records, e.watermark) for e in cut.entries], fence=keys
+        )
 
     def _dataframe(self, table: Any) -> Any:
         if table.num_rows == 0:
@@ -1024,6 +1049,9 @@ class SparkBridge:
     def _resolve(self, entry: SinkBatch, error: BaseException | None, now: float = 0.0) -> None:
         future = self._futures.pop(id(entry), None)
         put_at = self._put_at.pop(id(entry), None)
+        key = self._fence_keys.pop(id(entry), None)
+        if key is not None and self.committer is not None:
+            self.committer.forget((key,))
         if future is None or future.done():
             return
         if error is None:
@@ -1043,6 +1071,7 @@ class SparkBridge:
                 _fail(future, error)
         self._futures.clear()
         self._put_at.clear()
+        self._fence_keys.clear()
 
 
 def _layout(config: SparkConfig, has_foreach: bool) -> str:

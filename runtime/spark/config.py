@@ -60,6 +60,7 @@ class BridgeStats(msgspec.Struct, frozen=True):
     buffered_rows: int
     last_commit_latency_s: float  # oldest put of the last micro-batch → its commit
     last_batch_id: int
+    fenced_refused: int = 0  # micro-batches refused: they held a batch a stopped reader fenced
     # with dead_letter:
     rows_parked: int = 0  # rows handed to the RQ (failing, or behind a key it holds)
     rows_retried: int = 0  # rows committed from the RQ

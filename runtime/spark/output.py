@@ -133,5 +133,9 @@ def write_staged(df: Any, staging_dir: str) -> None:
 
     A plain write into a new directory: no dynamic partition overwrite (its own staging
     directory and per-file moves) and no constant ``batch`` column, which made this write about
-    a third slower than Spark's plain write (docs/benchmarks.md)."""
-    df.write.mode("errorifexists").partitionBy("table").parquet(staging_dir)
+    a third slower than Spark's plain write (docs/benchmarks.md).
+
+    The mode is spelt ``"error"``: Spark Connect's client knows only append, overwrite, error
+    and ignore, and refuses the classic alias ``"errorifexists"`` before sending anything
+    (``PySparkValueError``, UNSUPPORTED_OPERATION), which failed every micro-batch over Connect."""
+    df.write.mode("error").partitionBy("table").parquet(staging_dir)

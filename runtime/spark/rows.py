@@ -168,6 +168,11 @@ class Tails:
             return False
         return True
 
+    def close_gap(self, token: str) -> None:
+        """A new reader of ``token`` starts (from a committed position): an earlier reader's
+        gap no longer applies (another process may have written those records meanwhile)."""
+        self._gaps.pop(token, None)
+
     def rewind(self, committed: Tails) -> None:
         """Forget what was accepted but never committed; keep the gaps."""
         self._tails = committed._tails.copy()

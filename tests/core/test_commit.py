@@ -8,8 +8,10 @@ import pytest
 
 from protocol.commit import (
     CommitError,
+    CommitFences,
     DeleteManifest,
     DeleteStaged,
+    FenceOutcome,
     Manifest,
     Move,
     PartitionPosition,
@@ -153,3 +155,27 @@ def test_progress_names_are_fixed_length_hashes() -> None:
     assert progress_name("a/b") == progress_name("a/b")
     assert progress_name("a/b") != progress_name("a/c")
     assert len(progress_name("x" * 500)) == 32
+
+
+# --- fences (rule 4 of docs/design.md#exactly-once-output) -----------------------------------
+
+
+def test_a_fence_answers_what_passed_and_refuses_the_rest_at_the_commit_point() -> None:
+    fences = CommitFences()
+    assert fences.admit({1, 2}) == frozenset()
+    fences.passed({1, 2})  # the commit of batches 1 and 2 passed its point
+    assert fences.fence({2, 3, 4}) == FenceOutcome(frozenset({2}), frozenset({3, 4}))
+    assert fences.admit({3, 5}) == frozenset({3})  # a commit holding 3: refused, whole
+    assert fences.admit({3, 5}) == frozenset({3})  # and again, if it is retried
+    assert fences.admit({5, 6}) == frozenset()  # others pass
+    assert fences.refused == 2
+
+
+def test_forgotten_keys_leave_no_trace() -> None:
+    fences = CommitFences()
+    fences.passed({1})
+    fences.fence({2})
+    fences.forget({1, 2})
+    assert (fences.passed_keys, fences.fenced_keys) == (set(), set())
+    # a key forgotten after it passed is answered fenced: the shell's future says committed
+    assert fences.fence({1}) == FenceOutcome(frozenset(), frozenset({1}))

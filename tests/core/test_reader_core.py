@@ -9,10 +9,12 @@ from protocol.dedup import Position
 from protocol.events import ReaderCommitted, ReaderFailed, ReaderFinished, ReaderStopped, StopReason
 from protocol.reader import (
     BatchCommitted,
+    BatchesFenced,
     BatchFailed,
     CancelQuery,
     Chunk,
     Done,
+    FenceBatches,
     PutBatch,
     QueryEnded,
     QueryError,
@@ -237,12 +239,15 @@ def test_a_drain_ends_at_its_deadline_or_at_a_failed_batch() -> None:
     d(Chunk(1, (rec(T0 + 1, "a"),)))
     assert d(StopRequested(StopReason.SHUTDOWN, drain=True), at=0) == [CancelQuery(1)]
     assert d(ReaderTick(), at=S - 1) == []
-    assert d(ReaderTick(), at=S) == [Done(ReaderStopped(TOK, T0))]
+    assert d(ReaderTick(), at=S) == [FenceBatches((1,))]  # rule 12: fenced before the end
+    assert d.core.next_deadline() is None  # waits for the sink's answer
+    assert d(BatchesFenced()) == [Done(ReaderStopped(TOK, T0))]
+    assert d.core.fenced == 1
     d = Driver()
     d.started()
     d(Chunk(1, (rec(T0 + 1, "a"),)))
     d(StopRequested(StopReason.HANDOFF, drain=True))
-    assert d(BatchFailed(1, "down")) == [Done(ReaderStopped(TOK, T0))]
+    assert d(BatchFailed(1, "down")) == [Done(ReaderStopped(TOK, T0))]  # nothing else in flight
 
 
 @pytest.mark.parametrize("reason", list(StopReason))
@@ -250,7 +255,71 @@ def test_a_stop_without_drain_ends_at_once(reason: StopReason) -> None:
     d = Driver()
     d.started()
     d(Chunk(1, (rec(T0 + 1, "a"),)))
-    assert d(StopRequested(reason, drain=False)) == [CancelQuery(1), Done(ReaderStopped(TOK, T0))]
+    assert d(StopRequested(reason, drain=False)) == [CancelQuery(1), FenceBatches((1,))]
+    assert d(BatchesFenced()) == [Done(ReaderStopped(TOK, T0))]
+    d = Driver()
+    d.started()
+    d(Chunk(1, (Heartbeat(T0 + 1),)))
+    d(BatchCommitted(1))
+    assert d(StopRequested(reason, drain=False)) == [
+        CancelQuery(1),
+        Done(ReaderStopped(TOK, T0 + 1)),
+    ]  # nothing in flight: nothing to fence
+
+
+def test_batches_that_committed_before_the_fence_move_the_released_position() -> None:
+    """Rule 12: the sink says batch 1 passed its commit point before the fence (its ack was
+    still on its way): the position released covers it; 2 and 3 are fenced and re-read by the
+    next owner."""
+    d = Driver(batch_records=1, drain_timeout=S)
+    d.started()
+    a, b, c = rec(T0 + 1, "a"), rec(T0 + 2, "b"), rec(T0 + 3, "c")
+    d(Chunk(1, (a, b, c)))
+    d(StopRequested(StopReason.HANDOFF, drain=True), at=0)
+    assert d(ReaderTick(), at=S) == [FenceBatches((1, 2, 3))]
+    assert d(StopRequested(StopReason.SHUTDOWN, drain=False)) == []  # already ending
+    assert d(BatchesFenced((1,))) == [
+        Report(ReaderCommitted(TOK, T0 + 1, (("a", "0"),))),
+        Done(ReaderStopped(TOK, T0 + 1, (("a", "0"),))),
+    ]
+    assert d.core.fenced == 2
+    assert d(BatchCommitted(1)) == []  # its late ack changes nothing
+
+
+def test_the_position_stops_at_a_batch_that_did_not_commit() -> None:
+    """Only an in-order prefix moves the position: 2 committed but 1 did not (failed during
+    the fence), so the released position stays before 1."""
+    d = Driver(batch_records=1)
+    d.started()
+    a, b = rec(T0 + 1, "a"), rec(T0 + 2, "b")
+    d(Chunk(1, (a, b)))
+    assert d(StopRequested(StopReason.NOT_WANTED, drain=False)) == [
+        CancelQuery(1),
+        FenceBatches((1, 2)),
+    ]
+    assert d(BatchFailed(1, "down")) == []  # while fencing, a failure only marks the batch
+    assert d(BatchesFenced((2,))) == [Done(ReaderStopped(TOK, T0))]
+
+
+def test_a_failed_batch_during_a_drain_fences_the_ones_after_it() -> None:
+    d = Driver(batch_records=1)
+    d.started()
+    d(Chunk(1, (rec(T0 + 1, "a"), rec(T0 + 2, "b"))))
+    d(StopRequested(StopReason.HANDOFF, drain=True))
+    assert d(BatchFailed(1, "down")) == [FenceBatches((2,))]
+    assert d(BatchesFenced(held=False)) == [Done(ReaderStopped(TOK, T0))]
+    assert (d.core.fenced, d.core.unfenced) == (0, 1)  # a sink that cannot fence: counted
+
+
+def test_a_refused_permit_fences_what_is_in_flight() -> None:
+    d = Driver()
+    d.started()
+    d(Chunk(1, (rec(T0 + 1, "a"),)))
+    assert d(Chunk(1, (rec(T0 + 2, "b"),), permitted=False)) == [
+        CancelQuery(1),
+        FenceBatches((1,)),
+    ]
+    assert d(BatchesFenced()) == [Done(ReaderStopped(TOK, T0))]
 
 
 def test_the_reader_resumes_from_the_newer_of_the_task_and_the_sink_position() -> None:

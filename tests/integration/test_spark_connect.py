@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import time
 from collections import Counter
 from contextlib import AsyncExitStack
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from bench.output import read_changes
+from protocol.commit import STAGING_DIR
 from protocol.records import DataChange
 from runtime.ports import SinkBatch
 from runtime.sim.stream import StreamModel, StreamParams
@@ -53,6 +56,10 @@ def _records(seed: int, roots: int = 2, seconds: float = 2.0) -> dict[str, list[
     return out
 
 
+def _identity(change: DataChange, mod_index: int, token: str) -> tuple[str, str, int, str]:
+    return (change.server_transaction_id, change.record_sequence, mod_index, token)
+
+
 def _keys(rows: list[Row]) -> list[Row]:
     return [row[:4] for row in rows]
 
@@ -70,10 +77,6 @@ async def _put_in_parts(
     return puts
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="regressed on main after the Spark-path and typed-output merges (Spark micro-batches over Connect fail with PySparkValueError / CONNECT_URL_NOT_SET); not diagnosed yet, see the closing note of 2026-11-25",
-)
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("connect_mode")
@@ -135,10 +138,6 @@ async def test_three_tasks_over_connect_output_equals_the_stream(
     assert Counter(rows) == Counter(cluster.expected())
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="regressed on main after the Spark-path and typed-output merges (Spark micro-batches over Connect fail with PySparkValueError / CONNECT_URL_NOT_SET); not diagnosed yet, see the closing note of 2026-11-25",
-)
 @pytest.mark.asyncio
 @pytest.mark.timeout(90)
 @pytest.mark.usefixtures("connect_mode")
@@ -194,10 +193,6 @@ async def test_foreach_batch_gets_connect_dataframes(
     assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(expected)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="regressed on main after the Spark-path and typed-output merges (Spark micro-batches over Connect fail with PySparkValueError / CONNECT_URL_NOT_SET); not diagnosed yet, see the closing note of 2026-11-25",
-)
 @pytest.mark.asyncio
 @pytest.mark.timeout(90)
 @pytest.mark.usefixtures("connect_mode")
@@ -218,10 +213,6 @@ async def test_restart_over_connect_does_not_write_twice(
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="regressed on main after the Spark-path and typed-output merges (Spark micro-batches over Connect fail with PySparkValueError / CONNECT_URL_NOT_SET); not diagnosed yet, see the closing note of 2026-11-25",
-)
 @pytest.mark.asyncio
 @pytest.mark.timeout(90)
 @pytest.mark.usefixtures("connect_mode")
@@ -246,6 +237,45 @@ async def test_default_config_on_a_fresh_output_dir_writes_through_our_server(
     assert stats.rows_committed == len(expected)
     assert stats.batches_failed == 0
     assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(expected)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+@pytest.mark.usefixtures("connect_mode")
+async def test_typed_default_over_connect_holds_each_change_once(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    """The default layout over Connect is the typed changelog, written by this process and
+    committed atomically (no Spark job per micro-batch): every change of the stream is in its
+    table's directory once, a restarted bridge that is handed the unacked tail again writes
+    nothing twice, and Spark reads the tables back through the Connect session."""
+    out = tmp_path / "out"
+    records = _records(seed=26)
+    token, changes = next(iter(records.items()))
+    config = _config(connect_server, out, output_layout=None)
+    async with SparkBridge(config) as bridge:
+        assert bridge.layout == "typed"
+        puts = await _put_in_parts(bridge, records)
+        await asyncio.wait_for(asyncio.gather(*(f for _, f in puts)), 60)
+    replay = changes[len(changes) // 2 :]
+    async with SparkBridge(config) as bridge:
+        future = await bridge.put(SinkBatch(token, tuple(replay), replay[-1].commit_ts))
+        await asyncio.wait_for(future, 60)
+        assert bridge.stats().rows_deduplicated == sum(len(r.mods) for r in replay)
+        spark_counts = {
+            t: bridge.spark.read.parquet(str(out / t)).count()
+            for t in sorted({c.table for cs in records.values() for c in cs})
+        }
+    expected = Counter(
+        (c.commit_ts, c.table, c.mod_type, json.loads(m.keys)["Id"], *_identity(c, i, t))
+        for t, cs in records.items()
+        for c in cs
+        for i, m in enumerate(c.mods)
+    )
+    assert Counter(tuple(c) for c in read_changes(out)) == expected
+    assert not any((out / STAGING_DIR).iterdir())
+    by_table = Counter(row[1] for row in expected.elements())
+    assert spark_counts == dict(by_table)
 
 
 @pytest.mark.asyncio

@@ -215,3 +215,23 @@ def test_teeth_take_over_without_the_sinks_durable_position() -> None:
     caught = [r for r in found if "not exactly once" in r.violation]
     assert len(caught) >= len(READER_SEEDS) - 1, found
     assert all(r.passed or "not exactly once" in r.violation for r in found), found
+
+
+# -- fenced abandoned batches (docs/design.md#exactly-once-output, rule 4) ---------------------
+
+# a slow sink: commits take up to 3 s, past the simulated readers' 2 s drain timeout, so
+# hand-offs abandon batches in flight (a longer quiet period lets the slow sink settle)
+SLOW_SINK = {"commit_delay_steps": (1, 60), "quiet_us": 60_000_000}
+FENCE_SEEDS = range(2)
+
+
+def test_abandoned_batches_are_fenced_by_a_slow_sink() -> None:
+    """The control: a reader stopped with batches in flight fences them; none commits after
+    the partition was released, and every record reaches the sink exactly once."""
+    for seed in FENCE_SEEDS:
+        _check(seed, **SLOW_SINK)
+
+
+def test_teeth_a_sink_that_cannot_fence_writes_abandoned_batches_twice() -> None:
+    found = [run(SimParams(seed=s, sink_fences=False, **SLOW_SINK)) for s in FENCE_SEEDS]  # type: ignore[arg-type]
+    assert all("not exactly once" in r.violation for r in found), found
