@@ -252,6 +252,15 @@ class KafkaOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssl_certfile: Annotated[str | None, _d("Client certificate (with ssl_keyfile).")] = None
     ssl_keyfile: Annotated[str | None, _d("Client private key.")] = None
     ssl_keyfile_password: Annotated[str | None, _d("Password of the client private key.")] = None
+    unreachable_limit_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Stop the process (exit 1, naming Kafka) once none of its tasks has "
+            "been a member of the group for this long: the broker unreachable, or the group not "
+            "answering. Shorter outages heal (tasks stop reading, rejoin, resume). 0: never.",
+        ),
+    ] = 120.0
     session_timeout_ms: Annotated[
         Annotated[int, Meta(gt=0)] | None,
         Meta(
@@ -385,6 +394,15 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dead_letter_max_attempts: Annotated[
         int, Meta(ge=1, description="Failures of a row before it goes to the dead-letter queue.")
     ] = 5
+    restarts: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Times in a row a lost Spark session (the local JVM died, a Spark "
+            "Connect server restarted) is replaced by a new one before the process stops with "
+            "exit 1 naming Spark; 0: stop at once. Embedded path.",
+        ),
+    ] = 3
     conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
 
 

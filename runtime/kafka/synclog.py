@@ -29,13 +29,21 @@ from protocol import fragments
 from protocol.messages import MarkerMessage, encode
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import check_connector, checkpoint_group, ensure_topic, sync_topic
-from runtime.ports import SyncLog
+from runtime.ports import SyncLog, Unrecoverable
 
 log = logging.getLogger(__name__)
 
 
 class SyncLogError(KafkaAdapterError):
     """The sync topic could not be created, appended to or read."""
+
+
+class SyncTopicLost(SyncLogError, Unrecoverable):
+    """The sync topic went back under a running process: an append landed at or below an
+    offset this process had already appended or read. The topic was deleted and created again,
+    or the broker restarted without durable storage (the embedded broker keeps topics in
+    memory): the connector's state is gone, and going on would silently start over from "now".
+    The process stops (docs/operations.md, "When the parts around shoal fail")."""
 
 
 class SyncLogStats(msgspec.Struct, frozen=True):
@@ -105,6 +113,8 @@ class KafkaSyncLog:
         self._checkpoints = 0
         self._fragmented = 0  # messages appended in fragments
         self._fragments_dropped = 0  # incomplete or orphaned fragments readers gave up on
+        self._high = -1  # the highest offset appended or read: a healthy log never goes back
+        self.fatal: SyncTopicLost | None = None  # the topic went back: this process must stop
 
     def __repr__(self) -> str:
         return f"KafkaSyncLog(topic={self.topic!r}, config={self._config!r})"
@@ -251,6 +261,16 @@ class KafkaSyncLog:
             self._append_failures += 1
             raise SyncLogError(f"append to {self.topic!r} failed: {exc!r}") from exc
         offset: int = metadata.offset
+        if offset <= self._high:
+            self.fatal = SyncTopicLost(
+                f"Kafka: the sync topic {self.topic!r} on {self._config.bootstrap_servers} went "
+                f"back (an append landed at offset {offset}, this process had seen {self._high}):"
+                " it was deleted, or the broker restarted without its data (the embedded "
+                "broker keeps topics in memory), and the connector's state with it; refusing "
+                "to start over from now. Restart shoal (a new connector starts at --start-at)"
+            )
+            raise self.fatal
+        self._high = offset
         return offset
 
     def read(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
@@ -297,6 +317,7 @@ class KafkaSyncLog:
                 except KafkaError as exc:
                     raise SyncLogError(f"reading {self.topic!r} failed: {exc!r}") from exc
                 for record in batches.get(self._tp, ()):
+                    self._high = max(self._high, record.offset)
                     value = record.value
                     step = whole.feed(record.offset, value if value is not None else b"")
                     for reason in whole.dropped:
