@@ -38,7 +38,7 @@ from tests.fixtures.spark_connect import (
     with_signal,
 )
 from tests.fixtures.spark_connect import free_port as connect_free_port
-from tests.helpers import assert_one_cut, stream_rows, wait_until
+from tests.helpers import assert_one_cut, stream_rows, wait_for, wait_until
 from tests.integration.test_cli import (
     FILES,
     SIM,
@@ -237,6 +237,95 @@ async def _append_until_refused(sync: KafkaSyncLog) -> None:
         except SyncLogError as exc:
             print(f"append failed, trying again: {exc}")
     raise AssertionError("five appends after the restart, none refused")
+
+
+@pytest.mark.asyncio
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_own_message_read_before_its_ack_is_not_taken_for_a_lost_topic() -> None:
+    """The healthy case the first version of the check stopped runs on: this process's reader
+    reads the message an append has just written before the append's acknowledgement arrives
+    (a loaded event loop). The append then lands at an offset the process has already read,
+    which is right: only what was in the log *before* the send may not be overtaken. Each ack
+    is held here until the reader has read the message, on every append; nothing is refused."""
+    async with EmbeddedBroker() as broker:
+        sync = KafkaSyncLog(KafkaConfig.embedded(broker.bootstrap), "read-before-ack")
+        await sync.start()
+        read: dict[int, bytes] = {}
+        producer = sync._producer
+        assert producer is not None
+        send = producer.send_and_wait
+
+        async def ack_after_read(*args: object, **kwargs: object) -> object:
+            meta = await send(*args, **kwargs)
+            await wait_for(lambda: meta.offset in read, 30, f"offset {meta.offset} read")
+            return meta
+
+        async def reader() -> None:
+            async with contextlib.aclosing(sync.read(0)) as messages:
+                async for offset, payload in messages:
+                    read[offset] = payload  # noqa: PERF403 (the test watches it fill)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                reading = tg.create_task(reader())
+                producer.send_and_wait = ack_after_read
+                offsets = [await sync.append(b"state %d" % i) for i in range(20)]
+                reading.cancel()
+        finally:
+            await sync.close()
+    assert offsets == sorted(offsets) == list(read)[:20]
+    assert all(read[o] == b"state %d" % i for i, o in enumerate(offsets))
+    assert sync.fatal is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_a_reader_whose_topic_came_back_shorter_is_unrecoverable() -> None:
+    """A process that only reads (it appends nothing after the loss) sees it too: the embedded
+    broker restarts under it, another client creates the sync topic again and writes less than
+    the reader had read; the reader's fetches answer a high watermark at or below what it read,
+    and after ``went_back_after_s`` it stops with ``SyncTopicLost``. Control: while the log is
+    healthy the same reader reads on with nothing fatal."""
+    port = free_port()
+    first = EmbeddedBroker(port=port)
+    await first.astart()
+    config = KafkaConfig.embedded(first.bootstrap)
+    sync = KafkaSyncLog(config, "came-back", went_back_after_s=0.5)
+    await sync.start()
+    read: list[int] = []
+    caught: list[BaseException] = []
+
+    async def reader() -> None:
+        try:
+            async with contextlib.aclosing(sync.read(0)) as messages:
+                async for offset, _ in messages:
+                    read.append(offset)
+        except SyncTopicLost as exc:
+            caught.append(exc)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(reader())
+            for i in range(10):
+                await sync.append(b"before %d" % i)
+            await wait_for(lambda: len(read) == 10, 30, "ten messages read")
+            await asyncio.sleep(1.0)  # the control: a healthy log, read to its end, for 2x grace
+            healthy = (sync.fatal, len(caught))
+            await first.astop()
+            async with EmbeddedBroker(port=port), KafkaSyncLog(config, "came-back") as other:
+                for i in range(3):
+                    await other.append(b"after %d" % i)
+                await wait_for(lambda: bool(caught), 60, "the reader refused the topic")
+    finally:
+        await sync.close()
+    assert healthy == (None, 0)
+    assert caught[0] is sync.fatal
+    assert "its high watermark is 3 after a fetch, though this process read offset 9" in str(
+        caught[0]
+    ), caught[0]
+    assert read == list(range(10))
 
 
 def _broker_pid(run_pid: int) -> int:
