@@ -15,8 +15,8 @@ micro-batch committed, the harness injects, in turn, waiting for each to heal fi
   positions).
 
 ``recovery_s`` of a fault: from its end to the first micro-batch committed after it (a new
-``table=*/batch=*`` directory in the output; for ``spark``, the first after the bridge said a new
-session is up). ``recovered``: one came within ``--recovery-limit-s``. ``goal_s`` is twice the
+``<table>/batch=<id>`` directory in the output, the default typed layout; for ``spark``, the
+first after the bridge said a new session is up). ``recovered``: one came within ``--recovery-limit-s``. ``goal_s`` is twice the
 relevant timeout (the session timeout, the stall timeout, Spark's measured first start).
 
 At the end the run closes the stream and catches up (a bounded run exits 0 only with everything
@@ -46,7 +46,7 @@ from typing import Any
 from bench.procs import children, cmdline, descendants, spark_jvm_pids
 
 SESSION_TIMEOUT_S = 3.0  # the embedded broker's group session timeout (KafkaConfig.embedded)
-STALL_TIMEOUT_S = 30.0  # the readers' stall timeout (actors/reader.py)
+STALL_TIMEOUT_S = 30.0  # the readers' stall timeout (task.stall_timeout_s, its default)
 
 
 class Run:
@@ -76,8 +76,15 @@ class Run:
         return self.proc.poll() is None
 
     def batches(self) -> set[str]:
+        """The committed micro-batches' table directories, in either layout (typed
+        ``<table>/batch=<id>``, the default; generic ``table=<name>/batch=<id>``); staged ones
+        are under ``_staging``."""
         data = self.out / "data"
-        return {p.parent.name + "/" + p.name for p in data.glob("table=*/batch=*")}
+        return {
+            p.parent.name + "/" + p.name
+            for p in data.glob("*/batch=*")
+            if not p.parent.name.startswith(("_", "."))
+        }
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -147,8 +154,13 @@ def inject(run: Run, kind: str, args: argparse.Namespace, spark_start_s: float) 
 
 
 def _output_ids(directory: Path) -> list[str]:
+    """Every committed row's id (``commit/txn/seq/mod``), raw (duplicates kept), in either
+    layout."""
     from runtime.spark import KEY_COLUMNS, read_output
+    from runtime.typed_files import generic_rows, is_typed_layout
 
+    if is_typed_layout(directory):
+        return [row["record_id"] for row in generic_rows(directory)]
     if not any(directory.glob("table=*")):
         return []
     table = read_output(directory, dedupe=False)

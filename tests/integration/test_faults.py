@@ -55,7 +55,11 @@ __all__ = ["churn_emulator", "connect_mode"]  # module-scoped fixtures
 
 
 def _first_commit(out: Path) -> bool:
-    return any((out / "data").glob("table=*/batch=*/*.parquet"))
+    """A micro-batch is committed in either layout (typed ``<table>/batch=<id>``, the default;
+    generic ``table=<name>/batch=<id>``); staged batches live under ``_staging``."""
+    return any(
+        not p.parts[-3].startswith(("_", ".")) for p in (out / "data").glob("*/batch=*/*.parquet")
+    )
 
 
 def _kill_jvm(pid: int) -> int:
@@ -417,7 +421,7 @@ def test_broker_unreachable_past_the_limit_stops_the_run_naming_kafka(tmp_path: 
 
 
 def _files_written(out: Path) -> bool:
-    return any((out / "data").rglob("*.parquet"))
+    return _first_commit(out)
 
 
 @pytest.mark.spanner
@@ -490,7 +494,9 @@ async def test_connect_server_restart_is_survived_by_reconnecting(tmp_path: Path
         r for r in model.records(token, start, start + 4_000_000) if isinstance(r, DataChange)
     ]
     half = len(records) // 2
-    config = SparkConfig(remote=server.url, output_dir=str(out), max_age_s=0.2)
+    config = SparkConfig(
+        remote=server.url, output_dir=str(out), max_age_s=0.2, output_layout="generic"
+    )
     try:
         async with SparkBridge(config) as bridge:
             first = tuple(records[:half])
@@ -538,6 +544,7 @@ async def test_spark_whose_restarts_fail_breaks_the_bridge_naming_spark(
         master="local[1]",
         output_dir=str(tmp_path / "out"),
         max_age_s=0.2,
+        output_layout="generic",
         restarts=2,
         restart_backoff_s=0.2,
     )
