@@ -444,6 +444,15 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checkpoint_interval_s: Annotated[
         float, Meta(gt=0, description="Leader's full-state checkpoints to the sync topic.")
     ] = 10.0
+    stall_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="A partition query that sends nothing, not even a heartbeat, for this "
+            "long is restarted from its committed position (doubling per stall in a row, up to "
+            "8x). Keep it well above the query's heartbeat interval.",
+        ),
+    ] = 30.0
 
     def task_config(self, task_id: str) -> TaskConfig:
         """The task core's settings for ``task_id`` (the core counts in microseconds)."""
@@ -454,6 +463,7 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             publish_interval=self.publish_interval_ms * 1000,
             negotiate_interval=self.negotiate_interval_ms * 1000,
             checkpoint_interval=round(self.checkpoint_interval_s * 1e6),
+            stall_timeout=round(self.stall_timeout_s * 1e6),
         )
 
 
