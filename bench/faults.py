@@ -3,7 +3,10 @@ other (docs/operations.md, "When the parts around shoal fail").
 
 One ``python -m actors.runtime`` process runs the embedded default (embedded broker, three tasks,
 local Spark writing parquet with atomic commits) against the Cloud Spanner emulator with a write
-load (``--source emulator``; the simulated stream where the emulator is absent). Once the first
+load (``--source emulator``; the simulated stream where the emulator is absent), with
+``--output-layout generic``: there Spark writes every micro-batch, so its loss is in the path
+(the default typed layout writes without Spark, and a dead JVM costs it nothing; ``--layout
+typed`` runs that). Once the first
 micro-batch committed, the harness injects, in turn, waiting for each to heal first:
 
 * ``spark``: ``SIGKILL`` of the local Spark JVM (the run's child ``SparkSubmit`` process); the
@@ -134,7 +137,9 @@ def inject(run: Run, kind: str, args: argparse.Namespace, spark_start_s: float) 
             return {"recovered": False, "error": f"expected one Spark JVM, found {jvms}"}
         os.kill(jvms[0], signal.SIGKILL)
         print(f"faults: SIGKILL Spark JVM {jvms[0]}", flush=True)
-        recovery = _wait_new_batch(run, before, args.recovery_limit_s, "a new session is up")
+        # Generic: the first batch Spark wrote with the new session; typed: the next batch.
+        said = "a new session is up" if args.layout == "generic" else None
+        recovery = _wait_new_batch(run, before, args.recovery_limit_s, said)
         return _result(recovery, 2 * spark_start_s)
     if kind == "broker":
         pids = [p for p in children(run.proc.pid) if "tansu" in cmdline(p)]
@@ -182,7 +187,11 @@ def run_faults(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="shoal-faults-"))
     started = time.monotonic()
     run = Run(
-        [*source, "--duration", str(args.duration), "--drain-timeout", "300"],
+        [
+            *source,
+            *("--duration", str(args.duration), "--drain-timeout", "300"),
+            *("--output-layout", args.layout),
+        ],
         work,
     )
     faults: dict[str, Any] = {}
@@ -222,6 +231,7 @@ def run_faults(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "scenario": "faults",
         "source": source[1],
+        "layout": args.layout,
         "exit_code": code,
         "caught_up": summary.get("caught_up"),
         "committed": committed,
@@ -242,6 +252,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--broker-pause-s", type=float, default=None)
     parser.add_argument("--emulator-pause-s", type=float, default=None)
     parser.add_argument("--recovery-limit-s", type=float, default=180.0)
+    parser.add_argument(
+        "--layout",
+        choices=["generic", "typed"],
+        default="generic",
+        help="the run's --output-layout (generic: Spark writes every micro-batch)",
+    )
     args = parser.parse_args(argv)
     if args.duration is None:
         args.duration = 200.0 if args.quick else 420.0

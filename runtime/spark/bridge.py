@@ -336,7 +336,18 @@ class SparkBridge:
             await asyncio.to_thread(supervisor.forget)  # its JVM is gone: stop() would fail
             self.spark = None
         elif self._owns_spark and self.spark is not None:
-            await asyncio.to_thread(self.spark.stop)
+            dead = (
+                None
+                if supervisor is None
+                else await asyncio.to_thread(supervisor.dead_because, None)
+            )
+            if supervisor is not None and dead is not None:
+                # No job since needed the session (the typed layout writes without Spark), so
+                # nothing was lost with it; stop() would only fail on the dead JVM.
+                log.warning("%r: Spark's session was lost before the end: %s", self, dead)
+                await asyncio.to_thread(supervisor.forget)
+            else:
+                await asyncio.to_thread(self.spark.stop)
             self.spark = None
         if self._local_dir is not None:
             shutil.rmtree(self._local_dir, ignore_errors=True)

@@ -73,15 +73,20 @@ def _kill_jvm(pid: int) -> int:
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_spark_jvm_killed_mid_run_is_replaced_and_output_equals_stream(tmp_path: Path) -> None:
-    """The local Spark JVM is SIGKILLed after the first micro-batch committed: the bridge starts
-    a new session and the bounded run exits 0 with exactly the rows the stream produced (none
-    lost, none written twice)."""
+@pytest.mark.parametrize("layout", ["generic", "typed"])
+def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
+    tmp_path: Path, layout: str
+) -> None:
+    """The local Spark JVM is SIGKILLed after the first micro-batch committed; the bounded run
+    exits 0 with exactly the rows the stream produced (none lost, none written twice). With the
+    generic layout Spark writes every micro-batch: the bridge starts a new session. The typed
+    layout (the default) writes without Spark: the run goes on, and the bridge says at its stop
+    that the session was lost instead of failing on the dead JVM."""
     out = tmp_path / "out"
     start = _now_us()
     proc = _cli(
         [
-            *("--duration", "30", "--drain-timeout", "240"),
+            *("--duration", "30", "--drain-timeout", "240", "--output-layout", layout),
             *SIM,
             *("--sim-start-ts", str(start), "--output-dir", str(out)),
             *("--summary-json", str(tmp_path / "summary.json"), "--progress", "on"),
@@ -98,7 +103,10 @@ def test_spark_jvm_killed_mid_run_is_replaced_and_output_equals_stream(tmp_path:
     logs = _logs(tmp_path, "run")
     assert code == 0, logs[-5000:]
     assert f"its JVM (pid {jvm}) was killed by SIGKILL" in logs
-    assert "a new session is up" in logs
+    if layout == "generic":
+        assert "a new session is up" in logs
+    else:
+        assert "Spark's session was lost before the end" in logs
     ids = _ids(out / "data")
     assert len(ids) == len(set(ids)), "rows written twice"
     model = _model(start)
@@ -115,9 +123,13 @@ def test_spark_jvm_killed_mid_run_is_replaced_and_output_equals_stream(tmp_path:
 @pytest.mark.timeout(400)
 def test_spark_that_cannot_be_replaced_stops_the_run_naming_spark(tmp_path: Path) -> None:
     """With restarts off, a killed JVM stops the (unbounded) run within a bounded time: exit 1
-    and one line naming Spark, the JVM and why it was not replaced."""
+    and one line naming Spark, the JVM and why it was not replaced. The generic layout, where
+    Spark writes every micro-batch (the typed one writes without it)."""
     out = tmp_path / "out"
-    proc = _cli([*SIM, "--output-dir", str(out), "--spark-restarts", "0"], tmp_path)
+    proc = _cli(
+        [*SIM, "--output-dir", str(out), "--spark-restarts", "0", "--output-layout", "generic"],
+        tmp_path,
+    )
     try:
         wait_until(lambda: _first_commit(out) or proc.poll() is not None, 300, "first commit")
         assert proc.poll() is None, _logs(tmp_path, "run")
