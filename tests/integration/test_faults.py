@@ -336,6 +336,7 @@ async def test_a_reader_whose_topic_came_back_shorter_is_unrecoverable() -> None
                 await wait_for(lambda: bool(caught), 60, "the reader refused the topic")
     finally:
         await sync.close()
+        await first.astop()  # idempotent: stopped above unless the test failed before
     assert healthy == (None, 0)
     assert caught[0] is sync.fatal
     assert "its high watermark is 3 after a fetch, though this process read offset 9" in str(
