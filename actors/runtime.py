@@ -143,6 +143,17 @@ def _fail(out: TextIO, message: str, code: int) -> int:
     return code
 
 
+def _describe(error: BaseException) -> str:
+    """A failure for the one-line message: a port's unrecoverable failure (and a component's
+    ``RunFailed``) names the part and the cause itself; anything else gets its type."""
+    from actors.cli.run import RunFailed
+    from runtime.ports import Unrecoverable
+
+    if isinstance(error, Unrecoverable | RunFailed):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
 def _leaves(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
@@ -213,7 +224,7 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
     except ConfigError:
         raise
     except Exception as exc:
-        messages = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(exc))
+        messages = "; ".join(dict.fromkeys(_describe(e) for e in _leaves(exc)))
         if isinstance(exc, BaseExceptionGroup) and all(
             isinstance(e, ConfigError) for e in _leaves(exc)
         ):

@@ -235,6 +235,7 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             sink=self.sink,
             report=self.report,
             permit=self.permit,
+            stall_timeout=self.core.config.stall_timeout / 1e6,
             tail=command.tail,
         )
         log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)

@@ -20,6 +20,7 @@ SCENARIOS = {
     "emuleak": "bench.emuleak",
     "timeline": "bench.timeline",
     "backfill": "bench.backfill",
+    "faults": "bench.faults",
     "report": "bench.report",
 }
 

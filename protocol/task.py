@@ -158,6 +158,9 @@ class TaskConfig(msgspec.Struct, frozen=True):
     # (its partitions may be handed out meanwhile) until one of its messages is read back
     sync_timeout: int = 3_000_000
     rules: Rules = Rules()
+    # a partition query that sends nothing (not even a heartbeat) for this long is restarted
+    # from its committed position (the reader core's stall rule); micros
+    stall_timeout: int = 30_000_000
 
 
 class TaskCore:

@@ -27,6 +27,14 @@ google-cloud-spanner (:data:`SPANNER`), used by :mod:`runtime.spanner`:
 * :func:`database_transport` and :func:`admin_transports` find the gRPC transports a database
   or a blocking client opened (no public ``close()`` reaches them).
 
+pyspark (:data:`PYSPARK`), used by :mod:`runtime.spark.supervisor`:
+
+* :func:`spark_jvm_process` is the JVM a local session's gateway launched
+  (``SparkContext._gateway.proc``): whether it still runs tells a dead session from a failing job;
+* :func:`forget_local_session` clears pyspark's class-level handles of a session whose JVM died
+  (``SparkContext._gateway``, ``_jvm``, ``_active_spark_context``, ``SparkSession``'s instantiated
+  and active session), so that the next ``getOrCreate()`` launches a new JVM.
+
 And one process-wide setting of gRPC, applied where a Spanner client is created rather than at
 import (importing :mod:`runtime` changes nothing): :func:`disable_grpc_fork_support`.
 """
@@ -54,6 +62,7 @@ class Supported(NamedTuple):
 
 AIOKAFKA: Final = Supported("aiokafka", ("0.14",))
 SPANNER: Final = Supported("google-cloud-spanner", ("3.71",))
+PYSPARK: Final = Supported("pyspark", ("4.3",))
 
 
 class IncompatibleLibraryError(RuntimeError):
@@ -134,6 +143,61 @@ async def send_leave_group(coordinator: Any, group_id: str) -> None:
     from aiokafka.protocol.group import LeaveGroupRequest
 
     await coordinator._send_req(LeaveGroupRequest(group_id, coordinator.member_id))
+
+
+# -- pyspark -------------------------------------------------------------------------------------
+
+
+def spark_jvm_process(spark: Any) -> Any:
+    """The ``subprocess.Popen`` of the JVM that local session ``spark``'s gateway launched, or
+    ``None`` (a Spark Connect session, or a gateway pyspark did not launch itself)."""
+    check(PYSPARK, "SparkContext._gateway.proc, to tell whether the JVM still runs")
+    from pyspark.core.context import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is None or getattr(spark, "_sc", None) is None:
+        return None
+    return getattr(gateway, "proc", None)
+
+
+def spark_context_stopped(spark: Any) -> bool:
+    """Whether local session ``spark``'s JVM-side SparkContext has stopped (``_jsc.sc()``): a
+    context Spark stopped by itself (a standalone application the cluster ended) fails every
+    job, although its JVM still runs."""
+    check(PYSPARK, "SparkContext._jsc, to tell whether the JVM-side context stopped")
+    sc = getattr(spark, "_sc", None)
+    jsc = getattr(sc, "_jsc", None)
+    if jsc is None:
+        return sc is not None
+    return bool(jsc.sc().isStopped())
+
+
+def forget_local_session() -> None:
+    """Drop pyspark's handles of the process's local session and JVM (after the JVM died): the
+    next ``SparkSession.builder.getOrCreate()`` starts a new JVM instead of reusing dead ones."""
+    check(PYSPARK, "SparkContext/SparkSession class attributes, to start over after a JVM died")
+    from pyspark.core.context import SparkContext
+    from pyspark.sql import SparkSession
+
+    with SparkContext._lock:
+        gateway = SparkContext._gateway
+        proc = getattr(gateway, "proc", None)
+        if proc is not None:
+            if proc.poll() is None:  # half started, or a stopped context's
+                proc.kill()
+            proc.wait()
+            if proc.stdin is not None:  # the pipe the JVM watched to end with its parent
+                proc.stdin.close()
+        if gateway is not None:
+            try:  # its connections to the dead JVM
+                gateway.close()
+            except Exception:
+                log.warning("closing the dead Spark JVM's gateway failed", exc_info=True)
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+        SparkContext._active_spark_context = None
+    SparkSession._instantiatedSession = None
+    SparkSession._activeSession = None
 
 
 # -- google-cloud-spanner ------------------------------------------------------------------------

@@ -252,6 +252,15 @@ class KafkaOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssl_certfile: Annotated[str | None, _d("Client certificate (with ssl_keyfile).")] = None
     ssl_keyfile: Annotated[str | None, _d("Client private key.")] = None
     ssl_keyfile_password: Annotated[str | None, _d("Password of the client private key.")] = None
+    unreachable_limit_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Stop the process (exit 1, naming Kafka) once none of its tasks has "
+            "been a member of the group for this long: the broker unreachable, or the group not "
+            "answering. Shorter outages heal (tasks stop reading, rejoin, resume). 0: never.",
+        ),
+    ] = 120.0
     session_timeout_ms: Annotated[
         Annotated[int, Meta(gt=0)] | None,
         Meta(
@@ -385,6 +394,15 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dead_letter_max_attempts: Annotated[
         int, Meta(ge=1, description="Failures of a row before it goes to the dead-letter queue.")
     ] = 5
+    restarts: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Times in a row a lost Spark session (the local JVM died, a Spark "
+            "Connect server restarted) is replaced by a new one before the process stops with "
+            "exit 1 naming Spark; 0: stop at once. Embedded path.",
+        ),
+    ] = 3
     conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
 
 
@@ -426,6 +444,15 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checkpoint_interval_s: Annotated[
         float, Meta(gt=0, description="Leader's full-state checkpoints to the sync topic.")
     ] = 10.0
+    stall_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="A partition query that sends nothing, not even a heartbeat, for this "
+            "long is restarted from its committed position (doubling per stall in a row, up to "
+            "8x). Keep it well above the query's heartbeat interval.",
+        ),
+    ] = 30.0
 
     def task_config(self, task_id: str) -> TaskConfig:
         """The task core's settings for ``task_id`` (the core counts in microseconds)."""
@@ -436,6 +463,7 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             publish_interval=self.publish_interval_ms * 1000,
             negotiate_interval=self.negotiate_interval_ms * 1000,
             checkpoint_interval=round(self.checkpoint_interval_s * 1e6),
+            stall_timeout=round(self.stall_timeout_s * 1e6),
         )
 
 

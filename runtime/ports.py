@@ -16,6 +16,14 @@ from protocol.dedup import Position
 from protocol.records import ChangeRecord, DataChange
 
 
+class Unrecoverable(RuntimeError):
+    """A port's failure that retrying cannot mend (Spark died and could not be restarted, the
+    database or change stream does not exist or may not be read, Kafka out of reach for longer
+    than allowed, the sync topic lost under a running process). Raised by a port, it stops the
+    process (exit 1) with its message, which names the part and the cause, instead of being
+    retried forever (docs/operations.md, "When the parts around shoal fail")."""
+
+
 class SyncLog(Protocol):
     """The sync topic: one totally ordered log every task appends to and reads in full."""
 

@@ -68,6 +68,7 @@ from runtime.ports import (
     Membership,
     Sink,
     SinkBatch,
+    Unrecoverable,
     fence_sink,
     prepare_sink,
     sink_committed,
@@ -98,6 +99,7 @@ class Ledger:
         self.rows = 0
         self.distinct_rows = 0  # rows of records committed for the first time (with keep_ids)
         self.duplicates = 0
+        self.fatal: Unrecoverable | None = None  # the sink failed for good: the run stops
 
     async def prepare(self, token: str) -> None:
         await prepare_sink(self.inner, token)
@@ -113,6 +115,8 @@ class Ledger:
             future = await self.inner.put(batch)
         except Exception as exc:
             self.health.failure(time.monotonic(), describe_error(exc))
+            if isinstance(exc, Unrecoverable):
+                self.fatal = self.fatal or exc
             raise
         records = batch.records
 
@@ -122,6 +126,8 @@ class Ledger:
             error = f.exception()
             if error is not None:
                 self.health.failure(time.monotonic(), describe_error(error))
+                if isinstance(error, Unrecoverable):
+                    self.fatal = self.fatal or error
                 return
             self.health.success(time.monotonic())
             self.records += len(records)
@@ -145,6 +151,7 @@ class WatchedSource:
     def __init__(self, inner: ChangeStreamSource) -> None:
         self.inner = inner
         self.health = FailureStreak()
+        self.fatal: Unrecoverable | None = None  # a query failed for good: the run stops
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
@@ -155,6 +162,8 @@ class WatchedSource:
                 yield batch
         except Exception as exc:
             self.health.failure(time.monotonic(), describe_error(exc))
+            if isinstance(exc, Unrecoverable):
+                self.fatal = self.fatal or exc
             raise
 
 
@@ -230,7 +239,9 @@ class Pipeline:
         self._ledger: Ledger | None = None
         self._file_sink: FileSink | None = None
         self._source: WatchedSource | None = None
+        self._bootstrap = ""
         self._bridge: Any = None  # runtime.spark.SparkBridge with --sink spark
+        self._broker: Any = None  # runtime.kafka.broker.EmbeddedBroker, when this run started it
         self._bounded = config.run.duration is not None or config.run.max_records is not None
         self._start_at = start_micros(config.run)  # None: now
         self._end_at = end_micros(config.run)  # None: no end
@@ -350,7 +361,7 @@ class Pipeline:
         final: Sample | None = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
         async with AsyncExitStack() as stack:
-            bootstrap = await self._start_kafka(stack)
+            bootstrap = self._bootstrap = await self._start_kafka(stack)
             kafka = kafka_config(cfg, bootstrap)
             from runtime.kafka import KafkaSyncLog
 
@@ -442,6 +453,7 @@ class Pipeline:
 
         broker = EmbeddedBroker(log_path=self.output_dir / "broker.log")
         await stack.enter_async_context(broker)
+        self._broker = broker
         self._kill_on_abort.append(broker.kill)
         self._say(
             f"embedded broker at {broker.bootstrap} (while this runs: python -m actors.runtime "
@@ -740,6 +752,7 @@ class Pipeline:
         run = self.config.run
         deadline = None if run.duration is None else time.monotonic() + run.duration
         while True:
+            self._check_fatal()
             if self.stop.is_set():
                 return "signal"
             if deadline is not None and time.monotonic() >= deadline:
@@ -749,6 +762,40 @@ class Pipeline:
             if self._end_at is not None and self._read_to_end():
                 return "end-at"
             await asyncio.sleep(0.05)
+
+    def _check_fatal(self) -> None:
+        """Stop the run (exit 1, with the port's own message) once a port failed for good:
+        retrying what cannot be mended would only look alive (docs/operations.md, "When the
+        parts around shoal fail")."""
+        for port in (self._ledger, self._source, *(t.sync_log for t in self.tasks)):
+            fatal = getattr(port, "fatal", None)
+            if isinstance(fatal, Unrecoverable):
+                self.failed = str(fatal)
+                raise fatal
+        broker = self._broker
+        if broker is not None and not self.stopping and (code := broker.exit_code()) is not None:
+            self.failed = (
+                f"Kafka: the embedded broker (pid {broker.pid}) exited with code {code}; it "
+                "kept its topics in memory, so the connector's state is gone with it"
+            )
+            raise RunFailed(self.failed)
+        limit = self.config.kafka.unreachable_limit_s
+        if limit > 0 and self.tasks and not self.stopping:
+            now = time.monotonic()
+            outs = [
+                now - since
+                for t in self.tasks
+                if t.node.ready.is_set()
+                and t.node.task is not None
+                and (since := t.node.task.out_of_group_since) is not None
+            ]
+            if len(outs) == len(self.tasks) and min(outs) > limit:
+                self.failed = (
+                    f"Kafka at {self._bootstrap}: no task of this process has been a member of "
+                    f"its group for {min(outs):.0f}s (kafka.unreachable_limit_s = {limit:g}): "
+                    "the broker is unreachable or the group does not answer"
+                )
+                raise RunFailed(self.failed)
 
     def _read_to_end(self) -> bool:
         """With ``end_at``: every task of this process is a member of the group and its CIM
@@ -990,6 +1037,8 @@ class _StartChecked:
         try:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch
+        except Unrecoverable:  # the database or stream is wrong, not the start
+            raise
         except Exception as exc:
             detail = str(exc.__cause__ or exc).splitlines()[0]
             raise ConfigError(

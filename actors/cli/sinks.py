@@ -511,6 +511,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "output_layout": "generic"
         if sc.path == "streaming" or sc.dead_letter
         else config.run.output_layout,
+        "restarts": sc.restarts,
     }
     for name in ("max_rows", "max_age_s", "max_inflight_batches"):
         value = getattr(sc, name)

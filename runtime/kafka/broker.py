@@ -191,6 +191,11 @@ class EmbeddedBroker:
             raise BrokerError("the embedded broker is not started")
         return self._process.pid
 
+    def exit_code(self) -> int | None:
+        """The broker process's exit code once it has ended on its own (or was killed), else
+        ``None`` (running, or not started)."""
+        return None if self._process is None else self._process.poll()
+
     @property
     def log_path(self) -> Path:
         if self._log_path is None:

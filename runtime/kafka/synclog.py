@@ -29,13 +29,33 @@ from protocol import fragments
 from protocol.messages import MarkerMessage, encode
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import check_connector, checkpoint_group, ensure_topic, sync_topic
-from runtime.ports import SyncLog
+from runtime.ports import SyncLog, Unrecoverable
 
 log = logging.getLogger(__name__)
 
 
 class SyncLogError(KafkaAdapterError):
     """The sync topic could not be created, appended to or read."""
+
+
+class SyncTopicLost(SyncLogError, Unrecoverable):
+    """The sync topic went back under a running process. The topic was deleted and created
+    again, or the broker restarted without durable storage (the embedded broker keeps topics in
+    memory): the connector's state is gone, and going on would silently start over from "now".
+    The process stops (docs/operations.md, "When the parts around shoal fail").
+
+    Two checks see it, and neither can fire on a healthy log, because each compares only with
+    offsets that were in the log *before* the evidence was asked for:
+
+    * an append is acknowledged at or below the highest offset this process had read, or had
+      had an append acknowledged at, *before that append was sent* (a healthy log puts a new
+      message after everything already in it; a reader seeing the message before its own
+      acknowledgement arrives is fine, as the floor is taken before the send);
+    * a reader's fetch answers with a high watermark at or below an offset that reader has
+      already read, for longer than ``went_back_after_s`` (a healthy log's high watermark never
+      goes back; on a real Kafka a new partition leader may briefly answer with an older one,
+      hence the grace).
+    """
 
 
 class SyncLogStats(msgspec.Struct, frozen=True):
@@ -70,6 +90,7 @@ class KafkaSyncLog:
         fetch_max_wait_ms: int = 30,
         compression_type: str | None = None,
         max_message_bytes: int = 512 * 1024,
+        went_back_after_s: float = 10.0,
     ) -> None:
         check_connector(connector)
         if not 1024 <= max_message_bytes <= 64 << 20:
@@ -80,7 +101,10 @@ class KafkaSyncLog:
             raise ValueError(f"retention_ms must be positive, got {retention_ms}")
         if not 0 < fetch_max_wait_ms <= 10_000:
             raise ValueError(f"fetch_max_wait_ms must be in (0, 10000], got {fetch_max_wait_ms}")
+        if went_back_after_s < 0:
+            raise ValueError(f"went_back_after_s must be >= 0, got {went_back_after_s}")
         self._config = config
+        self._went_back_after_s = went_back_after_s
         self._ids = random.Random(os.urandom(16))  # fragment ids (protocol/fragments.py)
         self.connector = connector
         self.topic = sync_topic(connector)
@@ -105,6 +129,10 @@ class KafkaSyncLog:
         self._checkpoints = 0
         self._fragmented = 0  # messages appended in fragments
         self._fragments_dropped = 0  # incomplete or orphaned fragments readers gave up on
+        # The highest offset this process has read, or had an append acknowledged at: every
+        # offset up to it was in the log then, so a later send must land above it.
+        self._floor = -1
+        self.fatal: SyncTopicLost | None = None  # the topic went back: this process must stop
 
     def __repr__(self) -> str:
         return f"KafkaSyncLog(topic={self.topic!r}, config={self._config!r})"
@@ -237,6 +265,7 @@ class KafkaSyncLog:
 
     async def _send(self, payload: bytes) -> int:
         producer = self._started_producer()
+        floor = self._floor  # before the send: a reader may see this message before its ack
         try:
             # The producer fails the batch after send_timeout; this outer bound is a backstop.
             async with asyncio.timeout(self._send_timeout + 1.0):
@@ -251,7 +280,24 @@ class KafkaSyncLog:
             self._append_failures += 1
             raise SyncLogError(f"append to {self.topic!r} failed: {exc!r}") from exc
         offset: int = metadata.offset
+        if offset <= floor:
+            raise self._went_back(
+                f"an append landed at offset {offset}, though offset {floor} was already in it "
+                "before the append was sent"
+            )
+        self._floor = max(self._floor, offset)
         return offset
+
+    def _went_back(self, evidence: str) -> SyncTopicLost:
+        """Remember (``fatal``) and return the error that stops this process."""
+        self.fatal = self.fatal or SyncTopicLost(
+            f"Kafka: the sync topic {self.topic!r} on {self._config.bootstrap_servers} went "
+            f"back ({evidence}): it was deleted, or the broker restarted without its data (the "
+            "embedded broker keeps topics in memory), and the connector's state with it; "
+            "refusing to start over from now. Restart shoal (a new connector starts at "
+            "--start-at)"
+        )
+        return self.fatal
 
     def read(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
         """Every message from offset ``start`` on, as ``(offset, payload)``, waiting for new ones
@@ -286,6 +332,8 @@ class KafkaSyncLog:
             consumer.assign([self._tp])
             consumer.seek(self._tp, start)
             whole = fragments.Reassembler(start)
+            last = -1  # the highest offset this reader has read
+            short_since: float | None = None  # since when fetches answer below ``last``
             while True:
                 try:
                     batches = await consumer.getmany(self._tp, timeout_ms=1000)
@@ -296,7 +344,22 @@ class KafkaSyncLog:
                     ) from exc
                 except KafkaError as exc:
                     raise SyncLogError(f"reading {self.topic!r} failed: {exc!r}") from exc
+                # Each fetch is sent after the records before it were taken, so on a healthy
+                # log its high watermark is above every offset this reader has read.
+                high = consumer.highwater(self._tp)
+                if high is not None and high <= last:
+                    now = time.monotonic()
+                    short_since = now if short_since is None else short_since
+                    if now - short_since >= self._went_back_after_s:
+                        raise self._went_back(
+                            f"its high watermark is {high} after a fetch, though this process "
+                            f"read offset {last} there"
+                        )
+                else:
+                    short_since = None
                 for record in batches.get(self._tp, ()):
+                    last = max(last, record.offset)
+                    self._floor = max(self._floor, record.offset)
                     value = record.value
                     step = whole.feed(record.offset, value if value is not None else b"")
                     for reason in whole.dropped:

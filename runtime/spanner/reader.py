@@ -37,7 +37,12 @@ same records; which decoder runs follows the result set's column type.
 - Errors: UNAVAILABLE and resumable INTERNAL errors are retried inside the client with resume
   tokens. Everything else surfaces as ``PartitionQueryError`` (``retryable=True`` for errors from
   the service, ``False`` for records this decoder cannot read); the reader actor restarts the
-  partition from its watermark with backoff and drops duplicates.
+  partition from its watermark with backoff and drops duplicates. Errors no retry can mend
+  (:data:`FATAL_CODES`: PERMISSION_DENIED, NOT_FOUND, UNAUTHENTICATED, INVALID_ARGUMENT — a wrong
+  database or change stream, one that was dropped, missing permissions) surface as
+  ``ChangeStreamUnreadable``, an :class:`~runtime.ports.Unrecoverable` that stops the process
+  with a message naming Spanner and the code; UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED, INTERNAL
+  and anything else are retried (:func:`status_name`).
 
 ``walk_stream`` reads a whole time range following child partitions (a merged child once, after
 all its parents finished): tests and the benchmark use it; production partition scheduling is the
@@ -66,6 +71,7 @@ import msgspec
 
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
 from runtime import compat
+from runtime.ports import Unrecoverable
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.decode import (
     DecodeError,
@@ -75,8 +81,10 @@ from runtime.spanner.decode import (
 )
 
 __all__ = [
+    "FATAL_CODES",
     "GOOGLE_SQL",
     "POSTGRESQL",
+    "ChangeStreamUnreadable",
     "PartitionQueryError",
     "SourceStats",
     "SpannerSource",
@@ -107,6 +115,42 @@ class PartitionQueryError(RuntimeError):
         self.token = token
         self.start_ts = start_ts
         self.retryable = retryable
+
+
+# gRPC status codes of a query error that retrying cannot mend: the process stops.
+FATAL_CODES = frozenset({"PERMISSION_DENIED", "NOT_FOUND", "UNAUTHENTICATED", "INVALID_ARGUMENT"})
+
+
+class ChangeStreamUnreadable(PartitionQueryError, Unrecoverable):
+    """A partition query failed with a status in :data:`FATAL_CODES`: the database, the change
+    stream or the permissions are wrong, and every retry would fail the same way."""
+
+    def __init__(self, token: str | None, start_ts: int, code: str, detail: str) -> None:
+        RuntimeError.__init__(
+            self,
+            f"Spanner: the change-stream query failed with {code}, which retrying cannot mend "
+            f"(a wrong or dropped database or change stream, or missing permissions): {detail}",
+        )
+        self.token = token
+        self.start_ts = start_ts
+        self.retryable = False
+        self.code = code
+
+
+def status_name(exc: BaseException) -> str | None:
+    """The gRPC status code name of a client error (``google.api_core`` exceptions carry it as
+    ``grpc_status_code``, raw gRPC errors answer ``code()``), or None."""
+    code = getattr(exc, "grpc_status_code", None)
+    if code is None:
+        method = getattr(exc, "code", None)
+        if callable(method):
+            try:
+                code = method()
+            except Exception:  # an object whose code() needs arguments: not a gRPC error
+                log.debug("no gRPC status on %r", exc, exc_info=True)
+                return None
+    name = getattr(code, "name", None)
+    return name if isinstance(name, str) else None
 
 
 class UnsupportedDialect(RuntimeError):
@@ -453,6 +497,12 @@ class SpannerSource:
                     await compat.cancel_stream(rs)
         except self._errors as exc:
             self._failed += 1
+            code = status_name(exc)
+            if code in FATAL_CODES:
+                assert code is not None
+                lines = str(exc).strip().splitlines()
+                detail = lines[0] if lines else type(exc).__name__
+                raise ChangeStreamUnreadable(token, start_ts, code, detail) from exc
             raise PartitionQueryError(token, start_ts, f"{type(exc).__name__}: {exc}") from exc
         except DecodeError as exc:
             self._failed += 1

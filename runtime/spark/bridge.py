@@ -17,6 +17,11 @@ futures, so a crash anywhere loses nothing.
   so does everything cut or buffered after it (those were de-duplicated on the assumption that
   the failed one commits); a later batch of an affected partition is refused until its reader
   re-reads from its committed watermark.
+* A lost session (embedded path): after a failed Spark job the bridge asks its
+  ``SessionSupervisor`` (``runtime.spark.supervisor``) whether the session died (the local JVM
+  exited, a Spark Connect server restarted); if so a new one is started, warmed, and the job run
+  again without counting the attempt, up to ``SparkConfig.restarts`` times; if it cannot be
+  replaced the bridge breaks with ``SparkLost`` (an ``Unrecoverable``: the process stops).
 * Retry queue and dead-letter queue (docs/design.md#retry-and-dead-letter-queues, opt-in: ``SparkConfig.dead_letter``, embedded
   path only). A micro-batch that still fails after ``max_attempts`` is not failed back: the
   bridge isolates the failing rows by **bisecting the micro-batch by ordering key** (table and
@@ -95,6 +100,7 @@ from runtime.spark.keyed import (
 from runtime.spark.output import write_default, write_staged
 from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
 from runtime.spark.session import SparkStartError, start_session, warm
+from runtime.spark.supervisor import SessionSupervisor, SparkLost
 from runtime.spark.typed_output import TypedBatch, typed_tails
 
 __all__ = [
@@ -169,7 +175,8 @@ class SparkBridge:
         )
         self._next_seq = 0
         self._ack_kick: asyncio.Event | None = None
-        self._broken: BridgeError | None = None  # the streaming query died for good
+        # the streaming query died for good, or the session was lost and not replaced
+        self._broken: BridgeError | SparkLost | None = None
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._changed: asyncio.Condition | None = None
         self._kick: asyncio.Event | None = None
@@ -181,6 +188,7 @@ class SparkBridge:
         self._streaming: Any = None
         self._rq: RetryQueue | None = None
         self._spark_lock = asyncio.Lock()  # one Spark job at a time
+        self._supervisor: SessionSupervisor | None = None  # replaces a lost session
         self._retry_sends: list[PendingSend] = []
         self._retry_kick: asyncio.Event | None = None
         self._rows_parked = self._rows_retried = self._isolation_runs = 0
@@ -227,7 +235,7 @@ class SparkBridge:
                 and cfg.remote is None
                 and self.layout == "generic"
             ):
-                await asyncio.to_thread(self._warm_write)
+                await asyncio.to_thread(self._warm_write, None)
             if self.committer is not None:
                 await asyncio.to_thread(self.committer.recover)
             if self.foreach_batch is None and cfg.resume_dedupe:
@@ -248,6 +256,17 @@ class SparkBridge:
         except BaseException:
             await self._stop_spark()
             raise
+        if cfg.path == "embedded":
+            warm_more = None
+            if self.foreach_batch is None and cfg.remote is None:
+                warm_more = self._warm_write
+            self._supervisor = SessionSupervisor(
+                cfg,
+                self.spark,
+                owned=self._owns_spark,
+                local_dir=self._local_dir,
+                warm_more=warm_more,
+            )
         if cfg.dead_letter is not None:
             rq = RetryQueue(
                 cfg.dead_letter.kafka,
@@ -316,8 +335,23 @@ class SparkBridge:
     async def _stop_spark(self) -> None:
         if self._streaming is not None:
             await asyncio.to_thread(self._streaming.stop)
-        if self._owns_spark and self.spark is not None:
-            await asyncio.to_thread(self.spark.stop)
+        supervisor = self._supervisor
+        if supervisor is not None and supervisor.lost is not None:
+            await asyncio.to_thread(supervisor.forget)  # its JVM is gone: stop() would fail
+            self.spark = None
+        elif self._owns_spark and self.spark is not None:
+            dead = (
+                None
+                if supervisor is None
+                else await asyncio.to_thread(supervisor.dead_because, None)
+            )
+            if supervisor is not None and dead is not None:
+                # No job since needed the session (the typed layout writes without Spark), so
+                # nothing was lost with it; stop() would only fail on the dead JVM.
+                log.warning("%r: Spark's session was lost before the end: %s", self, dead)
+                await asyncio.to_thread(supervisor.forget)
+            else:
+                await asyncio.to_thread(self.spark.stop)
             self.spark = None
         if self._local_dir is not None:
             shutil.rmtree(self._local_dir, ignore_errors=True)
@@ -488,11 +522,12 @@ class SparkBridge:
         finally:
             self._queue.put_nowait(_STOP)
 
-    def _warm_write(self) -> None:
+    def _warm_write(self, spark: Any = None) -> None:
         """Blocking: one tiny write through the default sink (the first costs seconds)."""
         target = tempfile.mkdtemp(prefix="shoal-spark-warm-")
+        spark = self.spark if spark is None else spark
         try:
-            write_default(self.spark.createDataFrame(warm_table()), target, "warm")
+            write_default(spark.createDataFrame(warm_table()), target, "warm")
         except Exception as exc:
             raise SparkStartError(f"Spark cannot write parquet: {exc}") from exc
         finally:
@@ -596,6 +631,8 @@ class SparkBridge:
             except RetryQueueError as exc:
                 self._broken = BridgeError(f"the retry queue failed: {exc}")
                 self._fail_permanently([cut], self._broken)
+            except SparkLost as lost:
+                self._fail_permanently([cut], lost)
             return
         error = None
         if self.committer is not None:
@@ -607,6 +644,9 @@ class SparkBridge:
                 return
         elif rows or self.foreach_batch is not None:
             error = await self._attempts(cut.batch_id, table, rows, cut)
+        if isinstance(error, SparkLost):
+            self._fail_permanently([cut], error)
+            return
         if error is not None:
             self._fail_permanently(
                 [cut],
@@ -636,7 +676,11 @@ class SparkBridge:
         error: Exception | None = None
         if identity is None:
             identity = _cut_identity(cut)
-        for attempt in range(1, cfg.max_attempts + 1):
+        if isinstance(self._broken, SparkLost):
+            return self._broken
+        attempt = 0
+        while attempt < cfg.max_attempts:
+            attempt += 1
             try:
                 async with self._spark_lock:
                     if commit:
@@ -644,8 +688,15 @@ class SparkBridge:
                     else:
                         await asyncio.to_thread(self._run_batch, batch_id, table, identity)
             except (CommitRefused, CommitIncomplete) as exc:
+                self._job_succeeded()  # Spark wrote it; the commit itself was refused
                 return exc
             except Exception as exc:
+                try:
+                    if await self._session_replaced(exc):
+                        attempt -= 1  # the session died under the batch: not the batch's fault
+                        continue
+                except SparkLost as lost:
+                    return lost
                 error = exc
                 self._attempts_failed += 1
                 log.warning(  # the text: PySpark errors' repr is often just "PySparkValueError()"
@@ -660,6 +711,7 @@ class SparkBridge:
                 if attempt < cfg.max_attempts:
                     await asyncio.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
                 continue
+            self._job_succeeded()
             return None
         return error
 
@@ -748,6 +800,8 @@ class SparkBridge:
                 if err is None:
                     committed += group
                     continue
+            if isinstance(err, SparkLost):  # not the rows' fault: nothing to isolate
+                raise err
             if isinstance(err, RowsFailed):
                 named = [r for r in group if r.key in err.keys]
                 if named:
@@ -771,10 +825,39 @@ class SparkBridge:
             async with self._spark_lock:
                 await asyncio.to_thread(self._run_batch, batch_id, table, identity)
         except Exception as exc:
+            try:
+                if await self._session_replaced(exc):
+                    return await self._write_once(records)
+            except SparkLost as lost:
+                return lost
             self._attempts_failed += 1
             log.info("%r: batch %d (%d rows) failed: %r", self, batch_id, len(records), exc)
             return exc
+        self._job_succeeded()
         return None
+
+    def _job_succeeded(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.job_succeeded()
+
+    async def _session_replaced(self, exc: BaseException) -> bool:
+        """After a Spark job failed with ``exc``: whether the session had died and a new one
+        now stands in (run the job again); ``SparkLost`` (the bridge is broken for good, the
+        process must stop) if it cannot be replaced (``runtime.spark.supervisor``)."""
+        supervisor = self._supervisor
+        if supervisor is None:
+            return False
+        if self._broken is not None and isinstance(self._broken, SparkLost):
+            raise self._broken
+        async with self._spark_lock:  # no other job on the dead session meanwhile
+            try:
+                replaced = await supervisor.recover(exc)
+            except SparkLost as lost:
+                self._broken = lost
+                raise
+        if replaced:
+            self.spark = supervisor.spark
+        return replaced
 
     async def _send_retry(self, send: PendingSend) -> None:
         """The RQ's delivery port: gather sends for the retry loop's next Spark batch."""
@@ -805,7 +888,11 @@ class SparkBridge:
                 except msgspec.DecodeError as exc:
                     log.exception("%r: RQ payload of %s undecodable", self, send.record_id)
                     rq.failed(send.record_id, f"undecodable payload: {exc}")
-            ok, failed = await self._write_isolating(records, None)
+            try:
+                ok, failed = await self._write_isolating(records, None)
+            except SparkLost:
+                log.exception("%r: the retry queue stops with Spark", self)
+                return
             self._rows_retried += len(ok)
             self._rows_committed += len(ok)
             for record in ok:
@@ -849,7 +936,7 @@ class SparkBridge:
         parked behind them, remain)."""
         await self._dead_letter().wait_idle()
 
-    def _fail_permanently(self, cuts: list[Cut], failure: BridgeError) -> None:
+    def _fail_permanently(self, cuts: list[Cut], failure: BridgeError | SparkLost) -> None:
         """``cuts`` will never commit: fail them, and everything after them (it was
         de-duplicated assuming they commit), and refuse their partitions' continuations."""
         self._batches_failed += len(cuts)

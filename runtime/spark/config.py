@@ -29,6 +29,10 @@ class SparkConfig(msgspec.Struct, frozen=True):
     max_attempts: int = 3  # per micro-batch, the first run included
     retry_backoff_s: float = 0.5  # doubled per attempt
     start_timeout_s: float = 180.0
+    # a lost session (the local JVM died, a Connect server restarted) is replaced this many
+    # times in a row at most, with doubling backoff; then the process stops (runtime.spark.supervisor)
+    restarts: int = 3
+    restart_backoff_s: float = 2.0
     stop_timeout_s: float = 120.0
     spool_dir: str | None = None  # streaming: default <output_dir>/_spool
     trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger

@@ -197,6 +197,7 @@ def test_task_options_become_the_core_settings_in_microseconds() -> None:
         publish_interval_ms=120,
         negotiate_interval_ms=90,
         checkpoint_interval_s=2.5,
+        stall_timeout_s=4.5,
     )
     assert options.task_config("t1") == TaskConfig(
         task_id="t1",
@@ -205,4 +206,32 @@ def test_task_options_become_the_core_settings_in_microseconds() -> None:
         publish_interval=120_000,
         negotiate_interval=90_000,
         checkpoint_interval=2_500_000,
+        stall_timeout=4_500_000,
     )
+    assert _load(["--task-stall-timeout-s", "12"]).task.stall_timeout_s == 12.0
+    with pytest.raises(ConfigError, match="--task-stall-timeout-s"):
+        _load(["--task-stall-timeout-s", "0"])
+
+
+def test_the_stall_timeout_reaches_every_reader_the_task_starts() -> None:
+    """``task.stall_timeout_s`` is the stall rule's timeout of each partition reader."""
+    from typing import Any, cast
+
+    from actors.task import TaskActor
+    from protocol.task import StartReader
+    from runtime.config import TaskOptions
+
+    class Supervisor:
+        def start_soon(self, coro: Any, **_: object) -> None:
+            coro.close()  # the reader is not run: only how it was made matters here
+
+    actor = TaskActor(
+        TaskOptions(stall_timeout_s=4.5).task_config("t1"),
+        sync_log=cast(Any, None),
+        source=cast(Any, None),
+        sink=cast(Any, None),
+        supervisor=cast(Any, Supervisor()),
+        stream_start=0,
+    )
+    actor._start_reader(StartReader(token="r1", start_ts=0, parents=()))
+    assert actor.readers["r1"].core.config.stall_timeout == 4_500_000
