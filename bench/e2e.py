@@ -343,7 +343,9 @@ def vs_one_table(spark: Any, args: argparse.Namespace, records: int, work: Path)
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench e2e", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small run (under 2 minutes)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small run (1-2 minutes idle, 3-4 under load)"
+    )
     parser.add_argument("--records", type=int, default=None, help="records in the backlog")
     parser.add_argument("--max-rows", type=int, default=100_000, help="rows per micro-batch")
     parser.add_argument("--max-age", type=float, default=0.5, help="seconds a batch may wait")
