@@ -12,16 +12,29 @@ Phases on one local Spark session (started and warmed first, not timed):
    each built into Arrow and written by ``createDataFrame`` into parquet partitioned by table,
    by the bridge's own write (``write_staged``) — the bridge's ceiling (no reading, no tasks, no
    acks, no commits).
-2. **e2e**: the same records as a backlog (the simulator's clock stands at the stream's end):
-   three task nodes over in-memory coordination read them and put them into the bridge; timed
-   from the first put until Spark committed every row.
+2. **e2e**: the same records as a backlog (the simulator's clock jumps to the stream's end
+   once the three task nodes formed their group): the nodes, over in-memory coordination,
+   read them and put them into the bridge, which writes its default output (the typed
+   per-table layout, written by pyarrow; ``--output-layout generic``: Spark's write, as in
+   raw); timed from the first put until every row is committed.
+
+Phases 0–2 run ``--rounds`` times (default 3), interleaved (floor, pyarrow, raw, e2e, then
+again), on the same rows: the machine's load drifts between rounds, so ``ratio`` and
+``floor_ratio`` are the medians of the per-round ratios (each round's are printed and in the
+JSON), the rates the medians of the rounds' rates.
+
 3. **latency**: a live stream (clock at real time) for a few seconds; commit-to-visible is, per
-   record, the time from its commit timestamp to the moment Spark committed the micro-batch
-   holding it (its reader's future resolved).
+   record, the time from its commit timestamp to the moment the bridge committed the
+   micro-batch holding it (its reader's future resolved).
 
 Last line: ``{"scenario": "e2e", "records_per_s", "raw_spark_records_per_s", "ratio",
 "spark_floor_records_per_s", "floor_ratio", "pyarrow_records_per_s", "latency_p50_s",
 "latency_p99_s", ...}`` (``ratio``: e2e against raw; ``floor_ratio``: e2e against the floor).
+
+``--tables N --vs-one-table`` runs only the e2e phase, over a stream of N tables and over one of
+one table (the same number of records and seed), alternately for ``--rounds`` rounds, and
+reports ``tables_ratio``, the median of the per-round ratios of their rates: the many-table
+cost of the default output.
 """
 
 from __future__ import annotations
@@ -31,7 +44,6 @@ import asyncio
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import AsyncExitStack
@@ -96,8 +108,12 @@ def _stream_end(params: StreamParams, records: int) -> int:
 
 
 def _nodes(source: SimulatedSource, sink: Sink, start_ts: int) -> list[TaskNode]:
+    """Three task nodes over the in-memory group and sync log. The group's session timeout is
+    a real Kafka's default (10 s): with 2 s, a machine loaded by others starved the event loop
+    past the lease often enough that readers stopped mid-backlog and re-read what they had not
+    committed (a lease lapse, measured by ``bench rebalance`` and ``bench chaos``, not here)."""
     log = MemorySyncLog()
-    group = MemoryGroup(rebalance_delay=0.1, session_timeout=2.0)
+    group = MemoryGroup(rebalance_delay=0.1, session_timeout=10.0)
 
     async def join(task_id: str) -> Membership:
         return group.join(task_id)
@@ -175,16 +191,53 @@ def raw_phase(spark: Any, records: list[tuple[str, DataChange]], max_rows: int, 
     return time.monotonic() - t0
 
 
+async def _settled(nodes: list[TaskNode], partitions: int, timeout: float = 120.0) -> None:
+    """Wait until every node is a member of one generation and the ``partitions`` roots are
+    owned and being read, with no offer open, twice in a row 0.2 s apart."""
+
+    def settled() -> bool:
+        status = [n.status() for n in nodes]
+        return (
+            all(s.member for s in status)
+            and len({s.generation for s in status}) == 1
+            and sum(s.owned for s in status) == partitions
+            and sum(s.reading for s in status) == partitions
+            and not any(s.offers for s in status)
+        )
+
+    async with asyncio.timeout(timeout):
+        while True:
+            if settled():
+                await asyncio.sleep(0.2)
+                if settled():
+                    return
+            await asyncio.sleep(0.05)
+
+
 async def e2e_phase(
     spark: Any, config: SparkConfig, params: StreamParams, end_ts: int, total_rows: int
 ) -> tuple[float, int]:
-    """Seconds from the first put until every row committed, and the rows in the output."""
-    source = SimulatedSource(StreamModel(params), clock=lambda: end_ts, heartbeat_ms=1000)
+    """Seconds from the first put until every row committed, and the rows in the output.
+
+    The stream stays at its start (no records, heartbeats only) until the three nodes have
+    formed their group and own every root; only then does its clock jump to ``end_ts``, so a
+    node that joins late on a loaded machine cannot move partitions whose readers would then
+    re-read what they had not committed yet. Re-reads show as ``rows_deduplicated`` in the
+    bridge's statistics printed after each phase (0 when the phase ran as intended)."""
+    opened = False
+    source = SimulatedSource(
+        StreamModel(params),
+        clock=lambda: end_ts if opened else params.start_ts,
+        heartbeat_ms=1000,
+    )
     async with SparkBridge(config, spark=spark) as bridge:
         timed = _Timed(bridge, source, 1.0)
         async with AsyncExitStack() as stack:
-            for node in _nodes(source, timed, params.start_ts):
+            nodes = _nodes(source, timed, params.start_ts)
+            for node in nodes:
                 await stack.enter_async_context(node)
+            await _settled(nodes, params.roots)
+            opened = True
             async with asyncio.timeout(600):
                 # polling the bridge's counters is the measurement itself
                 while bridge.stats().rows_committed < total_rows:  # noqa: ASYNC110
@@ -218,30 +271,119 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _stream(params: StreamParams, end_ts: int) -> list[tuple[str, DataChange]]:
+    return [("raw", change) for change in StreamModel(params).expected(end_ts)]
+
+
+def _rows(stream: list[tuple[str, DataChange]]) -> int:
+    return sum(len(c.mods) for _, c in stream)
+
+
+def _e2e_rate(
+    spark: Any, config: SparkConfig, params: StreamParams, end_ts: int, expect: tuple[int, int]
+) -> float:
+    """One e2e phase over ``params``'s stream up to ``end_ts`` (``expect``: its records and
+    rows): records/s. The output must hold every row; it is removed afterwards."""
+    records, rows = expect
+    e2e_s, out_rows = asyncio.run(e2e_phase(spark, config, params, end_ts, rows))
+    rate = records / e2e_s
+    print(f"  e2e: {e2e_s:.2f}s, {rate:,.0f} records/s, {out_rows} rows in the output")
+    if out_rows != rows:
+        raise SystemExit(f"e2e: the output has {out_rows} rows, expected {rows}")
+    shutil.rmtree(config.output_dir, ignore_errors=True)
+    return rate
+
+
+def vs_one_table(spark: Any, args: argparse.Namespace, records: int, work: Path) -> int:
+    """``--vs-one-table``: only the e2e phase, over ``--tables`` tables and over one table (the
+    same number of records, the same seed), alternately, ``--rounds`` times in this process."""
+    runs = []
+    for n in (args.tables, 1):
+        params = _params(roots=8, seed=args.seed, tables=n)
+        end_ts = _stream_end(params, records)
+        stream = _stream(params, end_ts)
+        runs.append((params, end_ts, (len(stream), _rows(stream))))
+        print(f"  {n} table(s): {len(stream)} records, {_rows(stream)} rows")
+    rates: dict[int, list[float]] = {args.tables: [], 1: []}
+    for r in range(args.rounds):
+        for params, end_ts, expect in runs:
+            n = len(params.tables)
+            print(f" round {r + 1}/{args.rounds}, {n} table(s)")
+            config = SparkConfig(
+                output_dir=str(work / f"e2e-{n}"),
+                max_rows=args.max_rows,
+                max_age_s=args.max_age,
+                output_layout=args.output_layout,
+            )
+            rates[n].append(_e2e_rate(spark, config, params, end_ts, expect))
+    ratios = [m / o for m, o in zip(rates[args.tables], rates[1], strict=True)]
+    print(f"  {args.tables} tables vs one, per round: {', '.join(f'{x:.3f}' for x in ratios)}")
+    print(
+        json.dumps(
+            {
+                "scenario": "e2e",
+                "tables": args.tables,
+                "records_per_s": round(_median(rates[args.tables])),
+                "one_table_records_per_s": round(_median(rates[1])),
+                "tables_ratio": round(_median(ratios), 3),
+                "tables_ratio_per_round": [round(x, 3) for x in ratios],
+                "records": records,
+                "rounds": args.rounds,
+                "max_rows": args.max_rows,
+                "output_layout": args.output_layout or "default",
+            }
+        )
+    )
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench e2e", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small run (under 90 s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small run (1-2 minutes idle, 3-4 under load)"
+    )
     parser.add_argument("--records", type=int, default=None, help="records in the backlog")
     parser.add_argument("--max-rows", type=int, default=100_000, help="rows per micro-batch")
     parser.add_argument("--max-age", type=float, default=0.5, help="seconds a batch may wait")
     parser.add_argument("--live-seconds", type=float, default=None, help="latency phase length")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the throughput phases, interleaved (medians are reported)",
+    )
+    parser.add_argument(
         "--tables", type=int, default=None, help="tables in the stream (default: the sim's 3)"
+    )
+    parser.add_argument(
+        "--vs-one-table",
+        action="store_true",
+        help="only the e2e phase, over --tables tables and over one table, alternately",
     )
     parser.add_argument(
         "--output-layout", choices=("typed", "generic"), default=None, help="default: the bridge's"
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.vs_one_table and not args.tables:
+        parser.error("--vs-one-table needs --tables N")
     records = args.records or (150_000 if args.quick else 1_000_000)
     live_s = args.live_seconds or (12.0 if args.quick else 60.0)
     params = _params(roots=8, seed=args.seed, tables=args.tables)
     end_ts = _stream_end(params, records)
-    model = StreamModel(params)
-    stream = [("raw", change) for change in model.expected(end_ts)]
+    stream = _stream(params, end_ts)
     total_records = len(stream)
-    total_rows = sum(len(c.mods) for _, c in stream)
-    print(f"e2e: {total_records} records, {total_rows} rows, micro-batches of {args.max_rows}")
+    total_rows = _rows(stream)
+    print(
+        f"e2e: {total_records} records, {total_rows} rows, micro-batches of {args.max_rows}, "
+        f"{args.rounds} round(s)"
+    )
 
     work = Path(tempfile.mkdtemp(prefix="shoal-bench-e2e-"))
     try:
@@ -262,34 +404,42 @@ def main(argv: list[str]) -> int:
             "w",
         )
         print(f"  spark started and warmed in {time.monotonic() - t0:.1f}s")
+        if args.vs_one_table:
+            rc = vs_one_table(spark, args, records, work)
+            spark.stop()
+            return rc
 
         tables = arrow_batches(stream, args.max_rows)
-        floor_s = floor_phase(spark, tables, work / "floor")
-        floor_rate = total_records / floor_s
-        print(
-            f"  Spark floor (Arrow tables → parquet): {floor_s:.2f}s, {floor_rate:,.0f} records/s"
-        )
-        pa_s = pyarrow_phase(tables, work / "pyarrow")
-        pa_rate = total_records / pa_s
-        print(f"  pyarrow alone: {pa_s:.2f}s, {pa_rate:,.0f} records/s")
+        floor, pyarrow_, raw, e2e = [], [], [], []
+        for r in range(args.rounds):
+            # one round: each phase once, back to back, on the same rows; the machine's load
+            # drifts between rounds, so ratios are taken per round
+            print(f" round {r + 1}/{args.rounds}")
+            floor_s = floor_phase(spark, tables, work / "floor")
+            floor.append(total_records / floor_s)
+            print(f"  Spark floor (Arrow tables → parquet): {floor_s:.2f}s, {floor[-1]:,.0f} r/s")
+            pa_s = pyarrow_phase(tables, work / "pyarrow")
+            pyarrow_.append(total_records / pa_s)
+            print(f"  pyarrow alone: {pa_s:.2f}s, {pyarrow_[-1]:,.0f} records/s")
+            raw_s = raw_phase(spark, stream, args.max_rows, work / "raw")
+            raw.append(total_records / raw_s)
+            print(f"  raw Spark: {raw_s:.2f}s, {raw[-1]:,.0f} records/s")
+            config = SparkConfig(
+                output_dir=str(work / "e2e"),
+                max_rows=args.max_rows,
+                max_age_s=args.max_age,
+                output_layout=args.output_layout,
+            )
+            e2e.append(_e2e_rate(spark, config, params, end_ts, (total_records, total_rows)))
+            for name in ("floor", "pyarrow", "raw"):
+                shutil.rmtree(work / name, ignore_errors=True)
         del tables
-
-        raw_s = raw_phase(spark, stream, args.max_rows, work / "raw")
-        raw_rate = total_records / raw_s
-        print(f"  raw Spark: {raw_s:.2f}s, {raw_rate:,.0f} records/s")
-
-        config = SparkConfig(
-            output_dir=str(work / "e2e"),
-            max_rows=args.max_rows,
-            max_age_s=args.max_age,
-            output_layout=args.output_layout,
+        ratios = [e / r for e, r in zip(e2e, raw, strict=True)]
+        floor_ratios = [e / f for e, f in zip(e2e, floor, strict=True)]
+        print(
+            f"  per round: ratio {', '.join(f'{x:.3f}' for x in ratios)}; "
+            f"floor_ratio {', '.join(f'{x:.3f}' for x in floor_ratios)}"
         )
-        e2e_s, out_rows = asyncio.run(e2e_phase(spark, config, params, end_ts, total_rows))
-        rate = total_records / e2e_s
-        print(f"  e2e: {e2e_s:.2f}s, {rate:,.0f} records/s, {out_rows} rows in the output")
-        if out_rows != total_rows:
-            print(f"  e2e: output has {out_rows} rows, expected {total_rows}", file=sys.stderr)
-            return 1
 
         live = SparkConfig(
             output_dir=str(work / "live"), max_rows=args.max_rows, max_age_s=args.max_age
@@ -306,17 +456,20 @@ def main(argv: list[str]) -> int:
         json.dumps(
             {
                 "scenario": "e2e",
-                "records_per_s": round(rate),
-                "raw_spark_records_per_s": round(raw_rate),
-                "ratio": round(rate / raw_rate, 3),
-                "spark_floor_records_per_s": round(floor_rate),
-                "floor_ratio": round(rate / floor_rate, 3),
-                "pyarrow_records_per_s": round(pa_rate),
+                "records_per_s": round(_median(e2e)),
+                "raw_spark_records_per_s": round(_median(raw)),
+                "ratio": round(_median(ratios), 3),
+                "spark_floor_records_per_s": round(_median(floor)),
+                "floor_ratio": round(_median(floor_ratios), 3),
+                "pyarrow_records_per_s": round(_median(pyarrow_)),
+                "ratio_per_round": [round(x, 3) for x in ratios],
+                "floor_ratio_per_round": [round(x, 3) for x in floor_ratios],
                 "latency_p50_s": round(p50, 3),
                 "latency_p99_s": round(p99, 3),
                 "latency_mean_s": round(mean, 3),
                 "records": total_records,
                 "rows": total_rows,
+                "rounds": args.rounds,
                 "max_rows": args.max_rows,
                 "max_age_s": args.max_age,
                 "quick": args.quick,

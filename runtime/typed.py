@@ -296,11 +296,18 @@ def _table(
     mod_index: list[int] = []
     written: list[list[str]] = []
     decode = _json_decoder.decode
+    as_text: frozenset[str] = frozenset()
+    last_types: tuple[object, ...] | None = None
     try:
         for i, change in zip(indices, changes, strict=True):
             # a record whose column's type differs from the table's (it became STRING) keeps
-            # the value's JSON text, like any STRING-typed fallback
-            as_text = {c.name for c in change.column_types if fix.get(c.name) == _STRING != c.type}
+            # the value's JSON text, like any STRING-typed fallback; the decoder interns
+            # column_types, so most records share the previous record's answer
+            if change.column_types is not last_types:
+                last_types = change.column_types
+                as_text = frozenset(
+                    c.name for c in last_types if fix.get(c.name) == _STRING != c.type
+                )
             for k, mod in enumerate(change.mods):
                 row_record.append(i)
                 mod_index.append(k)

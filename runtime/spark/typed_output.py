@@ -6,7 +6,7 @@ and written by pyarrow on the driver, every table in one pass, with no Spark job
 Spark write costs a job (~0.2–0.6 s fixed) per distinct schema, so a stream over hundreds of
 tables would cost hundreds of jobs per micro-batch (docs/benchmarks.md has the figures). The
 files are staged and committed by the same atomic committer as the generic layout
-(``runtime.commit``: ``_staging/<id>/<table>/batch=<id>``, manifest, one rename per table
+(``runtime.commit``: ``_staging/<id>/<table>/``, manifest, one rename per table
 directory, progress files), so the output stays exactly once. The output directory must be a
 file system this process writes (local, or shared with the cluster); Spark reads it as any
 parquet directory (docs/reading-output.md).

@@ -61,32 +61,52 @@ def test_a_malformed_type_is_refused(bad: str) -> None:
         arrow_type(bad)
 
 
-@pytest.mark.parametrize(
-    ("type_json", "value", "expected"),
-    [
-        (t("INT64"), "4611686018427387904", 4611686018427387904),
-        (t("INT64"), 7, 7),
-        (t("FLOAT64"), 1.5, 1.5),
-        (t("FLOAT64"), "Infinity", math.inf),
-        (t("FLOAT64"), "-Infinity", -math.inf),
-        (t("FLOAT32"), 2.5, 2.5),
-        (t("NUMERIC"), "12345.123456789", decimal.Decimal("12345.123456789")),
-        (t("STRING"), "héllo", "héllo"),
-        (t("JSON"), '{"x":[1,2]}', '{"x":[1,2]}'),
-        (t("BYTES"), "AP9hYg==", b"\x00\xffab"),
-        (t("BOOL"), True, True),
-        (t("DATE"), "2024-02-29", dt.date(2024, 2, 29)),
-        (t("TIMESTAMP"), "1970-01-01T00:00:01.000002Z", 1_000_002),
-        (t("TIMESTAMP"), "1970-01-01T00:00:01.123456789Z", 1_123_456),
-        (arr("INT64"), ["1", None, "3"], [1, None, 3]),
-        (arr("BYTES"), ["AQ=="], [b"\x01"]),
-        (arr("JSON"), ['{"a":1}'], ['{"a":1}']),
-        (t("INT64"), None, None),
-        (arr("DATE"), None, None),
-    ],
-)
+ARROW_VALUES: list[tuple[str, Any, Any]] = [
+    (t("INT64"), "4611686018427387904", 4611686018427387904),
+    (t("INT64"), 7, 7),
+    (t("FLOAT64"), 1.5, 1.5),
+    (t("FLOAT64"), "Infinity", math.inf),
+    (t("FLOAT64"), "-Infinity", -math.inf),
+    (t("FLOAT32"), 2.5, 2.5),
+    (t("NUMERIC"), "12345.123456789", decimal.Decimal("12345.123456789")),
+    (t("STRING"), "héllo", "héllo"),
+    (t("JSON"), '{"x":[1,2]}', '{"x":[1,2]}'),
+    (t("BYTES"), "AP9hYg==", b"\x00\xffab"),
+    (t("BOOL"), True, True),
+    (t("DATE"), "2024-02-29", dt.date(2024, 2, 29)),
+    (t("TIMESTAMP"), "1970-01-01T00:00:01.000002Z", 1_000_002),
+    (t("TIMESTAMP"), "1970-01-01T00:00:01.123456789Z", 1_123_456),
+    (arr("INT64"), ["1", None, "3"], [1, None, 3]),
+    (arr("BYTES"), ["AQ=="], [b"\x01"]),
+    (arr("JSON"), ['{"a":1}'], ['{"a":1}']),
+    (t("INT64"), None, None),
+    (arr("DATE"), None, None),
+]
+
+
+@pytest.mark.parametrize(("type_json", "value", "expected"), ARROW_VALUES)
 def test_arrow_value(type_json: str, value: Any, expected: Any) -> None:
     assert arrow_value(type_json, value) == expected
+
+
+@pytest.mark.parametrize("type_json", sorted({case[0] for case in ARROW_VALUES}))
+def test_a_column_holds_each_value_as_arrow_value_converts_it(type_json: str) -> None:
+    """typed_tables builds a column at a time (whole columns through Arrow's cast where it
+    parses as arrow_value does): the same values, also with other shapes in one column (an
+    INT64 as a JSON number beside one as a string) and nulls."""
+    import msgspec
+
+    values = [v for tj, v, _ in ARROW_VALUES if tj == type_json] + [None]
+    col = ColumnType("V", type_json, False, 2)
+    mods = tuple(
+        Mod(f'{{"K1":"k{i}"}}', msgspec.json.encode({"V": v}).decode(), "{}")
+        for i, v in enumerate(values)
+    )
+    record = change(1, "INSERT", mods, cols=(K1, col), capture="NEW_ROW")
+    column = typed_tables([("p", [record])])["T"].column("V")
+    if pa.types.is_timestamp(column.type):
+        column = column.cast(pa.int64())
+    assert column.to_pylist() == [arrow_value(type_json, v) for v in values]
 
 
 def test_nan_is_nan() -> None:
