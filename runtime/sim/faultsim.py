@@ -578,6 +578,11 @@ class Simulation:
         for member in members:
             node = self.nodes[member]
             node.expelled = False
+            if member in self.group:
+                # the coordinator answers every member's SyncGroup with its assignment and
+                # restarts its session (Kafka's propagateAssignment; K1): a follower held
+                # waiting for a paused leader is not expelled the moment the leader syncs
+                self.group[member] = self.step
             verdict = epochs.receive(
                 epoch, self.generation, epochs.newest(node.epoch_seen, node.core.cim.epoch)
             )
