@@ -143,6 +143,14 @@ class Rules(msgspec.Struct, frozen=True):
     # A leader whose epoch append failed sends it again (``_resend_epoch``); the teeth test turns
     # it off to show that leaves a generation without its epoch.
     resend_failed_epoch: bool = True
+    # A leader plans only under a valid lease and once its own answer is in its CIM
+    # (``_may_plan``); the teeth test turns it off: a leader back from a pause past its lease
+    # plans its old generation from a CIM that has read nothing since.
+    lead_under_lease: bool = True
+    # A plan's offers reach the CIM only in its epoch message and are withdrawn when another
+    # epoch fences it (``_settle_plan``); the teeth test turns it off: a fenced plan's offers
+    # are published in a later generation.
+    plan_offers_in_epoch_only: bool = True
 
 
 class TaskConfig(msgspec.Struct, frozen=True):
@@ -339,8 +347,7 @@ class TaskCore:
             and self._plan_deadline >= 0
             and self._plan_requested < gen
             and self.cim.epoch < gen
-            and self.cim.view(self.me).epoch_seen >= gen
-            and self.lease_valid(max(self._plan_deadline, self._now))
+            and self._may_plan(max(self._plan_deadline, self._now))
         ):
             return self._plan_deadline  # (all answers in: requested at the event that brought it)
         return None
@@ -352,6 +359,8 @@ class TaskCore:
         generation is in its CIM, so that the CIM it plans from has read the log at least up to
         when it joined (a process back from a pause may have a timer due before it has read
         anything). Both become true again only through events (a lease, a message read)."""
+        if not self.config.rules.lead_under_lease:
+            return True
         return self.lease_valid(now) and self.cim.view(self.me).epoch_seen >= self.generation
 
     def _checkpoint_due(self) -> int | None:
@@ -619,12 +628,9 @@ class TaskCore:
         self._urgent = True
 
     def _on_plan(self, plan: Plan, now: int) -> list[TaskCommand]:
-        if (
-            plan.generation != self.generation
-            or self.leader != self.me
-            or not self.member
-            or self.cim.epoch >= plan.generation
-        ):
+        stale = self.cim.epoch >= plan.generation and self.config.rules.lead_under_lease
+        if plan.generation != self.generation or self.leader != self.me or not self.member or stale:
+            # (stale: an epoch that new landed while the plan was being made: it fences this one)
             self.counters["plan_discarded"] += 1
             return []
         if not self._may_plan(now):
@@ -647,7 +653,8 @@ class TaskCore:
                 self.counters["claims_replanned"] += 1
             before.setdefault(offer.token, self.shares.get(offer.token))
             self.shares[offer.token] = offer
-        self._plan_out = (plan, before, replaced)
+        if self.config.rules.plan_offers_in_epoch_only:
+            self._plan_out = (plan, before, replaced)
         planned = {o.token for o in plan.offers}
         for token, offer in list(self.shares.items()):
             dead_target = offer.target is not None and offer.target not in live

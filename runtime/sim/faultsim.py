@@ -166,6 +166,10 @@ class SimParams(msgspec.Struct, frozen=True):
     refuse_owned_offers: bool = True
     adopt_own_state: bool = True
     resend_failed_epoch: bool = True
+    # the teeth tests turn off the leader's rules of protocol/task.py: planning only under a
+    # valid lease once its own answer is in its CIM, and a plan's offers only in its epoch
+    lead_under_lease: bool = True
+    plan_offers_in_epoch_only: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
     # the simulated sink: each batch commits after a delay (in order per reader), and fails
     # with this chance (the reader then re-reads from its committed position). It draws from
@@ -290,6 +294,8 @@ class Simulation:
             refuse_owned_offers=params.refuse_owned_offers,
             adopt_own_state=params.adopt_own_state,
             resend_failed_epoch=params.resend_failed_epoch,
+            lead_under_lease=params.lead_under_lease,
+            plan_offers_in_epoch_only=params.plan_offers_in_epoch_only,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")

@@ -24,7 +24,11 @@ CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the lon
 # while the epoch dealt the child out again, unread (1959); from the 10,000-seed sweep: a paused
 # task's held messages landing after its newer ones when the quiet phase cut the pause short
 # (317, 8077; a simulator bug), and a storm of re-sends fed by counting a re-delivered copy of an
-# own message as a second read-back (731).
+# own message as a second read-back (731). Since leases hold through rebalances: a leader back
+# from a pause past its lease planning its old generation from a CIM that had read nothing, its
+# fenced epoch's offers published in a later generation (597, 824, 1502, 1869: a root read to
+# its end dealt out again from its start), and followers expelled right after the coordinator
+# answered their SyncGroups (1744, two readers of one partition; a simulator bug).
 REGRESSIONS = [
     0,
     6,
@@ -43,11 +47,16 @@ REGRESSIONS = [
     348,
     369,
     468,
+    597,
     642,
     648,
     653,
     731,
+    824,
+    1502,
+    1744,
     1839,
+    1869,
     1959,
     8077,
 ]
@@ -134,7 +143,7 @@ def test_teeth_restart_under_the_same_id_without_adopting_its_state() -> None:
     assert any("owned by []" in v or "not being read" in v for v in found), found
 
 
-HEAVY_APPEND_FAILURES = range(1, 30)  # seed 0 hits the known hole below
+HEAVY_APPEND_FAILURES = range(30)
 
 
 def test_a_quarter_of_appends_failing_every_seed_passes() -> None:
@@ -155,17 +164,26 @@ def test_teeth_a_leader_that_does_not_resend_a_failed_epoch() -> None:
     assert any("owned by []" in v or "not being read" in v for v in found), found
 
 
-@pytest.mark.xfail(strict=True, reason="known hole, not fixed yet: see the docstring")
-def test_known_hole_an_epoch_planned_before_a_partition_finished() -> None:
-    """Found this session at 25 % failing appends (seed 0): the leader planned while a task's
-    report that it had *finished* a partition was still on its way (offset 199 in the log; the
-    epoch's offers land at 201), and the epoch deals the partition out again as new, at its old
-    watermark (most likely the finisher was dropped with the epoch, its finished record with
-    it): a finished partition is read a second time and its published watermark goes back. Nothing reaches the output twice
-    (the new reader resumes from the sink's durable position), but the rule is broken. The fix
-    belongs in the CIM's rule 5b and the leader core: an offer of a partition the CIM holds as
-    finished when the epoch lands is dropped, and the finished record is kept by the leader."""
-    _check(0, append_fail_p=0.25)
+# A leader that acts on a generation the group has left behind: back from a pause past its
+# lease it plans from a CIM that has read nothing since, and the offers of an epoch that was
+# fenced go out in a state message of a later generation (docs/design.md#epochs).
+STALE_LEADER_CASES: list[tuple[int, dict[str, object]]] = [
+    (824, {}),
+    (0, {"append_fail_p": 0.25}),
+]
+
+
+def test_teeth_a_leader_acting_on_a_superseded_generation() -> None:
+    """With both leader rules of protocol/task.py off (planning only under a valid lease once
+    its answer is in its CIM; a plan's offers only in its epoch) a root read to its end is dealt
+    out again and its watermark goes back; each rule alone prevents it on these seeds, and
+    ``test_regression_seed`` is the control (the same seeds pass)."""
+    broken = {"lead_under_lease": False, "plan_offers_in_epoch_only": False}
+    for seed, params in STALE_LEADER_CASES:
+        result = run(SimParams(seed=seed, **broken, **params))  # type: ignore[arg-type]
+        assert "went back" in result.violation, (seed, result)
+        for rule in broken:
+            _check(seed, **{**params, rule: False})
 
 
 def test_a_group_whose_generations_start_over_keeps_epochs_going_up() -> None:
@@ -276,17 +294,3 @@ def test_teeth_a_lease_not_bounded_by_the_rebalance_timeout() -> None:
     found = [run(SimParams(seed=s, lease_rules=broken, **SHORT_REBALANCE)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
     caught = [r for r in found if "both read" in r.violation]
     assert len(caught) >= 8, found  # 11 of the 12 seeds when this was written
-
-
-@pytest.mark.xfail(strict=True, reason="known hole, not fixed yet: see the docstring")
-def test_known_hole_a_leader_back_from_a_long_pause_offers_its_first_plan_again() -> None:
-    """Found this session by the 5,000-seed sweep (seed 597, default parameters): the first
-    leader plans the first epoch (the roots, from watermark 0) and is paused before that epoch
-    lands; its messages land much later, the epoch fenced as stale, while it keeps sending its
-    offers again. Expelled and back, it leads a later generation, and that epoch still offers a
-    root another task had read to its end: the leader starts reading a finished partition from
-    its start and publishes watermark 0 for it. Nothing reaches the output twice (the reader
-    resumes from the sink's durable position), but the rule is broken: offers of a plan whose
-    epoch never landed must not outlive their generation, and an offer of a partition the CIM
-    holds as finished is no offer (the same repair as the hole above)."""
-    _check(597)
