@@ -2,7 +2,7 @@
 
 1,000 idle partitions of the simulated stream, 10 tasks (9 in this process, 1 in a subprocess so
 that it can be SIGKILLed; ``--processes``: each in its own, as deployed), real actors, real Kafka
-adapters, session/heartbeat 3000/1000 ms. Then
+adapters, session/heartbeat 4000/500 ms (``KafkaConfig.embedded``). Then
 three rebalances, each timed from its cause until every partition is owned by exactly one task,
 read by it, and owned counts are within one:
 

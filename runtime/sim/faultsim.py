@@ -35,8 +35,10 @@ The group coordinator follows the classic protocol's rules for removing members 
 ``REBALANCE_IN_PROGRESS`` while a rebalance is prepared, upon which the member sends its JoinGroup
 and no heartbeat until it is answered; a JoinGroup reaches the coordinator after a delay or is
 lost (``join_loss_p``; it then times out and is sent again); the join phase ends once every
-member joined or the rebalance timeout passed, removing who did not join; a removed member
-learns it only from the answer to its next request. Each task's lease comes from the same pure
+member joined or the rebalance timeout passed, removing who did not join; followers wait for
+the leader's SyncGroup without being expelled, and answering the SyncGroups restarts every
+member's session (Kafka's ``propagateAssignment``); a removed member learns it only from the
+answer to its next request. Each task's lease comes from the same pure
 rule as the Kafka adapter's (``protocol.lease.valid_until`` over the send times of the requests
 answered), or from a broken one in the teeth tests (``lease_rules``).
 
