@@ -760,9 +760,6 @@ class TaskCore:
             or self.cim.epoch >= plan.generation
         ):
             return []
-        if not self._may_plan(now):
-            self._plan_requested = -1  # planned again (from a newer CIM) once the lease holds
-            return []
         self.counters["epoch_resent"] += 1
         return [self._publish_epoch(plan, now)]
 
