@@ -817,7 +817,11 @@ class TaskCore:
                 # the release of the move it answered: from the offerer it named, not a stale
                 # released offer another holder still shows for the partition
                 released = offer.kind == "move" and offer.released and have.source == holder
-                if have.status == "incoming" and released:
+                # completing a hand-off is a pick-up too: not during a rebalance, before its
+                # epoch is in the CIM (the offerer may be dropped by it, and the leader may have
+                # dealt its partition out; a survivor's lease holds through the rebalance, so it
+                # would read beside the partition's new owner)
+                if have.status == "incoming" and released and enabled:
                     self.mine[token] = msgspec.structs.replace(
                         offer.partition, status="owned", source=""
                     )

@@ -656,6 +656,34 @@ def test_a_plan_made_while_a_newer_epoch_landed_is_not_acted_on() -> None:
     assert c.shares == {}
 
 
+def test_a_hand_off_completes_only_once_the_epoch_of_the_rebalance_is_in_the_cim() -> None:
+    # Seed 2126: the offerer, back from a pause past its lease and dropped by the rebalance,
+    # released its move while the new generation's epoch was on its way; the target completed
+    # the hand-off and read (its lease holds through the rebalance) while the leader had dealt
+    # the dropped offerer's partition to another member.
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 1, ("a", "x", "y"))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x", "y")), now=3)
+    move = Share(part("p1", 50), target="a", kind="move", since=4)
+    y_state = TaskState("y", 2 * 10**9, data=(part("p1", 50),), share=(move,))
+    c.handle(SyncRead(1, StateMessage(task_id="y", epoch=1, connector_state=(y_state,))), now=4)
+    assert c.mine["p1"].status == "incoming"  # a is ready; y still reads
+    c.handle(Joined(generation=2, leader="x", members=("a", "x")), now=5)  # y is dropped
+    released = msgspec.structs.replace(move, partition=part("p1", 60), released=True)
+    y_release = TaskState("y", 2 * 10**9 + 1, removed=("p1",), share=(released,))
+    out = c.handle(
+        SyncRead(2, StateMessage(task_id="y", epoch=1, connector_state=(y_release,))), now=6
+    )
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert c.mine["p1"].status == "incoming"  # waits for the epoch of generation 2
+    # the epoch drops y and deals its partition to x: the take-over is dropped, nobody here reads
+    out = c.handle(SyncRead(3, epoch("x", 2, ("a", "x"), Share(part("p1", 50), "x"))), now=7)
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert "p1" not in c.mine
+    assert c.reading == {}
+
+
 def test_a_new_offer_for_a_partition_moving_between_members_is_refused() -> None:
     # Defence in depth (the sim's teeth test with a planner that deals out survivors'
     # partitions): b is taking p1 over from y in a hand-off, so a 'new' offer of p1 to a, from

@@ -28,7 +28,9 @@ CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the lon
 # from a pause past its lease planning its old generation from a CIM that had read nothing, its
 # fenced epoch's offers published in a later generation (597, 824, 1502, 1869: a root read to
 # its end dealt out again from its start), and followers expelled right after the coordinator
-# answered their SyncGroups (1744, two readers of one partition; a simulator bug).
+# answered their SyncGroups (1744, two readers of one partition; a simulator bug), and a
+# hand-off released by a task the rebalance dropped, completed before the epoch landed while the
+# leader dealt the partition to another member (2126, two readers).
 REGRESSIONS = [
     0,
     6,
@@ -58,6 +60,7 @@ REGRESSIONS = [
     1839,
     1869,
     1959,
+    2126,
     8077,
 ]
 
