@@ -2,7 +2,7 @@
 
 1,000 idle partitions of the simulated stream, 10 tasks (9 in this process, 1 in a subprocess so
 that it can be SIGKILLed; ``--processes``: each in its own, as deployed), real actors, real Kafka
-adapters, session/heartbeat 3000/1000 ms. Then
+adapters, session/heartbeat 4000/500 ms (``KafkaConfig.embedded``). Then
 three rebalances, each timed from its cause until every partition is owned by exactly one task,
 read by it, and owned counts are within one:
 
@@ -16,12 +16,19 @@ protocol time** after it: the answers, the leader's plan and epoch message (``ep
 it is read back), then the offers, the hand-offs, the readers starting.
 ``protocol_overhead_s`` is the largest of the three (goal: <= 0.5 s).
 
+**Survivors' unread time** (``survivor_unread_s``, goal <= 0.5 s): for each rebalance, the longest
+time any partition that a surviving task owned both before the cause and once settled was not
+being read by it — no reader of it running, or the task's lease not valid — sampled every 20 ms
+from 2 s before the cause until settled; the largest of the three. A survivor keeps its
+partitions in the next epoch, so this is the time the rebalance stopped its work
+(docs/design.md#membership-and-leases).
+
 **Sync bytes per rebalance**: bytes appended to the sync topic from the cause until settled, as
 read back by an observer, minus the steady rate of idle watermark reports over that window;
 the mean of the three.
 
 Last line: ``{"scenario": "rebalance", "join_s":.., "leave_s":.., "kill_s":..,
-"protocol_overhead_s":.., "sync_bytes_per_rebalance":..}``. ``--quick``: 200 partitions, 5 tasks.
+"protocol_overhead_s":.., "survivor_unread_s":.., "sync_bytes_per_rebalance":..}``. ``--quick``: 200 partitions, 5 tasks.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from pathlib import Path
 import msgspec
 
 from actors.node import NodeConfig, TaskNode
+from actors.task import TaskActor
 from protocol import messages
 from protocol.messages import EpochMessage, StateMessage
 from protocol.task import TaskConfig
@@ -151,6 +159,15 @@ def joiner(
 class Status(msgspec.Struct, frozen=True):
     owned: frozenset[str]
     reading: frozenset[str]
+    leased: bool = True  # the task's lease is valid (its readers may hand batches to the sink)
+
+
+def task_status(task: TaskActor) -> Status:
+    return Status(
+        frozenset(task.core.owned_unfinished()),
+        frozenset(task.readers),
+        task.core.lease_valid(task.clock()),
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,9 +209,7 @@ async def worker(bootstrap: str, task_id: str, origin: float, partitions: int) -
                 while True:
                     task = node.task
                     if task is not None:
-                        status = Status(
-                            frozenset(task.core.owned_unfinished()), frozenset(task.readers)
-                        )
+                        status = task_status(task)
                         if status != last:
                             _emit({"status": status})
                             last = status
@@ -247,6 +262,8 @@ class Bench:
         self.nodes: dict[str, tuple[TaskNode, contextlib.AsyncExitStack]] = {}
         self.workers: dict[str, Worker] = {}
         self._followers: list[asyncio.Task[None]] = []
+        # (at, task, owned, read under a valid lease), every 20 ms
+        self.samples: list[tuple[float, str, frozenset[str], frozenset[str]]] = []
 
     def _joining(self, task_id: str, at: float) -> None:
         self.joined_at[task_id] = at
@@ -357,11 +374,7 @@ class Bench:
         out: dict[str, Status | None] = {}
         for task_id, (node, _) in self.nodes.items():
             task = node.task
-            out[task_id] = (
-                Status(frozenset(task.core.owned_unfinished()), frozenset(task.readers))
-                if task is not None
-                else None
-            )
+            out[task_id] = task_status(task) if task is not None else None
         for task_id, worker in self.workers.items():
             out[task_id] = worker.status
         return out
@@ -421,6 +434,42 @@ class Bench:
                 out[f"last_{step}"] = max(times)
         return out
 
+    async def sample_reading(self) -> None:
+        """Every 20 ms, what each task owns and reads under a valid lease."""
+        while True:
+            now = time.monotonic()
+            for task_id, status in self.statuses().items():
+                if status is not None:
+                    reading = status.reading if status.leased else frozenset()
+                    self.samples.append((now, task_id, status.owned, reading))
+            await asyncio.sleep(0.02)
+
+    def survivor_unread(self, since: float, until: float) -> float:
+        """The longest run of samples in ``[since, until]`` in which a partition that its task
+        owned at both ends was not read under a valid lease (plus one sample period)."""
+        window = [s for s in self.samples if since <= s[0] <= until]
+        first: dict[str, frozenset[str]] = {}
+        last: dict[str, frozenset[str]] = {}
+        for _, task_id, owned, _ in window:
+            first.setdefault(task_id, owned)
+            last[task_id] = owned
+        survivors = set(self.statuses())  # a task that left in the window is no survivor
+        kept = {t: first[t] & last[t] for t in first if t in survivors}
+        unread_since: dict[tuple[str, str], float] = {}
+        longest = 0.0
+        for at, task_id, _, reading in window:
+            for token in kept.get(task_id, frozenset()):
+                key = (task_id, token)
+                if token in reading:
+                    start = unread_since.pop(key, None)
+                    if start is not None:
+                        longest = max(longest, at - start)
+                elif key not in unread_since:
+                    unread_since[key] = at
+        for start in unread_since.values():
+            longest = max(longest, until - start)
+        return round(longest + 0.02, 3) if longest > 0 else 0.0
+
     def bytes_between(self, t0: float, t1: float) -> int:
         return sum(n for at, n in self.sync_log if t0 <= at <= t1)
 
@@ -434,6 +483,7 @@ class Figures(msgspec.Struct):
     steps_s: dict[str, float]
     sync_bytes: int
     sync_bytes_raw: int
+    survivor_unread_s: float  # longest a survivor's kept partition was not read
 
 
 async def measure(
@@ -448,6 +498,7 @@ async def measure(
     }
     async with asyncio.TaskGroup() as group:
         observer = group.create_task(bench.observe())
+        sampler = group.create_task(bench.sample_reading())
         try:
             t0 = time.monotonic()
             for i in range(tasks - 1):
@@ -481,6 +532,7 @@ async def measure(
                     },
                     sync_bytes=max(0, round(raw - steady * (settled + 0.5 - start))),
                     sync_bytes_raw=raw,
+                    survivor_unread_s=bench.survivor_unread(start - 2.0, settled),
                 )
                 print(f"{name}: {msgspec.json.encode(fig).decode()}", flush=True)
                 await asyncio.sleep(1.0)
@@ -499,6 +551,7 @@ async def measure(
             kill = await timed("kill", start)
         finally:
             observer.cancel()
+            sampler.cancel()
             await bench.close()
     results = {"join": join, "leave": leave, "kill": kill}
     for name, fig in results.items():
@@ -509,6 +562,7 @@ async def measure(
     out["leave_s"] = leave.total_s
     out["kill_s"] = kill.total_s
     out["protocol_overhead_s"] = max(f.protocol_s for f in results.values())
+    out["survivor_unread_s"] = max(f.survivor_unread_s for f in results.values())
     out["sync_bytes_per_rebalance"] = round(statistics.mean(f.sync_bytes for f in results.values()))
     return out
 
@@ -554,9 +608,26 @@ def main(argv: list[str]) -> int:
         return 1
     for key, value in result.items():
         print(f"{key:>28}: {value}")
-    keys = ("join_s", "leave_s", "kill_s", "protocol_overhead_s", "sync_bytes_per_rebalance")
+    keys = (
+        "join_s",
+        "leave_s",
+        "kill_s",
+        "protocol_overhead_s",
+        "survivor_unread_s",
+        "sync_bytes_per_rebalance",
+    )
     figures = {k: result[k] for k in keys}
-    extra = ("partitions", "tasks", "layout", "join_group_s", "leave_group_s", "kill_group_s")
+    extra = (
+        "partitions",
+        "tasks",
+        "layout",
+        "join_group_s",
+        "leave_group_s",
+        "kill_group_s",
+        "join_survivor_unread_s",
+        "leave_survivor_unread_s",
+        "kill_survivor_unread_s",
+    )
     figures.update({k: result[k] for k in extra})
     print(json.dumps({"scenario": "rebalance", **figures}))
     return 0

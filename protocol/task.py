@@ -143,6 +143,14 @@ class Rules(msgspec.Struct, frozen=True):
     # A leader whose epoch append failed sends it again (``_resend_epoch``); the teeth test turns
     # it off to show that leaves a generation without its epoch.
     resend_failed_epoch: bool = True
+    # A leader plans only under a valid lease and once its own answer is in its CIM
+    # (``_may_plan``); the teeth test turns it off: a leader back from a pause past its lease
+    # plans its old generation from a CIM that has read nothing since.
+    lead_under_lease: bool = True
+    # A plan's offers reach the CIM only in its epoch message and are withdrawn when another
+    # epoch fences it (``_settle_plan``); the teeth test turns it off: a fenced plan's offers
+    # are published in a later generation.
+    plan_offers_in_epoch_only: bool = True
 
 
 class TaskConfig(msgspec.Struct, frozen=True):
@@ -195,6 +203,10 @@ class TaskCore:
         # an append that fails is sent again (the epoch must land, or nobody shares and a task
         # that joined in this generation never reads)
         self._epoch_out: tuple[Plan, int] | None = None
+        # the newest plan whose epoch has not landed yet, with this task's share entries of its
+        # tokens and the claims it replaced from before it: its offers reach the CIM only in
+        # that epoch, and are withdrawn if another epoch fences it (see _settle_plan)
+        self._plan_out: tuple[Plan, dict[str, Share | None], dict[str, Partition]] | None = None
         self._urgent = False
         self._answer = False
         self._last_publish = -(10**18)
@@ -338,9 +350,21 @@ class TaskCore:
             and self._plan_deadline >= 0
             and self._plan_requested < gen
             and self.cim.epoch < gen
+            and self._may_plan(max(self._plan_deadline, self._now))
         ):
             return self._plan_deadline  # (all answers in: requested at the event that brought it)
         return None
+
+    def _may_plan(self, now: int) -> bool:
+        """The leader plans and opens its generation's epoch only (a) while its lease holds: once
+        it has run out, the coordinator may have removed it and completed a newer generation, and
+        a process paused that long has read nothing meanwhile; and (b) once its own answer in this
+        generation is in its CIM, so that the CIM it plans from has read the log at least up to
+        when it joined (a process back from a pause may have a timer due before it has read
+        anything). Both become true again only through events (a lease, a message read)."""
+        if not self.config.rules.lead_under_lease:
+            return True
+        return self.lease_valid(now) and self.cim.view(self.me).epoch_seen >= self.generation
 
     def _checkpoint_due(self) -> int | None:
         if self._leads() and self.cim.epoch == self.generation and self.cim.leader == self.me:
@@ -354,7 +378,7 @@ class TaskCore:
             return None
         probe = self._sync_failing_since >= 0 and not self._unread
         flagged = self._urgent or self._answer or probe
-        if not (flagged or self.mine != self._sent_parts or self.shares != self._sent_share):
+        if not (flagged or self.mine != self._sent_parts or self._shares_to_send()):
             return None
         at = -(10**18)
         if not (flagged or self.draining):
@@ -385,6 +409,7 @@ class TaskCore:
         message = event.message
         before_epoch = self.cim.epoch
         ignored = self.cim.apply(event.offset, message)
+        self._settle_plan()
         if message.task_id == self.me:
             self._sync_failing_since = -1  # an append of ours went through and was read back
         own = message.task_id == self.me and isinstance(message, StateMessage | EpochMessage)
@@ -606,9 +631,19 @@ class TaskCore:
         self._urgent = True
 
     def _on_plan(self, plan: Plan, now: int) -> list[TaskCommand]:
-        if plan.generation != self.generation or self.leader != self.me or not self.member:
+        stale = self.cim.epoch >= plan.generation and self.config.rules.lead_under_lease
+        if plan.generation != self.generation or self.leader != self.me or not self.member or stale:
+            # (stale: an epoch that new landed while the plan was being made: it fences this one)
             self.counters["plan_discarded"] += 1
             return []
+        if not self._may_plan(now):
+            # the lease ran out while the plan was being made: ask again once it holds
+            self.counters["plan_discarded"] += 1
+            self._plan_requested = -1
+            return []
+        # a plan of an earlier generation whose epoch has not landed yet is superseded by this
+        # one (made from a newer CIM): what it offered and this one does not is withdrawn
+        before, replaced = self._withdraw_plan({o.token for o in plan.offers})
         live = set(plan.members)
         for offer in plan.offers:
             held = self.mine.get(offer.token)
@@ -616,9 +651,13 @@ class TaskCore:
                 continue  # finished here after the snapshot the plan came from
             if held is not None:
                 # claimed here after that snapshot (not yet in the CIM): the plan wins
+                replaced.setdefault(offer.token, held)
                 del self.mine[offer.token]
                 self.counters["claims_replanned"] += 1
+            before.setdefault(offer.token, self.shares.get(offer.token))
             self.shares[offer.token] = offer
+        if self.config.rules.plan_offers_in_epoch_only:
+            self._plan_out = (plan, before, replaced)
         planned = {o.token for o in plan.offers}
         for token, offer in list(self.shares.items()):
             dead_target = offer.target is not None and offer.target not in live
@@ -629,8 +668,65 @@ class TaskCore:
         self.counters["epochs_opened"] += 1
         return [self._publish_epoch(plan, now)]
 
+    def _settle_plan(self) -> None:
+        """A plan's offers reach the CIM only in its epoch message (where rule 5b of the CIM
+        raises their watermarks and the epoch fences what came before). Once the CIM holds an
+        epoch at least as new as the plan's generation, that epoch message either landed (the
+        offers are in the CIM: nothing to do) or never will (an epoch that new fences it): the
+        plan's offers are then withdrawn, never published in a later message of another
+        generation, where they would deal out partitions from a CIM long gone (a root read to
+        its end and removed, dealt out again from its start)."""
+        if self._plan_out is None:
+            return
+        plan = self._plan_out[0]
+        if self.cim.epoch < plan.generation:
+            return
+        landed = (
+            self.cim.epoch == plan.generation
+            and self.cim.leader == self.me
+            and self.cim.sync_epoch == plan.sync_epoch
+        )
+        if landed:
+            self._plan_out = None
+        else:
+            self.counters["plan_fenced"] += 1
+            self._withdraw_plan(set())
+
+    def _withdraw_plan(
+        self, keep: set[str]
+    ) -> tuple[dict[str, Share | None], dict[str, Partition]]:
+        """Withdraw the offers of the plan whose epoch has not landed (but those in ``keep``,
+        which a newer plan deals out again): each of its tokens gets back the share entry and
+        the claim this task had before the plan. An entry the CIM holds as it stands is kept.
+        Returns what the kept tokens had before the plan."""
+        if self._plan_out is None:
+            return {}, {}
+        plan, before, replaced = self._plan_out
+        self._plan_out = None
+        held = self.cim.view(self.me).share
+        for offer in plan.offers:
+            token = offer.token
+            if token in keep or token not in before:
+                continue
+            current = self.shares.get(token)
+            if current is not None and held.get(token) == current:
+                continue  # the CIM holds this entry: not the plan's
+            previous = before[token]
+            if previous is None:
+                self.shares.pop(token, None)
+                self.moves.pop(token, None)
+            else:
+                self.shares[token] = previous
+            claim = replaced.get(token)
+            if claim is not None and token not in self.mine:
+                self.mine[token] = claim
+            self.counters["plan_offers_withdrawn"] += 1
+            self._urgent = True
+        kept = {t: before[t] for t in keep if t in before}
+        return kept, {t: replaced[t] for t in keep if t in replaced}
+
     def _publish_epoch(self, plan: Plan, now: int) -> Publish:
-        state = self._diff(now, force=True)
+        state = self._diff(now, force=True, epoch=True)
         assert state is not None
         self._mark_sent(state)
         self._unread.add(state.state_timestamp)
@@ -690,7 +786,12 @@ class TaskCore:
             return []
         out: list[TaskCommand] = []
         gen = self.generation
-        if self._plan_deadline >= 0 and self._plan_requested < gen and self.cim.epoch < gen:
+        if (
+            self._plan_deadline >= 0
+            and self._plan_requested < gen
+            and self.cim.epoch < gen
+            and self._may_plan(now)
+        ):
             answered = all(self.cim.view(m).epoch_seen >= gen for m in self.members)
             if answered or now >= self._plan_deadline:
                 if not answered:
@@ -719,7 +820,11 @@ class TaskCore:
                 # the release of the move it answered: from the offerer it named, not a stale
                 # released offer another holder still shows for the partition
                 released = offer.kind == "move" and offer.released and have.source == holder
-                if have.status == "incoming" and released:
+                # completing a hand-off is a pick-up too: not during a rebalance, before its
+                # epoch is in the CIM (the offerer may be dropped by it, and the leader may have
+                # dealt its partition out; a survivor's lease holds through the rebalance, so it
+                # would read beside the partition's new owner)
+                if have.status == "incoming" and released and enabled:
                     self.mine[token] = msgspec.structs.replace(
                         offer.partition, status="owned", source=""
                     )
@@ -1012,10 +1117,18 @@ class TaskCore:
             connector_state=(state,),
         )
 
-    def _diff(self, now: int, *, force: bool) -> TaskState | None:
+    def _shares_to_send(self) -> bool:
+        """Whether a state message carries the share section. Not while this task's plan's
+        epoch is on its way (:meth:`_settle_plan`): the section would carry the plan's offers
+        outside their epoch, and without them it would withdraw them from the epoch that may
+        land first; share changes wait until the epoch landed or was fenced."""
+        return self._plan_out is None and self.shares != self._sent_share
+
+    def _diff(self, now: int, *, force: bool, epoch: bool = False) -> TaskState | None:
         data = tuple(p for t, p in self.mine.items() if self._sent_parts.get(t) != p)
         removed = tuple(t for t in self._sent_parts if t not in self.mine)
-        shares = None if self.shares == self._sent_share else tuple(self.shares.values())
+        send = self.shares != self._sent_share if epoch else self._shares_to_send()
+        shares = tuple(self.shares.values()) if send else None
         if not (data or removed or shares is not None or force):
             return None
         self._last_state_ts = max(now, self._last_state_ts + 1)

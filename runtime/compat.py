@@ -11,7 +11,10 @@ against the library's new source and add the version to :data:`AIOKAFKA` or :dat
 aiokafka (:data:`AIOKAFKA`), used by :mod:`runtime.kafka.membership`:
 
 * :func:`observe_heartbeats` wraps ``GroupCoordinator._do_heartbeat`` to learn when a heartbeat
-  succeeds (aiokafka has no callback for it; the membership lease is built on it);
+  succeeds (aiokafka has no callback for it);
+* :func:`observe_group_requests` wraps ``GroupCoordinator._send_req`` to learn the send time and
+  the answer of every Heartbeat, JoinGroup and SyncGroup (the membership lease is built on them,
+  :mod:`protocol.lease`);
 * :func:`group_coordinator` is the consumer's ``_coordinator`` (generation, member id,
   ``request_rejoin``);
 * :func:`send_leave_group` sends a LeaveGroup through the coordinator's ``_send_req`` (aiokafka
@@ -135,6 +138,50 @@ def observe_heartbeats(
         return ok
 
     coordinator._do_heartbeat = observed_heartbeat
+
+
+GROUP_REQUESTS: Final = ("heartbeat", "join", "sync")
+
+
+def observe_group_requests(
+    coordinator: Any,
+    clock: Callable[[], float],
+    on_answer: Callable[[str, float, int | None], None],
+) -> None:
+    """Before each Heartbeat, JoinGroup and SyncGroup the coordinator sends, call
+    ``on_answer(kind, sent, None)`` (``kind`` one of :data:`GROUP_REQUESTS`); after it, call
+    ``on_answer(kind, sent, error_code)`` with the answer's error code, or ``-1`` when no answer
+    came (an error was raised: a timeout or a broken connection, which aiokafka re-raises or
+    turns into a retry). ``sent`` is ``clock()`` just before sending. Wraps
+    ``GroupCoordinator._send_req``, through which aiokafka sends all three (the rebalance code
+    calls it as ``coordinator._send_req``, so an instance attribute takes effect)."""
+    check(AIOKAFKA, "GroupCoordinator._send_req, wrapped to observe group requests")
+    from aiokafka.protocol.group import HeartbeatRequest, JoinGroupRequest, SyncGroupRequest
+
+    original = getattr(coordinator, "_send_req", None)
+    if original is None:
+        raise _missing(AIOKAFKA, "GroupCoordinator._send_req")
+    kinds: tuple[tuple[type[Any], str], ...] = (
+        (HeartbeatRequest, "heartbeat"),
+        (JoinGroupRequest, "join"),
+        (SyncGroupRequest, "sync"),
+    )
+
+    async def observed_send(request: Any) -> Any:
+        kind = next((name for cls, name in kinds if isinstance(request, cls)), None)
+        if kind is None:
+            return await original(request)
+        sent = clock()
+        on_answer(kind, sent, None)
+        try:
+            response = await original(request)
+        except BaseException:
+            on_answer(kind, sent, -1)
+            raise
+        on_answer(kind, sent, int(response.error_code))
+        return response
+
+    coordinator._send_req = observed_send
 
 
 async def send_leave_group(coordinator: Any, group_id: str) -> None:

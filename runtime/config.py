@@ -264,13 +264,13 @@ class KafkaOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_timeout_ms: Annotated[
         Annotated[int, Meta(gt=0)] | None,
         Meta(
-            description="Heartbeat-group session timeout; unset: 3000 on the embedded broker, "
+            description="Heartbeat-group session timeout; unset: 4000 on the embedded broker, "
             "10000 on a real Kafka (which refuses < 6000 by default).",
         ),
     ] = None
     heartbeat_interval_ms: Annotated[
         Annotated[int, Meta(gt=0)] | None,
-        Meta(description="Group heartbeat interval; unset: 1000 / 3000."),
+        Meta(description="Group heartbeat interval; unset: 500 / 3000."),
     ] = None
     request_timeout_ms: Annotated[
         Annotated[int, Meta(gt=0)] | None,

@@ -23,8 +23,10 @@ class KafkaAdapterError(RuntimeError):
 
 class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How to reach Kafka. ``session_timeout_ms``/``heartbeat_interval_ms`` are the heartbeat-topic
-    group's; the embedded broker is fine with 3000/1000 (:meth:`embedded`), a real Kafka refuses
-    sessions under its ``group.min.session.timeout.ms`` (6000 by default)."""
+    group's; the embedded broker is fine with 4000/500 (:meth:`embedded`), a real Kafka refuses
+    sessions under its ``group.min.session.timeout.ms`` (6000 by default). The rebalance timeout
+    is twice the session (:class:`runtime.kafka.membership.KafkaMembership`); why these values
+    keep every survivor's lease through a rebalance: docs/operations.md ("Group timeouts")."""
 
     bootstrap_servers: str
     security_protocol: SecurityProtocol = "PLAINTEXT"
@@ -43,11 +45,17 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def embedded(cls, bootstrap_servers: str) -> KafkaConfig:
-        """Settings for the embedded broker: plaintext, fast group timeouts (3000/1000 ms)."""
+        """Settings for the embedded broker: plaintext, fast group timeouts (4000/500 ms).
+
+        The embedded broker holds a JoinGroup for about half the session timeout, in steps of a
+        second (2 s for a session of 3000 or 4000 ms), and a follower's SyncGroup until the
+        leader's, whose JoinGroup may start a heartbeat interval later; a member's lease covers
+        ``session - session/6`` from its last heartbeat. 4000/500 leaves ~1.3 s of it after the
+        rebalance; 3000/1000 left none, so every survivor stopped reading in every rebalance."""
         return cls(
             bootstrap_servers=bootstrap_servers,
-            session_timeout_ms=3_000,
-            heartbeat_interval_ms=1_000,
+            session_timeout_ms=4_000,
+            heartbeat_interval_ms=500,
             request_timeout_ms=10_000,
         )
 

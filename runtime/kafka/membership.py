@@ -23,9 +23,9 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, RebalanceInProgressError
 
-from protocol import epochs
+from protocol import epochs, lease
 from runtime import compat
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import check_connector, ensure_topic, heartbeat_topic
@@ -34,6 +34,8 @@ from runtime.ports import GroupAssignment, GroupEvent, GroupLost
 log = logging.getLogger(__name__)
 
 _UNKNOWN_MEMBER_ID: Final = ""  # aiokafka's JoinGroupRequest.UNKNOWN_MEMBER_ID
+_NONE: Final = 0  # a group request's error code: none
+_REBALANCE_IN_PROGRESS: Final[int] = RebalanceInProgressError.errno
 
 
 class MembershipError(KafkaAdapterError):
@@ -174,20 +176,28 @@ class KafkaMembership:
 
     After a loss the member keeps trying to rejoin; success is a new :class:`GroupAssignment`.
 
-    :meth:`lease_valid_until` is the monotonic time of the last successful heartbeat (its send
-    time) or completed join, plus the session timeout, minus ``lease_margin_ms`` (default: a
-    sixth of the session, at most 1 s: it must cover how long the task takes to notice the
-    lease is past and stop its readers); ``-inf`` while not a member. A task stops its readers
-    once it is past. aiokafka sends no heartbeat while its JoinGroup is in flight, so a slow
-    rebalance (one waiting for a member that does not rejoin) can let the lease lapse although
-    this member is kept; :attr:`rebalance_in_progress` tells that case apart, and the next
-    assignment renews the lease. Measured on the embedded broker (3000/1000 ms): the lease
-    keeps >= ~0.5 s of headroom through ordinary joins, leaves and kills.
+    :meth:`lease_valid_until` is the rule of :mod:`protocol.lease` on the monotonic clock: the
+    send time of the last request the coordinator answered as this member's (a heartbeat
+    answered ``NONE`` or ``REBALANCE_IN_PROGRESS``, a JoinGroup or SyncGroup answered ``NONE``)
+    plus the session timeout, but no later than the last answer that showed no rebalance plus
+    the rebalance timeout, minus ``lease_margin_ms`` (default: a sixth of the session, at most
+    1 s: it must cover how long the task takes to notice the lease is past and stop its
+    readers); ``-inf`` while not a member. A task stops its readers once it is past. So a
+    member keeps its lease through a rebalance it takes part in as long as its JoinGroup is
+    answered within ``session - margin`` of the ``REBALANCE_IN_PROGRESS`` heartbeat, and a
+    JoinGroup in flight never extends it (it may never have reached the coordinator).
+    :attr:`rebalance_in_progress` says whether a rebalance is under way for this member. The
+    requests' send times and answers are observed through :func:`runtime.compat.observe_group_requests`.
 
     :meth:`close` leaves the group at once (others rebalance in ~2 s on the embedded broker
     instead of waiting a session timeout); if this member's rebalance is in flight it first lets
-    it finish (at most the rebalance timeout + 1 s). ``rebalance_timeout_ms`` defaults to the
-    session timeout.
+    it finish (at most twice the rebalance timeout + 1 s). ``rebalance_timeout_ms`` defaults to
+    twice the session timeout: the lease of a member told ``REBALANCE_IN_PROGRESS`` is bounded
+    by the rebalance timeout from its last stable heartbeat (:mod:`protocol.lease`), and with
+    the rebalance timeout equal to the session that bound would end the lease a heartbeat
+    interval earlier than the session does. aiokafka rejoins at its first heartbeat after the
+    rebalance began, so a longer rebalance timeout delays no rebalance unless a member stops
+    rejoining while it still heartbeats.
 
     A :class:`GroupAssignment`'s ``generation`` is the *epoch* of the generation, which never goes
     back, unlike Kafka's generations (they start at 0 on the embedded broker, restart when it
@@ -217,8 +227,12 @@ class KafkaMembership:
             raise ValueError("task_id must not be empty")
         session = config.session_timeout_ms
         margin = lease_margin_ms if lease_margin_ms is not None else min(session // 6, 1_000)
-        if not 0 <= margin < session:
-            raise ValueError(f"lease_margin_ms must be in [0, {session}), got {margin}")
+        rebalance = rebalance_timeout_ms or 2 * session
+        if not 0 <= margin < min(session, rebalance):
+            raise ValueError(
+                f"lease_margin_ms must be in [0, {min(session, rebalance)}) (below the session "
+                f"and rebalance timeouts), got {margin}"
+            )
         if event_buffer < 1:
             raise ValueError(f"event_buffer must be >= 1, got {event_buffer}")
         self._config = config
@@ -227,8 +241,11 @@ class KafkaMembership:
         self.group_id = connector
         self.topic = heartbeat_topic(connector)
         self._session_s = session / 1000
-        self._rebalance_timeout_ms = rebalance_timeout_ms or session
-        self._margin_s = margin / 1000
+        self._rebalance_timeout_ms = rebalance
+        self._timing = lease.LeaseTiming(
+            session=session * 1000, rebalance=rebalance * 1000, margin=margin * 1000
+        )
+        self._facts = lease.MemberFacts()  # the membership facts the lease is derived from
         self._clock = clock
         self._epoch_floor = epoch_floor
         self._epoch_seen = epochs.NO_EPOCH  # the newest epoch this member was assigned
@@ -240,7 +257,6 @@ class KafkaMembership:
         self._events_taken = False
         # Membership state.
         self._current: GroupAssignment | None = None  # None: not a member
-        self._last_ok = -math.inf  # monotonic time of the last proof of membership
         self._joining = False
         self._settled = asyncio.Event()  # set while no rebalance of this member is in flight
         # Counters.
@@ -266,8 +282,14 @@ class KafkaMembership:
 
     @property
     def rebalance_in_progress(self) -> bool:
-        """A rebalance started (this member is rejoining) and has not completed yet."""
-        return self._joining
+        """A rebalance started (this member was told so, or is rejoining) and has not completed
+        yet."""
+        return self._joining or lease.rebalance_in_progress(self._facts)
+
+    @property
+    def lease_facts(self) -> lease.MemberFacts:
+        """The membership facts the lease is derived from (send times in micros of the clock)."""
+        return self._facts
 
     @property
     def current(self) -> GroupAssignment | None:
@@ -294,7 +316,8 @@ class KafkaMembership:
     def lease_valid_until(self) -> float:
         if self._current is None:
             return -math.inf
-        return self._last_ok + self._session_s - self._margin_s
+        until = lease.valid_until(self._facts, self._timing)
+        return -math.inf if until is None else until / 1_000_000
 
     def statistics(self) -> MembershipStats:
         current = self._current
@@ -470,7 +493,8 @@ class KafkaMembership:
             allowed = self._session_s
             if self._joining:
                 allowed += self._rebalance_timeout_ms / 1000
-            silent = self._clock() - self._last_ok
+            alive = self._facts.alive
+            silent = self._clock() - (alive / 1_000_000 if alive is not None else -math.inf)
             if silent > allowed:
                 self._lose(
                     f"no successful heartbeat for {silent:.1f} s (session timeout "
@@ -480,20 +504,39 @@ class KafkaMembership:
                     coordinator.request_rejoin()
 
     def _observe_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
-        """Learn when a heartbeat succeeds (aiokafka has no public callback for it: see
-        :func:`runtime.compat.observe_heartbeats`)."""
+        """Learn the send time and answer of every group request (aiokafka has no public
+        callback for them: see :func:`runtime.compat.observe_group_requests`); they are the
+        facts of the lease (:mod:`protocol.lease`)."""
         coordinator = compat.group_coordinator(consumer)
 
         def heartbeat_done(sent: float, ok: bool) -> None:
             if ok:
                 self._heartbeats_ok += 1
-                self._last_ok = max(self._last_ok, sent)
             else:
                 self._heartbeats_failed += 1
                 if coordinator.member_id == _UNKNOWN_MEMBER_ID:
                     self._lose("heartbeat rejected: unknown member id or illegal generation")
 
+        def answered(kind: str, sent_s: float, error: int | None) -> None:
+            sent = int(sent_s * 1_000_000)
+            facts = self._facts
+            if kind == "heartbeat":
+                if error in (_NONE, _REBALANCE_IN_PROGRESS):
+                    rebalancing = error == _REBALANCE_IN_PROGRESS
+                    facts = lease.heartbeat_answered(facts, sent, rebalancing=rebalancing)
+            elif kind == "join":
+                if error is None:
+                    facts = lease.join_sent(facts, sent)
+                elif error == _NONE:
+                    facts = lease.join_answered(facts)
+                else:
+                    facts = lease.join_failed(facts)
+            elif error == _NONE:  # sync
+                facts = lease.sync_answered(facts, sent)
+            self._facts = facts
+
         compat.observe_heartbeats(coordinator, self._clock, heartbeat_done)
+        compat.observe_group_requests(coordinator, self._clock, answered)
 
     # -- state changes (called from the listener, the heartbeat hook and the watchdog) ---------
 
@@ -535,7 +578,6 @@ class KafkaMembership:
             return
         self._epoch_seen = verdict.epoch
         event = GroupAssignment(generation=verdict.epoch, leader=info.leader, members=info.members)
-        self._last_ok = self._clock()
         self._current = event
         self._assignments += 1
         log.info(
@@ -552,6 +594,7 @@ class KafkaMembership:
             return
         log.warning("%r: group membership lost: %s", self, reason)
         self._current = None
+        self._facts = lease.lost(self._facts)
         self._losses += 1
         self._put(GroupLost(reason=reason))
 

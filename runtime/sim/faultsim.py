@@ -32,6 +32,18 @@ partition's position atomically with every batch it commits; a crashed task's co
 stay committed, and a new owner starts from the newer of the sync log's and the sink's position
 (a kill -9 between the sink's commit and the watermark's publication writes nothing twice).
 
+The group coordinator follows the classic protocol's rules for removing members (K1-K4 of
+``protocol/lease.py``): a heartbeat restarts a member's session and is answered
+``REBALANCE_IN_PROGRESS`` while a rebalance is prepared, upon which the member sends its JoinGroup
+and no heartbeat until it is answered; a JoinGroup reaches the coordinator after a delay or is
+lost (``join_loss_p``; it then times out and is sent again); the join phase ends once every
+member joined or the rebalance timeout passed, removing who did not join; followers wait for
+the leader's SyncGroup without being expelled, and answering the SyncGroups restarts every
+member's session (Kafka's ``propagateAssignment``); a removed member learns it only from the
+answer to its next request. Each task's lease comes from the same pure
+rule as the Kafka adapter's (``protocol.lease.valid_until`` over the send times of the requests
+answered), or from a broken one in the teeth tests (``lease_rules``).
+
 ``run(seed)`` returns a :class:`SimResult`; a failure names its seed so it can be replayed.
 """
 
@@ -45,10 +57,11 @@ from random import Random
 
 import msgspec
 
-from protocol import epochs, messages
+from protocol import epochs, lease, messages
 from protocol.cim import Cim
 from protocol.dedup import Identity, PartitionTail, Position
 from protocol.events import Ids
+from protocol.lease import LeaseRules, LeaseTiming, MemberFacts
 from protocol.messages import (
     EpochMessage,
     Partition,
@@ -120,7 +133,18 @@ class SimParams(msgspec.Struct, frozen=True):
     quiet_us: int = 30_000_000
     session_timeout_us: int = 3_000_000
     heartbeat_us: int = 1_000_000
-    rebalance_delay_us: int = 1_000_000
+    rebalance_delay_us: int = 1_000_000  # unused (the join phase times itself); kept for callers
+    # the group coordinator's rebalance (join-phase) timeout and the lease margin
+    # (protocol/lease.py); a JoinGroup reaches the coordinator after join_delay_steps, or is lost
+    # with join_loss_p (the member's request times out after request_timeout_us and it sends
+    # another; no heartbeat meanwhile, as aiokafka)
+    rebalance_timeout_us: int = 6_000_000
+    lease_margin_us: int = 500_000
+    join_delay_steps: tuple[int, int] = (0, 3)
+    join_loss_p: float = 0.0
+    request_timeout_us: int = 2_000_000
+    # the teeth tests break the lease rule (count a JoinGroup in flight, drop the rebalance bound)
+    lease_rules: LeaseRules = LeaseRules()
     crash_p: float = 0.004
     restart_p: float = 0.5  # a crashed task comes back under the same id
     join_p: float = 0.004
@@ -148,6 +172,10 @@ class SimParams(msgspec.Struct, frozen=True):
     refuse_owned_offers: bool = True
     adopt_own_state: bool = True
     resend_failed_epoch: bool = True
+    # the teeth tests turn off the leader's rules of protocol/task.py: planning only under a
+    # valid lease once its own answer is in its CIM, and a plan's offers only in its epoch
+    lead_under_lease: bool = True
+    plan_offers_in_epoch_only: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
     # the simulated sink: each batch commits after a delay (in order per reader), and fails
     # with this chance (the reader then re-reads from its committed position). It draws from
@@ -210,6 +238,9 @@ class _Node:
         self.epoch_seen = epochs.NO_EPOCH  # the newest epoch this node was assigned
         # readers' newest committed positions, handed to the core once per step (coalesced)
         self.commits: dict[str, tuple[int, Ids]] = {}
+        self.facts = MemberFacts()  # what its membership adapter knows (protocol/lease.py)
+        # its JoinGroup in flight: (arrival step, or -1 when lost; step its request times out)
+        self.join: tuple[int, int] | None = None
 
     def paused(self, step: int) -> bool:
         return step < self.paused_until
@@ -248,10 +279,21 @@ class Simulation:
         self.delivered: Counter[tuple[int, str, str]] = Counter()
         self.ids = itertools.count()
         self.joins = itertools.count()
-        # group coordinator
+        # group coordinator: members and the step of their last request it processed; a
+        # rebalance prepares from preparing_since (-1: stable) until every member joined or the
+        # rebalance timeout passed (protocol/lease.py, K1-K4)
         self.generation = -1
         self.group: dict[str, int] = {}  # member -> last heartbeat step
-        self.rebalance_at = -1
+        self.preparing_since = -1
+        self.joined: set[str] = set()
+        self.churning = True
+        # a generation whose leader has not sent its SyncGroup yet: (members, leader)
+        self.pending: tuple[tuple[str, ...], str] | None = None
+        self.timing = LeaseTiming(
+            session=params.session_timeout_us,
+            rebalance=params.rebalance_timeout_us,
+            margin=params.lease_margin_us,
+        )
         self.stats: Counter[str] = Counter()
         self.restarts: list[tuple[int, str]] = []  # (step, task id) of crashed tasks to restart
         self.log_sizes: deque[int] = deque(maxlen=self.steps(1_000_000) + 1)
@@ -261,6 +303,8 @@ class Simulation:
             refuse_owned_offers=params.refuse_owned_offers,
             adopt_own_state=params.adopt_own_state,
             resend_failed_epoch=params.resend_failed_epoch,
+            lead_under_lease=params.lead_under_lease,
+            plan_offers_in_epoch_only=params.plan_offers_in_epoch_only,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")
@@ -295,9 +339,16 @@ class Simulation:
         self.nodes[task_id] = node
         # Subscription order: replay the sync log first, then join the group.
         self.read_log(node)
-        self.group[task_id] = self.step
-        self.schedule_rebalance()
+        self.enter_group(node)
         return node
+
+    def enter_group(self, node: _Node) -> None:
+        """A new member's JoinGroup: it starts (or joins) a rebalance, having joined it."""
+        node.facts = lease.join_sent(MemberFacts(), self.now())
+        node.join = None
+        self.group[node.id] = self.step
+        self.begin_rebalance()
+        self.joined.add(node.id)
 
     def deliver(self, node: _Node, event: TaskEvent, delay_steps: int = 0) -> None:
         heapq.heappush(node.inbox, (self.step + delay_steps, next(self.seq), event))
@@ -426,9 +477,36 @@ class Simulation:
                 self.handle(node, SyncRead(offset, self.log[offset]))
 
     # -- the group coordinator -------------------------------------------------------------------
-    def schedule_rebalance(self) -> None:
-        self.rebalance_at = self.step + self.steps(self.p.rebalance_delay_us)
-        self.stats["rebalances_started"] += 1
+    def begin_rebalance(self) -> None:
+        if self.preparing_since < 0:
+            self.preparing_since = self.step
+            self.joined = set()
+            self.stats["rebalances_started"] += 1
+        if self.pending is not None:
+            # the superseded generation's members waiting for its assignment are answered
+            # REBALANCE_IN_PROGRESS on their SyncGroup and rejoin
+            members, leader = self.pending
+            self.pending = None
+            self.stats["superseded_generations"] += 1
+            for member in members:
+                node = self.nodes[member]
+                running = node.alive and not node.paused(self.step)
+                if member != leader and member in self.group and running:
+                    self.send_join(node)
+
+    def renew(self, node: _Node) -> None:
+        """The membership adapter hands the core the lease its facts give (protocol/lease.py)."""
+        until = lease.valid_until(node.facts, self.timing, self.p.lease_rules)
+        if until is not None:
+            self.deliver(node, Lease(until))
+
+    def send_join(self, node: _Node) -> None:
+        node.facts = lease.join_sent(node.facts, self.now())
+        lo, hi = self.p.join_delay_steps
+        lost = self.churning and self.p.join_loss_p > 0 and self.rng.random() < self.p.join_loss_p
+        arrive = -1 if lost else self.step + self.rng.randint(lo, hi)
+        node.join = (arrive, self.step + self.steps(self.p.request_timeout_us))
+        self.renew(node)  # the broken rule counts a join in flight
 
     def run_group(self) -> None:
         step = self.step
@@ -436,19 +514,53 @@ class Simulation:
         hb = self.steps(self.p.heartbeat_us)
         for task_id in list(self.group):
             node = self.nodes[task_id]
-            if node.alive and not node.paused(step):
-                if (step - node.join_order) % hb == 0:
-                    self.group[task_id] = step
-                    lease = self.now() + self.p.session_timeout_us - self.p.heartbeat_us
-                    self.deliver(node, Lease(lease))
-            elif step - self.group[task_id] >= timeout:
-                del self.group[task_id]
-                node.expelled = True
-                self.schedule_rebalance()
-        if self.rebalance_at >= 0 and step >= self.rebalance_at:
-            self.rebalance_at = -1
-            if not self.group:
-                return
+            running = node.alive and not node.paused(step)
+            join = node.join
+            if join is not None and 0 <= join[0] <= step:  # its JoinGroup arrives
+                # held by the coordinator until the join phase ends (a JoinGroup in a stable
+                # group starts a rebalance)
+                node.join = (-2, join[1])
+                self.begin_rebalance()
+                self.joined.add(task_id)
+                self.group[task_id] = step
+            elif running and join is not None and join[0] == -1 and step >= join[1]:
+                node.facts = lease.join_failed(node.facts)  # timed out: no proof (A3)
+                self.send_join(node)
+            elif running and join is None and (step - node.join_order) % hb == 0:
+                # a heartbeat, answered at once: NONE, or REBALANCE_IN_PROGRESS (and the
+                # member rejoins at once, sending no heartbeat until it is answered)
+                self.group[task_id] = step
+                rebalancing = self.preparing_since >= 0
+                node.facts = lease.heartbeat_answered(
+                    node.facts, self.now(), rebalancing=rebalancing
+                )
+                self.renew(node)
+                if rebalancing and task_id not in self.joined:
+                    self.send_join(node)
+            held = self.preparing_since >= 0 and task_id in self.joined  # kept (K4)
+            if self.pending is not None and task_id != self.pending[1]:
+                held = held or task_id in self.pending[0]  # waiting for the leader's sync
+            if held or step - self.group[task_id] < timeout:
+                continue
+            del self.group[task_id]  # its session expired (K1, K3)
+            node.expelled = True
+            self.begin_rebalance()
+        self.sync_pending()
+        if self.preparing_since < 0 or not self.group:
+            return
+        done = all(m in self.joined for m in self.group)
+        if not done and step < self.preparing_since + self.steps(self.p.rebalance_timeout_us):
+            return
+        # The join phase ends: who did not join is removed (K2); the others' sessions restart.
+        self.preparing_since = -1
+        for task_id in [m for m in self.group if m not in self.joined]:
+            del self.group[task_id]
+            self.nodes[task_id].expelled = True
+            self.stats["join_phase_removals"] += 1
+        for task_id in self.group:
+            self.group[task_id] = step
+        self.joined = set()
+        if self.group:
             if self.p.group_restart_p and self.rng.random() < self.p.group_restart_p:
                 self.generation = -1
                 self.stats["group_restarts"] += 1
@@ -456,29 +568,59 @@ class Simulation:
             members = tuple(sorted(self.group))
             leader = min(members, key=lambda m: self.nodes[m].join_order)
             self.stats["rebalances"] += 1
-            # the epoch rules of the Kafka membership adapter (protocol/epochs.py): the leader
-            # numbers the generation from what every member knows; each member accepts only an
-            # epoch newer than any it knows, else it rejoins
-            known = [
-                epochs.newest(self.nodes[m].epoch_seen, self.nodes[m].core.cim.epoch)
-                for m in members
-            ]
-            epoch = epochs.number(self.generation, known) if self.p.epoch_rules else self.generation
-            for member in members:
-                node = self.nodes[member]
-                node.expelled = False
-                verdict = epochs.receive(
-                    epoch, self.generation, epochs.newest(node.epoch_seen, node.core.cim.epoch)
-                )
-                if not self.p.epoch_rules:
-                    verdict = epochs.Accepted(epoch)
-                if isinstance(verdict, epochs.Stale):
-                    self.stats["stale_epochs"] += 1
-                    self.deliver(node, Lost(verdict.reason))
-                    self.schedule_rebalance()
-                    continue
-                node.epoch_seen = verdict.epoch
-                self.deliver(node, Joined(verdict.epoch, leader, members), self.rng.randint(0, 3))
+            self.pending = (members, leader)
+            self.sync_pending()
+
+    def sync_pending(self) -> None:
+        """The generation's assignments reach its members once its leader, running, has sent
+        them in its SyncGroup; a leader paused or dead since its JoinGroup never does, and a
+        rebalance that begins first supersedes the generation (nobody gets it)."""
+        if self.pending is None:
+            return
+        members, leader = self.pending
+        node = self.nodes[leader]
+        if leader in self.group and node.alive and not node.paused(self.step):
+            self.pending = None
+            self.complete_rebalance(members, leader)
+
+    def complete_rebalance(self, members: tuple[str, ...], leader: str) -> None:
+        # the epoch rules of the Kafka membership adapter (protocol/epochs.py): the leader
+        # numbers the generation from what every member knows; each member accepts only an
+        # epoch newer than any it knows, else it rejoins
+        known = [
+            epochs.newest(self.nodes[m].epoch_seen, self.nodes[m].core.cim.epoch) for m in members
+        ]
+        epoch = epochs.number(self.generation, known) if self.p.epoch_rules else self.generation
+        for member in members:
+            node = self.nodes[member]
+            node.expelled = False
+            if member in self.group:
+                # the coordinator answers every member's SyncGroup with its assignment and
+                # restarts its session (Kafka's propagateAssignment; K1): a follower held
+                # waiting for a paused leader is not expelled the moment the leader syncs
+                self.group[member] = self.step
+            verdict = epochs.receive(
+                epoch, self.generation, epochs.newest(node.epoch_seen, node.core.cim.epoch)
+            )
+            if not self.p.epoch_rules:
+                verdict = epochs.Accepted(epoch)
+            # its JoinGroup answered, then its SyncGroup (sent now, answered with the
+            # assignment after a delay): both prove membership from their send times
+            node.facts = lease.sync_answered(lease.join_answered(node.facts), self.now())
+            node.join = None
+            if isinstance(verdict, epochs.Stale):
+                self.stats["stale_epochs"] += 1
+                self.deliver(node, Lost(verdict.reason))
+                node.facts = lease.join_sent(lease.lost(node.facts), self.now())
+                self.begin_rebalance()  # it rejoins at once, telling the next leader
+                self.joined.add(member)
+                continue
+            node.epoch_seen = verdict.epoch
+            delay = self.rng.randint(0, 3)
+            self.deliver(node, Joined(verdict.epoch, leader, members), delay)
+            until = lease.valid_until(node.facts, self.timing, self.p.lease_rules)
+            if until is not None:
+                self.deliver(node, Lease(until), delay)
 
     # -- readers and the sink --------------------------------------------------------------------
     def active(self, node: _Node) -> bool:
@@ -635,7 +777,8 @@ class Simulation:
             victim.alive = False
             victim.readers.clear()
             self.group.pop(victim.id, None)
-            self.schedule_rebalance()
+            self.joined.discard(victim.id)
+            self.begin_rebalance()
             self.stats["leaves"] += 1
         if len(alive) > 1 and r() < self.p.pause_p:
             victim = self.rng.choice(alive)
@@ -645,8 +788,24 @@ class Simulation:
                 self.stats["pauses"] += 1
 
     # -- one step ------------------------------------------------------------------------------
+    def learns_removal(self, node: _Node) -> bool:
+        """A member the coordinator removed learns it only from the answer to its next request
+        (``UNKNOWN_MEMBER_ID``): its next heartbeat, or its JoinGroup once it arrives; a lost
+        JoinGroup times out and is sent again."""
+        join = node.join
+        if join is None:
+            return (self.step - node.join_order) % self.steps(self.p.heartbeat_us) == 0
+        arrive, timeout = join
+        if arrive == -1:
+            if self.step >= timeout:
+                node.facts = lease.join_failed(node.facts)
+                self.send_join(node)
+            return False
+        return arrive <= self.step
+
     def tick(self, churn: bool) -> None:
         self.step += 1
+        self.churning = churn
         if churn:
             self.faults()
         for due in [r for r in self.restarts if r[0] <= self.step]:
@@ -661,14 +820,13 @@ class Simulation:
         for node in order:
             if node.paused(self.step):
                 continue
-            if node.expelled and node.id not in self.group:
+            if node.expelled and node.id not in self.group and self.learns_removal(node):
                 node.expelled = False
                 # An expelled member never gets the assignments of the generations it missed.
                 node.inbox = [e for e in node.inbox if not isinstance(e[2], Joined)]
                 heapq.heapify(node.inbox)
                 self.handle(node, Lost("expelled"))
-                self.group[node.id] = self.step
-                self.schedule_rebalance()
+                self.enter_group(node)
             self.tick_due(node)
             self.read_log(node)
             while node.inbox and node.inbox[0][0] <= self.step:

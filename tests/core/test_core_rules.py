@@ -36,6 +36,7 @@ from protocol.task import (
     ReaderCommitted,
     ReaderStopped,
     RequestPlan,
+    Rules,
     StartReader,
     StopReader,
     StopReason,
@@ -559,6 +560,128 @@ def test_an_epoch_append_failing_after_a_newer_rebalance_is_not_sent_again() -> 
     out = c.handle(PublishFailed("timed out", own_state_ts(first.message)), now=8)
     assert not any(isinstance(cmd.message, EpochMessage) for cmd in out if isinstance(cmd, Publish))
     assert c.counters["epoch_resent"] == 0
+
+
+def _leader_of_generation_1(lease: int = 10**12, rules: Rules | None = None) -> TaskCore:
+    """``a`` leads generation 1 (members a, b) under a lease until ``lease``, its answer read
+    back; x, the leader of epoch 0, offered p1 and is gone, so a plan deals p1 out."""
+    c = TaskCore(TaskConfig(task_id="a", cap=2, rules=rules or Rules()), Random(0))
+    c.handle(SyncRead(0, epoch("x", 0, ("a", "x"), Share(part("p1", 5), target="x"))), now=1)
+    c.handle(Lease(until=lease), now=2)
+    (answer,) = c.handle(Joined(generation=1, leader="a", members=("a", "b")), now=3)
+    assert isinstance(answer, Publish)
+    c.handle(SyncRead(1, answer.message), now=4)
+    return c
+
+
+def test_a_leader_whose_lease_ran_out_plans_only_once_it_holds_again() -> None:
+    # A leader paused past its lease may have been removed and its generation superseded; a
+    # process paused that long has read nothing meanwhile (seeds 597, 824, 1502, 1869).
+    c = _leader_of_generation_1(lease=1_000)
+    due = 4 + c.config.answer_timeout
+    assert c.next_deadline() is None  # the plan is not due under a lease that ran out
+    assert c.handle(TaskTick(), now=due) == []
+    assert c.handle(Lease(until=due + 3), now=due + 1) == [
+        RequestPlan(1, ("a", "b"), need_roots=True)
+    ]
+    # its plan comes back after the lease ran out again: not acted on, asked for again
+    the_plan = plan(c.cim, ("a", "b"), "a", 1, now=due + 2, cap=2, rng=Random(0))
+    assert c.handle(PlanReady(the_plan), now=due + 3) == []
+    assert c.counters["plan_discarded"] == 1
+    (request,) = c.handle(Lease(until=10**12), now=due + 4)
+    assert request == RequestPlan(1, ("a", "b"), need_roots=True)
+
+
+def test_a_leader_plans_only_once_its_own_answer_is_in_its_cim() -> None:
+    # Back from a pause, its timer may come before it has read anything: its CIM may not have
+    # seen the epochs of the generations it missed (it would deal out the roots again).
+    c = core()
+    c.handle(Lease(until=10**12), now=1)
+    (answer,) = c.handle(Joined(generation=1, leader="a", members=("a", "b")), now=2)
+    assert isinstance(answer, Publish)
+    assert c.handle(TaskTick(), now=2 + c.config.answer_timeout) == []
+    assert c.next_deadline() is None
+    # what it reads first: the epoch the group went on with while it was away; its answer is
+    # then fenced, and generation 1 is never planned
+    c.handle(SyncRead(0, epoch("b", 2, ("b",))), now=3 + c.config.answer_timeout)
+    assert c.handle(SyncRead(1, answer.message), now=4 + c.config.answer_timeout) == []
+    assert c.next_deadline() is None
+
+
+def test_a_plan_whose_epoch_is_fenced_withdraws_its_offers_and_never_publishes_them() -> None:
+    # A plan's offers reach the CIM only in its epoch: published in a later generation's state
+    # message they deal out a partition from a CIM long gone (seeds 597, 824, 1502, 1869).
+    c = _leader_of_generation_1()
+    c.handle(TaskTick(), now=4 + c.config.answer_timeout)
+    the_plan = plan(c.cim, ("a", "b"), "a", 1, now=5, cap=2, rng=Random(0))
+    assert [(o.token, o.target) for o in the_plan.offers] == [("p1", "a")]
+    (first,) = c.handle(PlanReady(the_plan), now=6)
+    assert isinstance(first, Publish)
+    assert isinstance(first.message, EpochMessage)
+    assert [s.token for s in first.message.connector_state[0].share or ()] == ["p1"]
+    # a newer rebalance before the epoch landed: the answer (held by group commit while the
+    # epoch is on its way) does not carry the plan's offers
+    assert c.handle(Joined(generation=2, leader="b", members=("a", "b")), now=7) == []
+    (answer,) = c.handle(TaskTick(), now=3 + c.config.coalesce_wait)
+    assert isinstance(answer, Publish)
+    assert isinstance(answer.message, StateMessage)
+    assert answer.message.connector_state[0].share is None
+    # b's epoch 2 lands first and fences a's epoch 1: its offer is withdrawn
+    c.handle(SyncRead(2, epoch("b", 2, ("a", "b"))), now=8)
+    assert c.shares == {}
+    assert c.counters["plan_fenced"] == 1
+    assert c.counters["plan_offers_withdrawn"] == 1
+    assert c.handle(SyncRead(3, first.message), now=9) == []  # ignored: a stale epoch
+    assert c.cim.view("a").share == {}
+    assert c.shares == {}
+
+
+def test_without_the_rule_a_fenced_plans_offer_goes_out_in_the_next_generation() -> None:
+    """The control of the test above: the teeth of the simulator's test turn the rule off."""
+    c = _leader_of_generation_1(rules=Rules(plan_offers_in_epoch_only=False))
+    c.handle(TaskTick(), now=4 + c.config.answer_timeout)
+    the_plan = plan(c.cim, ("a", "b"), "a", 1, now=5, cap=2, rng=Random(0))
+    c.handle(PlanReady(the_plan), now=6)
+    c.handle(Joined(generation=2, leader="b", members=("a", "b")), now=7)
+    c.handle(SyncRead(2, epoch("b", 2, ("a", "b"))), now=8)
+    assert [s.token for s in c.shares.values()] == ["p1"]
+
+
+def test_a_plan_made_while_a_newer_epoch_landed_is_not_acted_on() -> None:
+    c = _leader_of_generation_1()
+    c.handle(TaskTick(), now=4 + c.config.answer_timeout)
+    the_plan = plan(c.cim, ("a", "b"), "a", 1, now=5, cap=2, rng=Random(0))
+    c.handle(SyncRead(2, epoch("b", 1, ("a", "b"))), now=6)  # (b led generation 1 as well)
+    assert c.handle(PlanReady(the_plan), now=7) == []
+    assert c.shares == {}
+
+
+def test_a_hand_off_completes_only_once_the_epoch_of_the_rebalance_is_in_the_cim() -> None:
+    # Seed 2126: the offerer, back from a pause past its lease and dropped by the rebalance,
+    # released its move while the new generation's epoch was on its way; the target completed
+    # the hand-off and read (its lease holds through the rebalance) while the leader had dealt
+    # the dropped offerer's partition to another member.
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 1, ("a", "x", "y"))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    c.handle(Joined(generation=1, leader="x", members=("a", "x", "y")), now=3)
+    move = Share(part("p1", 50), target="a", kind="move", since=4)
+    y_state = TaskState("y", 2 * 10**9, data=(part("p1", 50),), share=(move,))
+    c.handle(SyncRead(1, StateMessage(task_id="y", epoch=1, connector_state=(y_state,))), now=4)
+    assert c.mine["p1"].status == "incoming"  # a is ready; y still reads
+    c.handle(Joined(generation=2, leader="x", members=("a", "x")), now=5)  # y is dropped
+    released = msgspec.structs.replace(move, partition=part("p1", 60), released=True)
+    y_release = TaskState("y", 2 * 10**9 + 1, removed=("p1",), share=(released,))
+    out = c.handle(
+        SyncRead(2, StateMessage(task_id="y", epoch=1, connector_state=(y_release,))), now=6
+    )
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert c.mine["p1"].status == "incoming"  # waits for the epoch of generation 2
+    # the epoch drops y and deals its partition to x: the take-over is dropped, nobody here reads
+    out = c.handle(SyncRead(3, epoch("x", 2, ("a", "x"), Share(part("p1", 50), "x"))), now=7)
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert "p1" not in c.mine
+    assert c.reading == {}
 
 
 def test_a_new_offer_for_a_partition_moving_between_members_is_refused() -> None:

@@ -116,6 +116,7 @@ def test_the_leader_waits_answer_timeout_for_the_answers() -> None:
     c = TaskCore(TaskConfig("a"))
     (answer,) = c.handle(Joined(1, "a", ("a", "b")), 0)
     assert isinstance(answer, Publish)
+    c.handle(Lease(LEASE), 0)
     c.handle(SyncRead(0, answer.message), 5)  # b never answers
     out = _exactly(c, c.config.answer_timeout)
     assert out == [RequestPlan(1, ("a", "b"), need_roots=True)]

@@ -1,8 +1,14 @@
 """Heartbeat-topic group membership (``runtime.kafka.KafkaMembership``) against the embedded
 broker: leader election per generation, leaves, a killed member, a lost broker.
 
-Timings with session/heartbeat 3000/1000 ms on the embedded broker: a join or a leave gives a new
-generation in ~2 s; a SIGKILLed member is gone after ~3-6 s.
+Timings with session/heartbeat 4000/500 ms on the embedded broker: a join or a leave gives a new
+generation in ~2-3 s; a SIGKILLed member is gone after ~4-7 s.
+
+The lease rule (``protocol.lease``) takes the stricter of Kafka's and the embedded broker's rules;
+``test_survivors_keep_their_lease_through_a_rebalance`` checks what it assumes of the broker: a
+heartbeat during a rebalance is answered ``REBALANCE_IN_PROGRESS``, a member whose JoinGroup the
+broker holds (for about half the session) is kept and is in the next generation, and the
+survivors' leases never lapse through a join and a kill.
 """
 
 from __future__ import annotations
@@ -148,9 +154,68 @@ async def test_killed_member_is_removed_after_session_timeout(
             after = assert_agree(await all_see(group, {"task-a", "task-b"}))
             removed_s = time.monotonic() - killed
             assert after.generation > before.generation
-            # Session timeout 3 s: not removed before the broker could notice (a loaded
+            # Session timeout 4 s: not removed before the broker could notice (a loaded
             # machine only makes this later; all_see bounds how much later).
-            assert removed_s > 2.0, removed_s
+            assert removed_s > 3.0, removed_s
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+class LeaseWatch:
+    """Samples members' leases and lease facts every 10 ms."""
+
+    def __init__(self, group: Sequence[KafkaMembership]) -> None:
+        self.group = group
+        self.lapsed: dict[str, float] = {m.task_id: 0.0 for m in group}
+        self.told_rebalancing: set[str] = set()
+        self.longest_join: dict[str, float] = {m.task_id: 0.0 for m in group}
+
+    async def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            for m in self.group:
+                if m.lease_valid_until() <= now:
+                    self.lapsed[m.task_id] += 0.01
+                facts = m.lease_facts
+                alive, stable = facts.alive, facts.stable
+                if alive is not None and stable is not None and alive > stable:
+                    # only a heartbeat answered REBALANCE_IN_PROGRESS moves alive past stable
+                    self.told_rebalancing.add(m.task_id)
+                if facts.join_sent is not None:
+                    held = now - facts.join_sent / 1_000_000
+                    self.longest_join[m.task_id] = max(self.longest_join[m.task_id], held)
+            await asyncio.sleep(0.01)
+
+
+async def test_survivors_keep_their_lease_through_a_rebalance(
+    kafka_broker: EmbeddedBroker, kafka_config: KafkaConfig, connector: str
+) -> None:
+    process = await spawn_group_member(kafka_broker.bootstrap, connector, "task-victim")
+    try:
+        async with members(kafka_config, connector, ["task-a", "task-b"]) as group:
+            everyone = {"task-a", "task-b", "task-victim"}
+            assert_agree(await all_see(group, everyone))
+            watch = LeaseWatch([m for m, _ in group])
+            async with asyncio.TaskGroup() as tasks:
+                watcher = tasks.create_task(watch.run())
+                async with members(kafka_config, connector, ["task-c"]):
+                    assert_agree(await all_see(group, everyone | {"task-c"}))
+                    await asyncio.sleep(1.0)  # task-c leaves on exit
+                assert_agree(await all_see(group, everyone))
+                await asyncio.sleep(1.0)
+                process.send_signal(signal.SIGKILL)
+                assert_agree(await all_see(group, {"task-a", "task-b"}))
+                await asyncio.sleep(1.0)
+                watcher.cancel()
+            # Heartbeats during a rebalance are answered REBALANCE_IN_PROGRESS ...
+            assert watch.told_rebalancing == {"task-a", "task-b"}
+            # ... the broker held JoinGroups for a second or more and kept their members, which
+            # are in the next generation (all_see above) ...
+            assert max(watch.longest_join.values()) > 1.0, watch.longest_join
+            # ... and no survivor's lease lapsed in a join, a leave and a kill.
+            assert watch.lapsed == {"task-a": 0.0, "task-b": 0.0}, watch.lapsed
     finally:
         if process.returncode is None:
             process.kill()

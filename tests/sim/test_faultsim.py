@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.lease import LeaseRules
 from protocol.reader import ReaderRules
 from runtime.sim.faultsim import SimParams, run
 
@@ -23,7 +24,13 @@ CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the lon
 # while the epoch dealt the child out again, unread (1959); from the 10,000-seed sweep: a paused
 # task's held messages landing after its newer ones when the quiet phase cut the pause short
 # (317, 8077; a simulator bug), and a storm of re-sends fed by counting a re-delivered copy of an
-# own message as a second read-back (731).
+# own message as a second read-back (731). Since leases hold through rebalances: a leader back
+# from a pause past its lease planning its old generation from a CIM that had read nothing, its
+# fenced epoch's offers published in a later generation (597, 824, 1502, 1869: a root read to
+# its end dealt out again from its start), and followers expelled right after the coordinator
+# answered their SyncGroups (1744, two readers of one partition; a simulator bug), and a
+# hand-off released by a task the rebalance dropped, completed before the epoch landed while the
+# leader dealt the partition to another member (2126, two readers).
 REGRESSIONS = [
     0,
     6,
@@ -42,12 +49,18 @@ REGRESSIONS = [
     348,
     369,
     468,
+    597,
     642,
     648,
     653,
     731,
+    824,
+    1502,
+    1744,
     1839,
+    1869,
     1959,
+    2126,
     8077,
 ]
 
@@ -145,13 +158,35 @@ def test_a_quarter_of_appends_failing_every_seed_passes() -> None:
 def test_teeth_a_leader_that_does_not_resend_a_failed_epoch() -> None:
     # Its generation has no epoch: nobody shares, a task that joined in it never reads, and
     # what a dead task owned is dealt out to nobody. (At 10 % failing appends this shows on
-    # few seeds of the current simulator; at 25 % on several.)
+    # few seeds since leases hold through rebalances; at 25 % on several.)
     found = []
     for seed in HEAVY_APPEND_FAILURES:
         result = run(SimParams(seed=seed, append_fail_p=0.25, resend_failed_epoch=False))
         if not result.passed:
             found.append(result.violation)
     assert any("owned by []" in v or "not being read" in v for v in found), found
+
+
+# A leader that acts on a generation the group has left behind: back from a pause past its
+# lease it plans from a CIM that has read nothing since, and the offers of an epoch that was
+# fenced go out in a state message of a later generation (docs/design.md#epochs).
+STALE_LEADER_CASES: list[tuple[int, dict[str, object]]] = [
+    (824, {}),
+    (0, {"append_fail_p": 0.25}),
+]
+
+
+def test_teeth_a_leader_acting_on_a_superseded_generation() -> None:
+    """With both leader rules of protocol/task.py off (planning only under a valid lease once
+    its answer is in its CIM; a plan's offers only in its epoch) a root read to its end is dealt
+    out again and its watermark goes back; each rule alone prevents it on these seeds, and
+    ``test_regression_seed`` is the control (the same seeds pass)."""
+    broken = {"lead_under_lease": False, "plan_offers_in_epoch_only": False}
+    for seed, params in STALE_LEADER_CASES:
+        result = run(SimParams(seed=seed, **broken, **params))  # type: ignore[arg-type]
+        assert "went back" in result.violation, (seed, result)
+        for rule in broken:
+            _check(seed, **{**params, rule: False})
 
 
 def test_a_group_whose_generations_start_over_keeps_epochs_going_up() -> None:
@@ -235,3 +270,50 @@ def test_abandoned_batches_are_fenced_by_a_slow_sink() -> None:
 def test_teeth_a_sink_that_cannot_fence_writes_abandoned_batches_twice() -> None:
     found = [run(SimParams(seed=s, sink_fences=False, **SLOW_SINK)) for s in FENCE_SEEDS]  # type: ignore[arg-type]
     assert all("not exactly once" in r.violation for r in found), found
+
+
+# -- the membership lease through a rebalance (docs/design.md#membership-and-leases) ------------
+
+# Survivors' JoinGroups are lost half the time during the churn (a lost one times out and is
+# sent again, with no heartbeat meanwhile), and no crash, leave or pause adds its own noise.
+LOST_JOINS: dict[str, object] = {
+    "join_loss_p": 0.5,
+    "crash_p": 0.0,
+    "pause_p": 0.0,
+    "leave_p": 0.0,
+}
+# A rebalance timeout shorter than the session: the join phase ends, removing who did not join,
+# before their sessions would expire.
+SHORT_REBALANCE: dict[str, object] = {
+    **LOST_JOINS,
+    "rebalance_timeout_us": 1_500_000,
+    "heartbeat_us": 500_000,
+    "lease_margin_us": 250_000,
+}
+LEASE_SEEDS = range(12)
+
+
+def test_leases_through_lost_joins_and_short_rebalances_are_safe() -> None:
+    """The control of the two teeth below (same seeds): with the lease of protocol/lease.py a
+    member whose JoinGroup was lost stops reading before the coordinator can remove it."""
+    for seed in LEASE_SEEDS:
+        _check(seed, **LOST_JOINS)
+        _check(seed, **SHORT_REBALANCE)
+
+
+def test_teeth_a_lease_that_counts_a_join_in_flight() -> None:
+    """A JoinGroup that never reached the coordinator extends the lease: the member reads on
+    after its session expired and its partitions were dealt out."""
+    broken = LeaseRules(join_in_flight_counts=True)
+    found = [run(SimParams(seed=s, lease_rules=broken, **LOST_JOINS)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
+    caught = [r for r in found if "both read" in r.violation]
+    assert len(caught) >= 4, found  # 7 of the 12 seeds when this was written
+
+
+def test_teeth_a_lease_not_bounded_by_the_rebalance_timeout() -> None:
+    """A member told REBALANCE_IN_PROGRESS whose JoinGroup is lost is removed when the join
+    phase ends; a lease bounded by the session alone outlives that."""
+    broken = LeaseRules(rebalance_bound=False)
+    found = [run(SimParams(seed=s, lease_rules=broken, **SHORT_REBALANCE)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
+    caught = [r for r in found if "both read" in r.violation]
+    assert len(caught) >= 8, found  # 11 of the 12 seeds when this was written
