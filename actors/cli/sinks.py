@@ -284,17 +284,32 @@ class FileSink:
         """After a failed micro-batch: fail every batch buffered behind it (some may continue
         its partitions) and open their gaps too; the rows dropped."""
         self._open_gaps(self._entries)
-        waiting, rows = self._waiting, sum(n for _, n in self._waiting)
+        waiting = self._take_buffer()[1]
+        rows = sum(n for _, n in waiting)
+        for future, _ in waiting:
+            if not future.done():
+                future.set_exception(error)
+        return rows
+
+    def _take_buffer(
+        self,
+    ) -> tuple[
+        dict[str, list[Any]],
+        list[tuple[asyncio.Future[None], int]],
+        list[tuple[str, tuple[DataChange, ...], int]],
+        list[tuple[str, list[DataChange]]],
+        list[int],
+    ]:
+        """Hand over what is buffered (columns, waiting futures, entries, fresh entries, keys)
+        and start an empty buffer; ``_buffered`` is settled by the caller."""
+        taken = (self._columns, self._waiting, self._entries, self._fresh_entries, self._keys)
         self._columns = {c: [] for c in COLUMNS}
         self._waiting = []
         self._entries = []
         self._fresh_entries = []
         self._keys = []
         self._first_at = None
-        for future, _ in waiting:
-            if not future.done():
-                future.set_exception(error)
-        return rows
+        return taken
 
     def _release(self, batch_id: int, key: int) -> None:
         """A batch's future resolved: the sink no longer holds it."""
@@ -321,14 +336,8 @@ class FileSink:
             await self._flush()
 
     async def _flush(self) -> None:
-        columns, waiting, rows = self._columns, self._waiting, self._buffered
-        entries, fresh, keys = self._entries, self._fresh_entries, self._keys
-        self._columns = {c: [] for c in COLUMNS}
-        self._waiting = []
-        self._entries = []
-        self._fresh_entries = []
-        self._keys = []
-        self._first_at = None
+        rows = self._buffered
+        columns, waiting, entries, fresh, keys = self._take_buffer()
         dropped = 0
         try:
             await asyncio.to_thread(self._commit_batch, columns, entries, rows, fresh, keys)
