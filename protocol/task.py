@@ -847,7 +847,7 @@ class TaskCore:
                 self.counters["offer_superseded"] += 1
                 continue
             if (
-                offer.kind == "new"
+                (offer.kind == "new" or offer.released)
                 and self.config.rules.refuse_owned_offers
                 and any(
                     t != self.me and t in live and self._claimed(t, p, live)
@@ -856,7 +856,9 @@ class TaskCore:
             ):
                 # a member of this epoch owns it, or is taking it over from another member: the
                 # offer came from a plan made before that claim was known (or one that never
-                # became the epoch)
+                # became the epoch). A released move this task has no take-over of is a pick-up
+                # like a 'new' offer: its target may have died and come back under the same id
+                # after the leader dealt the partition out.
                 self.counters["offer_already_owned"] += 1
                 continue
             self.consumed.add(key)
@@ -890,14 +892,26 @@ class TaskCore:
             target = offer.target
             if target is None:
                 continue
-            got = self.cim.view(target).partitions.get(token)
+            # what this task holds is what it has now, not its claim in the CIM: that may be
+            # one it gave up in a message still on its way (a released move re-targeted when the
+            # epoch dropping its target landed first), and counting it dropped the offer and
+            # lost the partition
+            got = (
+                self.mine.get(token)
+                if target == self.me
+                else self.cim.view(target).partitions.get(token)
+            )
             taken = got is not None and got.status != "incoming"
-            if offer.kind == "new" and not taken and enabled:
+            if (offer.kind == "new" or offer.released) and not taken and enabled:
                 # Someone else has it already (a task the group dropped does not count: its
                 # partitions are what the leader offers). Judged only once the CIM holds this
-                # generation's epoch: before, it may still show claims that epoch removes.
+                # generation's epoch: before, it may still show claims that epoch removes. A
+                # released move too: the leader may have dealt it out while its target was not
+                # a member, and the target, back under the same id, never picks it up; kept, the
+                # offer would count in the target's load and hold this task's balancing for ever.
                 taken = any(
-                    t in self.members and p.status != "incoming" for t, p in self.cim.holders(token)
+                    t != self.me and t in self.members and p.status != "incoming"
+                    for t, p in self.cim.holders(token)
                 )
             if taken:
                 if token in self.moves:

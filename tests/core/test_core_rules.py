@@ -21,6 +21,7 @@ from protocol.messages import (
     Share,
     StateMessage,
     SyncDecodeError,
+    SyncMessage,
     TaskState,
 )
 from protocol.planner import plan
@@ -709,3 +710,87 @@ def test_a_new_offer_for_a_partition_moving_between_members_is_refused() -> None
     c.handle(SyncRead(3, epoch("x", 1, members, bad)), now=7)
     assert "p1" not in c.mine
     assert c.counters["offer_already_owned"] >= 1
+
+
+def _released_to_b_before_the_epoch_dropping_b() -> tuple[TaskCore, int]:
+    """a owns p1..p3 in an epoch of a, b, x, y and moves p1 to b; b answers, a releases p1 (its
+    message saying so is on its way), and the rebalance that drops b and its epoch land first:
+    the CIM still shows a owning p1."""
+    c = TaskCore(TaskConfig(task_id="a", cap=0), Random(0))
+    members = ("a", "b", "x", "y")
+    c.handle(Lease(until=10**12), now=1)
+    offset = read_back(c, c.handle(Joined(generation=0, leader="x", members=members), now=2), 0, 2)
+    offers = tuple(Share(part(f"p{i}", 10 * i), target="a", kind="new", since=3) for i in (1, 2, 3))
+    out = c.handle(SyncRead(offset, epoch("x", 0, members, *offers)), now=3)
+    offset = read_back(c, out, offset + 1, now=3)
+    assert {t: (s.target, s.kind) for t, s in c.shares.items()} == {
+        "p1": ("b", "move"),
+        "p2": ("x", "move"),
+    }
+    incoming = msgspec.structs.replace(part("p1", 10), status="incoming", source="a")
+    out = c.handle(SyncRead(offset, state("b", 1, incoming)), now=4)
+    assert out == [StopReader("p1", StopReason.HANDOFF, drain=True)]
+    out = c.handle(ReaderStopped("p1", T0 + 15), now=5)
+    assert "p1" not in c.mine
+    assert c.shares["p1"].released
+    assert [cmd.message.task_id for cmd in out if isinstance(cmd, Publish)] == ["a"]  # not read
+    c.handle(Joined(generation=1, leader="x", members=("a", "x", "y")), now=6)
+    c.handle(SyncRead(offset + 1, epoch("x", 1, ("a", "x", "y"))), now=7)
+    assert c.cim.view("a").partitions["p1"].status == "owned"  # a's claim it gave up
+    return c, offset + 2
+
+
+def test_a_released_move_re_offered_after_its_target_left_is_kept_though_the_cim_shows_it_here() -> (
+    None
+):
+    # Seed 5885: the offerer re-targeted its released move as a 'new' offer once the epoch that
+    # dropped the target landed, then dropped that offer as taken, because the CIM still showed
+    # its own claim, given up in the release message not yet read back. Nobody owned the
+    # partition any more.
+    c, offset = _released_to_b_before_the_epoch_dropping_b()
+    offer = c.shares["p1"]
+    assert (offer.target, offer.kind, offer.partition.watermark) == ("y", "new", T0 + 15)
+    sent: list[TaskCommand] = []
+    for now in (8, 1_000_000, 2_000_000):  # the ticks after: the offer stays
+        sent += c.handle(TaskTick(), now=now)
+    assert c.shares["p1"] == offer
+    assert c.counters["handoffs_out"] == 0
+    read_back(c, sent, offset, now=2_000_001)
+    assert "p1" not in c.cim.view("a").partitions  # the release landed
+    assert [(h, o.target) for h, o in c.cim.offers() if o.token == "p1"] == [("a", "y")]
+
+
+def test_a_released_move_dealt_out_meanwhile_is_withdrawn_and_never_picked_up_beside_its_owner() -> (
+    None
+):
+    # Seed 5897: the target died after answering a move, the leader dealt the released partition
+    # to another member, the target came back under the same id; the offerer, restarted too,
+    # adopted its released offer and kept it for ever (the target's load in everyone's eyes, so
+    # nothing was balanced to it). The target, seeing the released offer, would take the
+    # partition while its new owner reads it.
+    members = ("a", "b", "x")
+    move = Share(part("p1", 50), target="b", kind="move", released=True, since=2)
+    a_release = StateMessage(
+        task_id="a", epoch=0, connector_state=(TaskState("a", 2 * 10**9, share=(move,)),)
+    )
+    # (the epoch of the generation without b, which dealt p1 to x, is not needed here)
+    log: list[SyncMessage] = [epoch("x", 0, members), a_release, state("x", 1, part("p1", 80))]
+    # the offerer, restarted: it adopts its released offer, and withdraws it once x owns p1
+    a = TaskCore(TaskConfig(task_id="a", cap=0), Random(0))
+    for offset, message in enumerate(log):
+        a.handle(SyncRead(offset, message), now=1)
+    a.handle(Lease(until=10**12), now=2)
+    a.handle(Joined(generation=1, leader="x", members=members), now=3)
+    assert a.shares["p1"] == move  # adopted
+    a.handle(SyncRead(3, epoch("x", 1, members)), now=4)
+    assert "p1" not in a.shares
+    # the target, restarted: it never picks the released offer up while x owns p1
+    b = TaskCore(TaskConfig(task_id="b", cap=0), Random(0))
+    for offset, message in enumerate(log):
+        b.handle(SyncRead(offset, message), now=1)
+    b.handle(Lease(until=10**12), now=2)
+    b.handle(Joined(generation=1, leader="x", members=members), now=3)
+    out = b.handle(SyncRead(3, epoch("x", 1, members)), now=4)
+    assert "p1" not in b.mine
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert b.counters["offer_already_owned"] == 1
