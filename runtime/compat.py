@@ -34,6 +34,8 @@ pyspark (:data:`PYSPARK`), used by :mod:`runtime.spark.supervisor`:
 
 * :func:`spark_jvm_process` is the JVM a local session's gateway launched
   (``SparkContext._gateway.proc``): whether it still runs tells a dead session from a failing job;
+* :func:`spark_executor_count` counts a cluster application's executors (``_jsc``), to say
+  why its jobs hang;
 * :func:`forget_local_session` clears pyspark's class-level handles of a session whose JVM died
   (``SparkContext._gateway``, ``_jvm``, ``_active_spark_context``, ``SparkSession``'s instantiated
   and active session), so that the next ``getOrCreate()`` launches a new JVM.
@@ -217,6 +219,15 @@ def spark_context_stopped(spark: Any) -> bool:
     if jsc is None:
         return sc is not None
     return bool(jsc.sc().isStopped())
+
+
+def spark_executor_count(spark: Any) -> int:
+    """How many executors classic session ``spark``'s application has now, the driver not
+    counted (``SparkContext.getExecutorMemoryStatus``, one entry per block manager, the
+    driver's included, reached through ``_jsc``)."""
+    check(PYSPARK, "SparkContext._jsc, to count an application's executors")
+    jsc = spark._sc._jsc
+    return max(0, int(jsc.sc().getExecutorMemoryStatus().size()) - 1)
 
 
 def forget_local_session() -> None:

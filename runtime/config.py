@@ -403,6 +403,15 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "exit 1 naming Spark; 0: stop at once. Embedded path.",
         ),
     ] = 3
+    job_timeout_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="Seconds a Spark job (one micro-batch) may run before it is cancelled "
+            "and its session counts as lost (restarted, see restarts): what bounds a cluster "
+            "that lost its master and executors; 0: no limit. Embedded path.",
+        ),
+    ] = 300.0
     conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
 
 

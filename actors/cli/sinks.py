@@ -521,6 +521,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         if sc.path == "streaming" or sc.dead_letter
         else config.run.output_layout,
         "restarts": sc.restarts,
+        "job_timeout_s": sc.job_timeout_s or None,
     }
     for name in ("max_rows", "max_age_s", "max_inflight_batches"):
         value = getattr(sc, name)

@@ -22,6 +22,8 @@ futures, so a crash anywhere loses nothing.
   exited, a Spark Connect server restarted); if so a new one is started, warmed, and the job run
   again without counting the attempt, up to ``SparkConfig.restarts`` times; if it cannot be
   replaced the bridge breaks with ``SparkLost`` (an ``Unrecoverable``: the process stops).
+  A Spark job that runs past ``SparkConfig.job_timeout_s`` is cancelled and its session
+  handled as a lost one (a cluster without master and executors never finishes it).
 * Retry queue and dead-letter queue (docs/design.md#retry-and-dead-letter-queues, opt-in: ``SparkConfig.dead_letter``, embedded
   path only). A micro-batch that still fails after ``max_attempts`` is not failed back: the
   bridge isolates the failing rows by **bisecting the micro-batch by ordering key** (table and
@@ -100,7 +102,7 @@ from runtime.spark.keyed import (
 from runtime.spark.output import write_default, write_staged
 from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
 from runtime.spark.session import SparkStartError, start_session, warm
-from runtime.spark.supervisor import SessionSupervisor, SparkLost
+from runtime.spark.supervisor import SessionSupervisor, SparkJobTimeout, SparkLost, cancel_jobs
 from runtime.spark.typed_output import TypedBatch, typed_tails
 
 __all__ = [
@@ -114,6 +116,8 @@ __all__ = [
 log = logging.getLogger("shoal.spark")
 
 _STOP = object()
+# how long a cancelled Spark job (and the cancel itself) may take to end
+_CANCEL_WAIT_S = 30.0
 
 
 class SparkBridge:
@@ -684,9 +688,9 @@ class SparkBridge:
             try:
                 async with self._spark_lock:
                     if commit:
-                        await asyncio.to_thread(self._run_committed, cut, table, identity)
+                        await self._spark_job(table, self._run_committed, cut, table, identity)
                     else:
-                        await asyncio.to_thread(self._run_batch, batch_id, table, identity)
+                        await self._spark_job(table, self._run_batch, batch_id, table, identity)
             except (CommitRefused, CommitIncomplete) as exc:
                 self._job_succeeded()  # Spark wrote it; the commit itself was refused
                 return exc
@@ -823,7 +827,7 @@ class SparkBridge:
         identity = records_identity(r.record_id for r in records)
         try:
             async with self._spark_lock:
-                await asyncio.to_thread(self._run_batch, batch_id, table, identity)
+                await self._spark_job(table, self._run_batch, batch_id, table, identity)
         except Exception as exc:
             try:
                 if await self._session_replaced(exc):
@@ -836,6 +840,57 @@ class SparkBridge:
         self._job_succeeded()
         return None
 
+    async def _spark_job(self, table: Any, run: Callable[..., None], *args: Any) -> None:
+        """Run ``run(*args)`` (one attempt of a batch of ``table``) in a worker thread, under
+        ``SparkConfig.job_timeout_s`` where Spark runs it: past it the session's jobs are
+        cancelled and, once the thread ended, :class:`SparkJobTimeout` is raised (the
+        supervisor then replaces the session). A job that finished as it was cancelled counts
+        as done. A thread that does not end after the cancel is a session that cannot be
+        trusted with the batch again (it may still commit it): :class:`SparkLost`."""
+        limit = self.config.job_timeout_s
+        if limit is None or isinstance(table, TypedBatch):  # pyarrow writes: no Spark job
+            await asyncio.to_thread(run, *args)
+            return
+        job = asyncio.ensure_future(asyncio.to_thread(run, *args))
+        try:
+            done, _ = await asyncio.wait({job}, timeout=limit)
+            if job in done:
+                job.result()
+                return
+            log.error(
+                "%r: a Spark job ran past spark.job_timeout_s (%gs): cancelling it", self, limit
+            )
+            try:
+                async with asyncio.timeout(_CANCEL_WAIT_S):
+                    await asyncio.to_thread(cancel_jobs, self.spark)
+            except Exception as exc:  # the thread's end below decides
+                log.warning("%r: cancelling Spark's jobs failed: %s", self, _error_text(exc))
+            done, _ = await asyncio.wait({job}, timeout=_CANCEL_WAIT_S)
+        finally:
+            if not job.done():  # cancelled with us, or still running: its end is logged
+                job.add_done_callback(self._late_job_ended)
+        if job not in done:
+            where = self.config.remote or self.config.master
+            raise SparkLost(
+                f"Spark ({where}): a job ran past spark.job_timeout_s ({limit:g}s) and had not "
+                f"ended {_CANCEL_WAIT_S:g}s after it was cancelled"
+            )
+        failed = job.exception()
+        if failed is None:
+            log.warning("%r: the Spark job finished as it was cancelled", self)
+            return
+        raise SparkJobTimeout(
+            f"a Spark job ran past spark.job_timeout_s ({limit:g}s) and was cancelled"
+        ) from failed
+
+    def _late_job_ended(self, job: asyncio.Future[None]) -> None:
+        if job.cancelled():
+            return
+        if (exc := job.exception()) is not None:
+            log.warning("%r: a Spark job given up on ended: %s", self, _error_text(exc))
+        else:
+            log.warning("%r: a Spark job given up on ended", self)
+
     def _job_succeeded(self) -> None:
         if self._supervisor is not None:
             self._supervisor.job_succeeded()
@@ -847,6 +902,9 @@ class SparkBridge:
         supervisor = self._supervisor
         if supervisor is None:
             return False
+        if isinstance(exc, SparkLost):  # the job itself found the session beyond repair
+            self._broken = exc
+            raise exc
         if self._broken is not None and isinstance(self._broken, SparkLost):
             raise self._broken
         async with self._spark_lock:  # no other job on the dead session meanwhile

@@ -33,6 +33,10 @@ class SparkConfig(msgspec.Struct, frozen=True):
     # times in a row at most, with doubling backoff; then the process stops (runtime.spark.supervisor)
     restarts: int = 3
     restart_backoff_s: float = 2.0
+    # a Spark job (a micro-batch, a dead-letter batch) running longer is cancelled and its
+    # session replaced like a lost one (a cluster whose master and executors are gone never
+    # finishes it); None: no limit
+    job_timeout_s: float | None = 300.0
     stop_timeout_s: float = 120.0
     spool_dir: str | None = None  # streaming: default <output_dir>/_spool
     trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger

@@ -203,6 +203,14 @@ class StandaloneCluster:
             f"master log: {self.log_tail('master')}"
         )
 
+    def kill(self, *, master: bool = False, workers: bool = False) -> None:
+        """SIGKILL the master and/or every worker, each with its process group (a worker's
+        executors with it): a cluster losing its parts, for the tests of what a driver does
+        then. ``stop`` still reaps them."""
+        for name, proc in self._procs:
+            if (master and name == "master") or (workers and name.startswith("worker-")):
+                _signal_group(proc, signal.SIGKILL)
+
     def stop(self) -> None:
         """Stop every daemon this cluster started (workers first), each with its group."""
         for _, proc in reversed(self._procs):

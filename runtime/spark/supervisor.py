@@ -19,9 +19,15 @@ failure, so after every failed job the bridge asks :meth:`SessionSupervisor.reco
   the cause.
 
 A context Spark stopped by itself (a standalone application the cluster ended) counts as lost
-too. Losing a standalone cluster's master does not stop running jobs (the executors stay); a
-session that must be started while it is gone cannot register, its warm-up job does not finish
-within ``start_timeout_s``, and the process stops naming Spark: a bounded failure.
+too. So does a session whose job hangs: a Spark job (a micro-batch, a dead-letter half) that runs
+past ``SparkConfig.job_timeout_s`` is cancelled and fails with :class:`SparkJobTimeout`, and a
+session that cannot finish a job is replaced like a dead one. This is what bounds the loss of a
+standalone cluster's master: running applications keep their executors (Spark waits for the
+master to come back), but once an executor is lost too, no new one can be granted and every job
+waits for ever. The timed-out job is cancelled, the new session cannot register with the missing
+master (Spark gives up after its registration retries, or the start runs past
+``start_timeout_s``), and the process stops naming Spark: at most ``job_timeout_s`` plus the
+restarts' starts after the cluster stopped running jobs.
 """
 
 from __future__ import annotations
@@ -37,7 +43,13 @@ from runtime.ports import Unrecoverable
 from runtime.spark.config import SparkConfig
 from runtime.spark.session import SparkStartError, start_session, warm
 
-__all__ = ["SessionSupervisor", "SparkLost", "connect_session_lost"]
+__all__ = [
+    "SessionSupervisor",
+    "SparkJobTimeout",
+    "SparkLost",
+    "cancel_jobs",
+    "connect_session_lost",
+]
 
 log = logging.getLogger("shoal.spark")
 
@@ -56,6 +68,20 @@ _CONNECT_LOST = (
 
 class SparkLost(Unrecoverable):
     """Spark's session is gone and could not be replaced: the process must stop."""
+
+
+class SparkJobTimeout(RuntimeError):
+    """A Spark job ran past ``SparkConfig.job_timeout_s`` and was cancelled: the session cannot
+    finish jobs (a cluster without executors, a hung JVM) and is replaced like a dead one."""
+
+
+def cancel_jobs(spark: Any) -> None:
+    """Blocking: cancel every running job of ``spark`` (a Spark Connect session: its
+    operations). Only one job of the bridge runs at a time, so these are the bridge's own."""
+    if getattr(spark, "_sc", None) is None and hasattr(spark, "interruptAll"):  # Connect
+        spark.interruptAll()
+    else:
+        spark.sparkContext.cancelAllJobs()
 
 
 def connect_session_lost(exc: BaseException) -> bool:
@@ -118,6 +144,8 @@ class SessionSupervisor:
     def dead_because(self, exc: BaseException | None) -> str | None:
         """Blocking: why the current session is gone (after a job failed with ``exc``), or
         ``None`` while it is alive."""
+        if isinstance(exc, SparkJobTimeout):
+            return f"{exc}{self._no_executors()}"
         if self.config.remote is not None:
             if exc is not None and connect_session_lost(exc):
                 first = str(exc).strip().splitlines()
@@ -132,6 +160,21 @@ class SessionSupervisor:
             log.warning("Spark (%s): cannot ask whether the context stopped: %r", self._where, err)
             return None
         return "its SparkContext was stopped" if stopped else None
+
+    def _no_executors(self) -> str:
+        """Blocking: a hint when a cluster session has no executors left to run jobs."""
+        if self.config.remote is not None or self.config.master.startswith("local"):
+            return ""
+        try:
+            executors = compat.spark_executor_count(self.spark)
+        except Exception as err:  # the JVM does not answer: the timeout says enough
+            log.warning("Spark (%s): cannot count the executors: %r", self._where, err)
+            return ""
+        if executors > 0:
+            return ""
+        return (
+            f"; the application has no executors left (is the cluster manager at {self._where} up?)"
+        )
 
     async def recover(self, exc: BaseException | None) -> bool:
         """After a job failed with ``exc``: ``False`` if the session is alive; ``True`` once a
