@@ -260,17 +260,17 @@ class SparkBridge:
         except BaseException:
             await self._stop_spark()
             raise
-        if cfg.path == "embedded":
-            warm_more = None
-            if self.foreach_batch is None and cfg.remote is None:
-                warm_more = self._warm_write
-            self._supervisor = SessionSupervisor(
-                cfg,
-                self.spark,
-                owned=self._owns_spark,
-                local_dir=self._local_dir,
-                warm_more=warm_more,
-            )
+        # both paths: a lost session is replaced (the streaming query starts again on it)
+        warm_more = None
+        if cfg.path == "embedded" and self.foreach_batch is None and cfg.remote is None:
+            warm_more = self._warm_write
+        self._supervisor = SessionSupervisor(
+            cfg,
+            self.spark,
+            owned=self._owns_spark,
+            local_dir=self._local_dir,
+            warm_more=warm_more,
+        )
         if cfg.dead_letter is not None:
             rq = RetryQueue(
                 cfg.dead_letter.kafka,
@@ -1109,16 +1109,30 @@ class SparkBridge:
             try:
                 committed = await asyncio.to_thread(backend.committed)
             except Exception as exc:
-                self._attempts_failed += 1
-                log.warning("%r: %r", self, exc)
-                if backend.restarts + 1 < self.config.max_attempts:
-                    await asyncio.sleep(self.config.retry_backoff_s)
-                    await asyncio.to_thread(backend.restart)
-                    continue
+                broken: BridgeError | SparkLost
+                try:
+                    if await self._session_replaced(exc):
+                        # the JVM died under the query: a new query on the new session goes
+                        # on from the checkpoint (the spool files it did not commit are there)
+                        backend = await self._new_stream(backend)
+                        continue
+                except SparkLost as lost:
+                    broken = lost
+                else:
+                    self._attempts_failed += 1
+                    log.warning("%r: %s", self, _error_text(exc))
+                    if backend.restarts + 1 < self.config.max_attempts:
+                        await asyncio.sleep(self.config.retry_backoff_s)
+                        try:
+                            await asyncio.to_thread(backend.restart)
+                        except Exception as err:  # the next committed() tells what became of it
+                            log.warning("%r: restarting the query: %s", self, _error_text(err))
+                        continue
+                    broken = BridgeError(f"Spark's streaming query failed for good: {exc}")
                 cuts = [cut for _, cut, _, _ in self._unacked]
                 self._unacked.clear()
-                self._broken = BridgeError(f"Spark's streaming query failed for good: {exc}")
-                self._fail_permanently(cuts, self._broken)
+                self._broken = broken
+                self._fail_permanently(cuts, broken)
                 for cut in cuts:
                     await self._done(cut)
                 return
@@ -1127,6 +1141,18 @@ class SparkBridge:
                 self._succeed(cut, fresh, rows)
                 await self._done(cut)
             await asyncio.sleep(self.config.ack_poll_s)
+
+    async def _new_stream(self, old: Any) -> Any:
+        """The streaming query on the session that replaced a lost one (its query is dropped,
+        not stopped: its JVM is gone); its restarts count on."""
+        from runtime.spark.streaming import StreamingBackend
+
+        backend = StreamingBackend(self.spark, self.config, self._streaming_foreach())
+        backend.restarts = old.restarts
+        await asyncio.to_thread(backend.start)
+        self._streaming = backend
+        log.warning("%r: the streaming query runs again on the new session", self)
+        return backend
 
     def _run_committed(self, cut: Cut, table: Any, identity: str | None) -> None:
         """In a worker thread: one attempt of micro-batch ``cut`` into the default output,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from runtime.spark.rows import KEY_COLUMNS
 
-__all__ = ["read_output", "write_default", "write_staged"]
+__all__ = ["read_output", "streaming_sink_files", "write_default", "write_staged"]
 
 
 def read_output(
@@ -22,10 +25,13 @@ def read_output(
     ``.`` (staged batches, Spark's ``_temporary``, the sink's ``_shoal`` records).
 
     ``dedupe=False`` is the honest raw read: exactly the committed rows on disk. With atomic
-    commits (docs/design.md#exactly-once-output) it holds each change once. With ``dedupe``
+    commits (docs/design.md#exactly-once-output) it holds each change once. The streaming
+    path's output is committed by Spark's file sink, whose log (``_spark_metadata``) names the
+    files of committed micro-batches: both reads take only those (as Spark's own reader does),
+    so files a micro-batch left when its JVM died are not read. With ``dedupe``
     (the default) a row whose key (commit timestamp, server transaction id, record sequence,
     mod index) was already read is dropped as well, for outputs written without atomic commits
-    (``foreach_batch`` into this layout, the streaming path's raw files, ``atomic_commit=False``).
+    (``foreach_batch`` into this layout, ``atomic_commit=False``).
 
     Of a **typed** output (``output_layout="typed"``) the pyarrow read returns every table's
     rows as their metadata and row key columns under the generic names (``table``,
@@ -53,33 +59,74 @@ def read_output(
     return df.dropDuplicates(list(KEY_COLUMNS)) if dedupe else df
 
 
+def streaming_sink_files(directory: Path) -> list[Path] | None:
+    """The files Spark's streaming file sink committed into ``directory``, from its log
+    ``_spark_metadata`` (one file per micro-batch and, every few, a ``.compact`` file holding
+    the ones before: a first line with the log's version, then one JSON entry per file with its
+    URI and ``action`` add or delete); ``None`` where there is no such log."""
+    log_dir = directory / "_spark_metadata"
+    if not log_dir.is_dir():
+        return None
+    added: set[Path] = set()
+    deleted: set[Path] = set()
+    for entry in log_dir.iterdir():
+        if entry.name.startswith(".") or not entry.name.split(".")[0].isdigit():
+            continue  # Spark's temporary and checksum files
+        for line in entry.read_text().splitlines()[1:]:
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            uri = urllib.parse.urlparse(item["path"])
+            path = Path(urllib.request.url2pathname(uri.path))
+            (deleted if item.get("action") == "delete" else added).add(path)
+    return sorted(p for p in added - deleted if p.exists())
+
+
 def _read_arrow(directory: Path, dedupe: bool) -> Any:
     import pyarrow as pa
 
-    if not directory.exists() or not any(
-        not any(part.startswith(("_", ".")) for part in p.relative_to(directory).parts)
-        for p in directory.rglob("*.parquet")
+    files = streaming_sink_files(directory) if directory.exists() else None
+    if (
+        not directory.exists()
+        or (
+            files is None
+            and not any(
+                not any(part.startswith(("_", ".")) for part in p.relative_to(directory).parts)
+                for p in directory.rglob("*.parquet")
+            )
+        )
+        or files == []
     ):
         from runtime.spark.rows import arrow_schema
 
         schema = arrow_schema()
         return schema.empty_table().append_column("batch", pa.array([], pa.string()))
-    return _dedupe(_dataset(directory), dedupe)
+    return _dedupe(_dataset(directory, files), dedupe)
 
 
-def _dataset(directory: Path) -> Any:
+def _dataset(directory: Path, files: list[Path] | None = None) -> Any:
+    """The generic layout under ``directory`` (only ``files``, if given: all under it)."""
     import pyarrow as pa
     import pyarrow.dataset as ds
 
-    dataset = ds.dataset(
-        str(directory),
-        format="parquet",
-        partitioning=ds.partitioning(
-            pa.schema([("table", pa.string()), ("batch", pa.string())]), flavor="hive"
-        ),
-        exclude_invalid_files=True,
-        ignore_prefixes=[".", "_"],
+    partitioning = ds.partitioning(
+        pa.schema([("table", pa.string()), ("batch", pa.string())]), flavor="hive"
     )
+    if files is not None:
+        dataset = ds.dataset(
+            [str(f) for f in files],
+            format="parquet",
+            partitioning=partitioning,
+            partition_base_dir=str(directory),
+        )
+    else:
+        dataset = ds.dataset(
+            str(directory),
+            format="parquet",
+            partitioning=partitioning,
+            exclude_invalid_files=True,
+            ignore_prefixes=[".", "_"],
+        )
     return dataset.to_table()
 
 

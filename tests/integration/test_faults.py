@@ -27,6 +27,7 @@ from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spanner.emulator import SpannerEmulator
 from runtime.spanner.reader import FATAL_CODES, ChangeStreamUnreadable, SpannerSource
 from runtime.spark import SparkBridge, SparkConfig, read_output
+from runtime.spark.output import streaming_sink_files
 from runtime.spark.session import java_executable
 from runtime.spark.supervisor import SparkLost
 from tests.fixtures.spanner import churn_emulator
@@ -62,6 +63,12 @@ def _first_commit(out: Path) -> bool:
     )
 
 
+def _first_streaming_commit(out: Path) -> bool:
+    """The streaming path's file sink committed a micro-batch with rows."""
+    files = streaming_sink_files(out / "data")
+    return bool(files)
+
+
 def _kill_jvm(pid: int) -> int:
     jvms = spark_jvm_pids(pid)
     assert len(jvms) == 1, f"expected one Spark JVM under {pid}, found {jvms}"
@@ -73,7 +80,7 @@ def _kill_jvm(pid: int) -> int:
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["generic", "typed"])
+@pytest.mark.parametrize("layout", ["generic", "typed", "streaming"])
 def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     tmp_path: Path, layout: str
 ) -> None:
@@ -81,12 +88,15 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     exits 0 with exactly the rows the stream produced (none lost, none written twice). With the
     generic layout Spark writes every micro-batch: the bridge starts a new session. The typed
     layout (the default) writes without Spark: the run goes on, and the bridge says at its stop
-    that the session was lost instead of failing on the dead JVM."""
+    that the session was lost instead of failing on the dead JVM. On the streaming path the
+    query dies with the JVM: the bridge starts a new session and a new query, which goes on
+    from the checkpoint (the output read through Spark's sink log, ``_spark_metadata``)."""
     out = tmp_path / "out"
     start = _now_us()
+    how = ["--spark-path", "streaming"] if layout == "streaming" else ["--output-layout", layout]
     proc = _cli(
         [
-            *("--duration", "30", "--drain-timeout", "240", "--output-layout", layout),
+            *("--duration", "30", "--drain-timeout", "240", *how),
             *SIM,
             *("--sim-start-ts", str(start), "--output-dir", str(out)),
             *("--summary-json", str(tmp_path / "summary.json"), "--progress", "on"),
@@ -94,7 +104,8 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
         tmp_path,
     )
     try:
-        wait_until(lambda: _first_commit(out) or proc.poll() is not None, 300, "first commit")
+        committed = _first_commit if layout != "streaming" else _first_streaming_commit
+        wait_until(lambda: committed(out) or proc.poll() is not None, 300, "first commit")
         assert proc.poll() is None, _logs(tmp_path, "run")
         jvm = _kill_jvm(proc.pid)
     finally:
@@ -103,7 +114,9 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     logs = _logs(tmp_path, "run")
     assert code == 0, logs[-5000:]
     assert f"its JVM (pid {jvm}) was killed by SIGKILL" in logs
-    if layout == "generic":
+    if layout == "streaming":
+        assert "the streaming query runs again on the new session" in logs
+    if layout != "typed":
         assert "a new session is up" in logs
     else:
         assert "Spark's session was lost before the end" in logs
