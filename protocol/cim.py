@@ -13,7 +13,10 @@ task's CIM is the same at the same offset):
    ignored (and counted).
 4. Per task the latest state wins by ``stateTimestamp``; an older one is ignored.
 5. Only the leader's ``epoch`` message removes tasks: every task not in its member list is
-   dropped. The epoch must be newer than the CIM's.
+   dropped. The epoch must be newer than the CIM's. A dropped task's answer to a later
+   generation than the epoch's (written before the epoch landed: it rejoined meanwhile) is
+   kept: that generation's leader waits for it, and the task, whose messages were all read
+   back, has no cause to write it again.
    5b. An offer in the epoch resumes from the newest watermark the CIM holds for its partition
    when the epoch lands (the leader may have planned before a dropped task's last report, or
    before a superseded plan's offer), so watermarks never go back.
@@ -68,7 +71,7 @@ class TaskView(msgspec.Struct):
 class Cim:
     """The consolidated state: every task's latest state, the epoch and its members."""
 
-    def __init__(self, *, fence_epochs: bool = True) -> None:
+    def __init__(self, *, fence_epochs: bool = True, keep_later_answers: bool = True) -> None:
         self.offset = -1
         self.epoch = -1
         self.sync_epoch = ""
@@ -78,6 +81,7 @@ class Cim:
         self.tasks: dict[str, TaskView] = {}
         self.ignored: Counter[str] = Counter()
         self._fence = fence_epochs
+        self._keep_answers = keep_later_answers  # off only in the simulator's teeth test
 
     # -- applying messages -------------------------------------------------------------------
     def apply(self, offset: int, message: SyncMessage) -> str | None:
@@ -108,7 +112,9 @@ class Cim:
                 live = set(message.members)
                 best = self._newest_watermarks()
                 for task in [t for t in self.tasks if t not in live]:
-                    del self.tasks[task]
+                    answered = self.tasks.pop(task).epoch_seen
+                    if answered > message.epoch and self._keep_answers:
+                        self.tasks[task] = TaskView(epoch_seen=answered)  # rule 5
                 result = self._apply_states(message.task_id, message.epoch, message.connector_state)
                 self._raise_offered_watermarks(message.task_id, best)
                 return result  # the epoch itself holds even when a foreign state was dropped

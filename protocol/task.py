@@ -151,6 +151,13 @@ class Rules(msgspec.Struct, frozen=True):
     # epoch fences it (``_settle_plan``); the teeth test turns it off: a fenced plan's offers
     # are published in a later generation.
     plan_offers_in_epoch_only: bool = True
+    # A partition handed over through the share section leaves this task's state in the same
+    # message as the offer carrying it (``_diff``); the teeth test turns it off: a leader whose
+    # share section waits for its epoch sends the removal alone, dies, and the partition is lost.
+    release_with_offer: bool = True
+    # An epoch keeps a dropped task's answer to a later generation (Cim rule 5); the teeth test
+    # turns it off: that generation's leader, whose answer it was, never plans.
+    keep_later_answers: bool = True
 
 
 class TaskConfig(msgspec.Struct, frozen=True):
@@ -179,7 +186,10 @@ class TaskCore:
         self.config = config
         self.me = config.task_id
         self.rng = rng or Random(0)
-        self.cim = Cim(fence_epochs=config.rules.fence_epochs)
+        self.cim = Cim(
+            fence_epochs=config.rules.fence_epochs,
+            keep_later_answers=config.rules.keep_later_answers,
+        )
         self.mine: dict[str, Partition] = {}
         self.shares: dict[str, Share] = {}
         self.moves: dict[str, Move] = {}
@@ -1142,6 +1152,12 @@ class TaskCore:
         data = tuple(p for t, p in self.mine.items() if self._sent_parts.get(t) != p)
         removed = tuple(t for t in self._sent_parts if t not in self.mine)
         send = self.shares != self._sent_share if epoch else self._shares_to_send()
+        if not send and self.config.rules.release_with_offer:
+            # A partition that left this task's state for its share section (a released
+            # move, an offer) leaves it in the message that carries the offer: sent alone, the
+            # removal leaves it held by nobody in the CIM, and lost if this task dies before
+            # the held share section goes out (its next life drops an unreleased move).
+            removed = tuple(t for t in removed if self.shares.get(t) == self._sent_share.get(t))
         shares = tuple(self.shares.values()) if send else None
         if not (data or removed or shares is not None or force):
             return None

@@ -51,7 +51,7 @@ from typing import Self
 import msgspec
 from aiokafka.errors import KafkaError
 
-from protocol.output_meta import OutputMeta
+from protocol.output_meta import OutputMeta, meta_topic
 from protocol.records import DataChange
 from protocol.retry import RetryCore, RetryPolicy
 from protocol.routing import (
@@ -73,6 +73,7 @@ from runtime.kafka.retry_queue import (
     ordering_key,
     split_key,
 )
+from runtime.kafka.topics import topic_exists
 from runtime.ports import SinkBatch
 
 __all__ = [
@@ -567,7 +568,10 @@ def _maybe_decode(raw: bytes | None) -> OutputRecord | None:
 async def with_meta(config: KafkaConfig, sink: KafkaSinkConfig) -> tuple[KafkaSinkConfig, bool]:
     """``sink`` with the RQ/DLQ storage topics its metadata topic ``<name>_meta`` names (every one
     readers read: after a shard-count change, the old ones until they are fed), and whether the
-    metadata topic exists; ``sink`` unchanged (and False) when it does not."""
+    metadata topic exists; ``sink`` unchanged (and False) when it does not (looking creates
+    no metadata topic: the dead-letter tools use this on outputs that never had one)."""
+    if not await topic_exists(config, meta_topic(sink.name)):
+        return sink, False
     async with MetaLog(config, sink.name, load_timeout_s=sink.load_timeout_s) as meta:
         state, _ = await meta.load()
     if not state.created:

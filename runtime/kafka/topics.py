@@ -49,6 +49,23 @@ def heartbeat_topic(connector: str) -> str:
     return f"{connector}_heartbeat"
 
 
+async def topic_exists(config: KafkaConfig, topic: str) -> bool:
+    """Whether ``topic`` exists (asking creates nothing)."""
+    admin = AIOKafkaAdminClient(**config.client_kwargs())
+    try:
+        await admin.start()
+        return topic in await admin.list_topics()
+    except KafkaError as exc:
+        tls = await diagnose(config) if isinstance(exc, KafkaConnectionError) else None
+        if tls is not None:
+            raise tls from tls.__cause__
+        raise KafkaAdapterError(
+            f"cannot list the topics of {config.bootstrap_servers}: {exc!r}"
+        ) from exc
+    finally:
+        await admin.close()
+
+
 async def ensure_topic(
     config: KafkaConfig,
     topic: str,

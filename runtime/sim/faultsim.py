@@ -176,6 +176,10 @@ class SimParams(msgspec.Struct, frozen=True):
     # valid lease once its own answer is in its CIM, and a plan's offers only in its epoch
     lead_under_lease: bool = True
     plan_offers_in_epoch_only: bool = True
+    # ... and the rules that keep a partition held by somebody: a removal travels with the
+    # offer that carries the partition; an epoch keeps a dropped task's later answer
+    release_with_offer: bool = True
+    keep_later_answers: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
     # the simulated sink: each batch commits after a delay (in order per reader), and fails
     # with this chance (the reader then re-reads from its committed position). It draws from
@@ -273,7 +277,9 @@ class Simulation:
         # (land step, seq, producer, payload): a paused producer's messages wait in its socket
         # buffer and land only after it resumes, possibly long after newer epochs.
         self.pending_log: list[tuple[int, int, str, bytes]] = []
-        self.observer = Cim(fence_epochs=params.fence_epochs)
+        self.observer = Cim(
+            fence_epochs=params.fence_epochs, keep_later_answers=params.keep_later_answers
+        )
         self.max_wm: dict[str, int] = {}
         self.finished: set[str] = set()
         self.delivered: Counter[tuple[int, str, str]] = Counter()
@@ -305,6 +311,8 @@ class Simulation:
             resend_failed_epoch=params.resend_failed_epoch,
             lead_under_lease=params.lead_under_lease,
             plan_offers_in_epoch_only=params.plan_offers_in_epoch_only,
+            release_with_offer=params.release_with_offer,
+            keep_later_answers=params.keep_later_answers,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")

@@ -203,3 +203,28 @@ def test_final_states_over_the_cims_of_several_tasks() -> None:
         FinalState("q", "finished", 3, "a"),
         FinalState("r", "owned", 4, "b"),
     ]
+
+
+def test_an_epoch_keeps_a_dropped_tasks_answer_to_a_later_generation() -> None:
+    # Seed 8675: a, back from a pause, answered generation 3 (it leads it) before the epoch of
+    # generation 2, which dropped it, landed. The answer is a's only message; all of them read
+    # back, a had no cause to write it again, and generation 3 waited for it for ever.
+    log: list[SyncMessage] = [
+        epoch("b", 1, "a", "b"),
+        state("a", 1, part("p")),
+        state("a", 2, epoch=3),  # a's answer to generation 3
+        epoch("b", 2, "b"),  # generation 2 dropped a
+    ]
+    cim = _fold(log)
+    assert cim.members == ("b",)
+    assert cim.view("a").epoch_seen == 3
+    assert cim.view("a").partitions == {}  # its claims went with it
+    assert list(cim.holders("p")) == []
+    # an answer to the epoch's own generation or an older one goes with the task
+    old = _fold([*log[:2], state("a", 2, epoch=2), epoch("b", 2, "b")])
+    assert "a" not in old.tasks
+    # without the rule (the simulator's teeth test) the answer is gone
+    broken = Cim(keep_later_answers=False)
+    for offset, message in enumerate(log):
+        broken.apply(offset, message)
+    assert broken.view("a").epoch_seen == -1

@@ -794,3 +794,69 @@ def test_a_released_move_dealt_out_meanwhile_is_withdrawn_and_never_picked_up_be
     assert "p1" not in b.mine
     assert not any(isinstance(cmd, StartReader) for cmd in out)
     assert b.counters["offer_already_owned"] == 1
+
+
+def _leader_releasing_p1_while_its_epoch_is_on_its_way(
+    rules: Rules | None = None,
+) -> tuple[TaskCore, list[TaskCommand], int]:
+    """a owns p1..p3 and moves p1 to b; b answers; a becomes the leader of generation 1 and
+    sends its epoch; then its reader of p1 stops: the release, while the epoch is on its way."""
+    c = TaskCore(TaskConfig(task_id="a", cap=0, rules=rules or Rules()), Random(0))
+    members = ("a", "b", "x", "y")
+    c.handle(Lease(until=10**12), now=1)
+    offset = read_back(c, c.handle(Joined(generation=0, leader="x", members=members), now=2), 0, 2)
+    offers = tuple(Share(part(f"p{i}", 10 * i), target="a", kind="new", since=3) for i in (1, 2, 3))
+    out = c.handle(SyncRead(offset, epoch("x", 0, members, *offers)), now=3)
+    offset = read_back(c, out, offset + 1, now=3)
+    incoming = msgspec.structs.replace(part("p1", 10), status="incoming", source="a")
+    out = c.handle(SyncRead(offset, state("b", 1, incoming)), now=4)
+    assert out == [StopReader("p1", StopReason.HANDOFF, drain=True)]
+    out = c.handle(Joined(generation=1, leader="a", members=members), now=5)
+    offset = read_back(c, out, offset + 1, now=5)  # its answer
+    (request,) = c.handle(TaskTick(), now=6 + c.config.answer_timeout)
+    assert isinstance(request, RequestPlan)
+    the_plan = plan(c.cim, members, "a", 1, now=7, cap=0, rng=Random(0))
+    (sent_epoch,) = c.handle(PlanReady(the_plan), now=8 + c.config.answer_timeout)
+    assert isinstance(sent_epoch, Publish)
+    assert isinstance(sent_epoch.message, EpochMessage)
+    out = c.handle(ReaderStopped("p1", T0 + 15), now=9 + c.config.answer_timeout)
+    assert "p1" not in c.mine
+    assert c.shares["p1"].released
+    return c, [sent_epoch, *out], offset
+
+
+def test_a_release_leaves_the_state_only_with_the_offer_that_carries_the_partition() -> None:
+    # Seed 8291: the leader's share section waits while its epoch is on its way; the release
+    # went out as a removal alone, the leader died, and its next life dropped the unreleased
+    # move it found in the CIM: the partition, held by nobody, was lost.
+    c, sent, offset = _leader_releasing_p1_while_its_epoch_is_on_its_way()
+    states = [
+        s
+        for cmd in sent
+        if isinstance(cmd, Publish) and isinstance(cmd.message, StateMessage)
+        for s in cmd.message.connector_state
+    ]
+    assert all("p1" not in s.removed for s in states), states
+    assert c.cim.view("a").partitions["p1"].status == "owned"
+    # the epoch lands: the removal and the released offer go out together
+    read_back(c, sent, offset, now=3_000_000)
+    out = c.handle(TaskTick(), now=4_000_000)
+    read_back(c, out, offset + len(sent), now=4_000_000)
+    view = c.cim.view("a")
+    assert "p1" not in view.partitions
+    assert view.share["p1"].released
+    assert view.share["p1"].partition.watermark == T0 + 15
+
+
+def test_without_the_rule_the_removal_goes_out_alone() -> None:
+    """The control of the test above: the simulator's teeth test turns the rule off."""
+    _, sent, _ = _leader_releasing_p1_while_its_epoch_is_on_its_way(Rules(release_with_offer=False))
+    alone = [
+        s
+        for cmd in sent
+        if isinstance(cmd, Publish) and isinstance(cmd.message, StateMessage)
+        for s in cmd.message.connector_state
+        if "p1" in s.removed
+    ]
+    assert alone
+    assert all(s.share is None for s in alone)

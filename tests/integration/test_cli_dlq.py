@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
+from protocol.output_meta import meta_topic
 from protocol.retry import RetryPolicy
 from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
+from runtime.kafka.topics import topic_exists
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.fixtures.kafka_sink import (
     expected_ids,
@@ -72,6 +74,8 @@ async def test_dlq_list_and_replay_of_the_kafka_sink(
         f"1 record(s) in the DLQ of {name!r}",
         f'{dead.record_id}  key=T:{{"id": "2"}}  attempts=2  error=injected failure for key 2',
     ]
+    # an output without a metadata topic keeps having none: looking creates nothing
+    assert not await topic_exists(kafka_config, meta_topic(name))
 
     # The default sink is spark: without its dead-letter queue the command says what to give.
     wrong = await shoal("dlq", "list", *where)

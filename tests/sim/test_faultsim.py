@@ -30,7 +30,11 @@ CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the lon
 # its end dealt out again from its start), and followers expelled right after the coordinator
 # answered their SyncGroups (1744, two readers of one partition; a simulator bug), and a
 # hand-off released by a task the rebalance dropped, completed before the epoch landed while the
-# leader dealt the partition to another member (2126, two readers).
+# leader dealt the partition to another member (2126, two readers). From the 10,000-seed sweep
+# of f6a4792: a leader's release sent as a removal alone while its share section waited for its
+# epoch, the leader dying before the offer went out (8291, a partition lost), and an answer to a
+# later generation erased by the epoch that dropped its writer, whose generation then waited
+# for its leader's answer for ever (8675, a partition lost).
 REGRESSIONS = [
     0,
     6,
@@ -62,6 +66,8 @@ REGRESSIONS = [
     1959,
     2126,
     8077,
+    8291,
+    8675,
 ]
 
 
@@ -187,6 +193,17 @@ def test_teeth_a_leader_acting_on_a_superseded_generation() -> None:
         assert "went back" in result.violation, (seed, result)
         for rule in broken:
             _check(seed, **{**params, rule: False})
+
+
+@pytest.mark.parametrize(
+    ("seed", "rule"), [(8291, "release_with_offer"), (8675, "keep_later_answers")]
+)
+def test_teeth_a_partition_held_by_nobody(seed: int, rule: str) -> None:
+    """Each rule off (a removal travels with the offer carrying the partition; an epoch keeps a
+    dropped task's answer to a later generation) loses a partition on the seed that found it;
+    ``test_regression_seed`` is the control."""
+    result = run(SimParams(seed=seed, **{rule: False}))  # type: ignore[arg-type]
+    assert "owned by []" in result.violation, result
 
 
 def test_a_group_whose_generations_start_over_keeps_epochs_going_up() -> None:
