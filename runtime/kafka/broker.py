@@ -304,6 +304,9 @@ class EmbeddedBroker:
         if process is None:
             return
         if process.poll() is None:
+            # a broker frozen with SIGSTOP (an outage drill, a debugger) cannot act on SIGTERM
+            # until it is continued: it would be killed only after the whole stop timeout
+            process.send_signal(signal.SIGCONT)
             process.send_signal(signal.SIGTERM)
             try:
                 process.wait(self._stop_timeout_s)
