@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError, for_code
@@ -49,21 +50,28 @@ def heartbeat_topic(connector: str) -> str:
     return f"{connector}_heartbeat"
 
 
-async def topic_exists(config: KafkaConfig, topic: str) -> bool:
-    """Whether ``topic`` exists (asking creates nothing)."""
+@contextlib.asynccontextmanager
+async def _admin(config: KafkaConfig, doing: str) -> AsyncIterator[AIOKafkaAdminClient]:
+    """A started admin client; a Kafka error in the block (``doing`` says what failed) becomes
+    the TLS diagnosis when the connection failed on it, else a ``KafkaAdapterError``."""
     admin = AIOKafkaAdminClient(**config.client_kwargs())
     try:
         await admin.start()
-        return topic in await admin.list_topics()
+        yield admin
     except KafkaError as exc:
         tls = await diagnose(config) if isinstance(exc, KafkaConnectionError) else None
         if tls is not None:
+            # caused by the ssl error, so no caller takes it for a transient connection error
             raise tls from tls.__cause__
-        raise KafkaAdapterError(
-            f"cannot list the topics of {config.bootstrap_servers}: {exc!r}"
-        ) from exc
+        raise KafkaAdapterError(f"cannot {doing} on {config.bootstrap_servers}: {exc!r}") from exc
     finally:
         await admin.close()
+
+
+async def topic_exists(config: KafkaConfig, topic: str) -> bool:
+    """Whether ``topic`` exists (asking creates nothing)."""
+    async with _admin(config, "list the topics") as admin:
+        return topic in await admin.list_topics()
 
 
 async def ensure_topic(
@@ -75,29 +83,17 @@ async def ensure_topic(
 ) -> bool:
     """Create ``topic`` (``config.replication_factor`` replicas) if it does not exist; return
     whether it was created. An existing topic is left as it is."""
-    admin = AIOKafkaAdminClient(**config.client_kwargs())
-    try:
-        await admin.start()
-        new = NewTopic(
-            name=topic,
-            num_partitions=partitions,
-            replication_factor=config.replication_factor,
-            topic_configs=dict(topic_configs or {}),
-        )
+    new = NewTopic(
+        name=topic,
+        num_partitions=partitions,
+        replication_factor=config.replication_factor,
+        topic_configs=dict(topic_configs or {}),
+    )
+    async with _admin(config, f"create topic {topic!r}") as admin:
         try:
             response = await admin.create_topics([new])
         except TopicAlreadyExistsError:
             return False
-    except KafkaError as exc:
-        tls = await diagnose(config) if isinstance(exc, KafkaConnectionError) else None
-        if tls is not None:
-            # caused by the ssl error, so no caller takes it for a transient connection error
-            raise tls from tls.__cause__
-        raise KafkaAdapterError(
-            f"cannot create topic {topic!r} on {config.bootstrap_servers}: {exc!r}"
-        ) from exc
-    finally:
-        await admin.close()
     for name, code, *rest in getattr(response, "topic_errors", ()):
         if code == TopicAlreadyExistsError.errno:
             return False
