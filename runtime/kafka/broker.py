@@ -330,7 +330,12 @@ class EmbeddedBroker:
         process = self._process
         try:
             if process is not None and process.poll() is None:
-                process.kill()
+                try:
+                    # the broker leads its own session (start_new_session): SIGKILL the whole
+                    # group, so nothing it started (a wrapper's child) outlives it
+                    os.killpg(process.pid, signal.SIGKILL)
+                except OSError:
+                    process.kill()
                 try:
                     # the kernel ends it at once, but reaping it may take a moment on a loaded
                     # machine: not the (maybe tiny) SIGTERM grace

@@ -7,13 +7,20 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import runtime.kafka.broker as broker_module
-from runtime.kafka.broker import BrokerError, EmbeddedBroker, free_port, probe_metadata
+from runtime.kafka.broker import (
+    BrokerError,
+    EmbeddedBroker,
+    broker_binary,
+    free_port,
+    probe_metadata,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -74,29 +81,54 @@ def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
         broker.start()
 
 
-def test_stop_escalates_to_sigkill() -> None:
-    """A broker that does not end on SIGTERM within the grace is killed and reaped. Frozen
-    with SIGSTOP it cannot act on SIGTERM (an idle broker sometimes ends within 1 ms, which made
-    this test depend on timing); SIGKILL still ends it."""
-    broker = EmbeddedBroker(stop_timeout_s=0.001)
-    broker.start()
-    pid = broker.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    # A handler of the test's own on the broker's logger: pytest's caplog sits on the root
-    # logger, whose handlers an earlier in-process run of the command line may have replaced.
+def _warnings_of(action: Callable[[], None]) -> list[str]:
+    """The warnings the broker module logs while ``action`` runs. A handler of the test's own
+    on the broker's logger: pytest's caplog sits on the root logger, whose handlers an earlier
+    in-process run of the command line may have replaced."""
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger(broker_module.__name__)
     logger.addHandler(handler)
     try:
-        broker.stop()
+        action()
     finally:
         logger.removeHandler(handler)
+    return seen
+
+
+def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
+    """A broker that does not end on SIGTERM within the grace is killed and reaped. Tansu
+    installs its own SIGTERM handler, so the broker runs under a shell that ignores SIGTERM (the
+    signal stop sends goes to that shell); SIGKILL takes the shell and the broker under it."""
+    wrapper = tmp_path / "tansu-ignoring-sigterm"
+    wrapper.write_text(f"#!/bin/sh\ntrap '' TERM\n'{broker_binary()}' \"$@\" &\nwait $!\n")
+    wrapper.chmod(0o755)
+    broker = EmbeddedBroker(binary=str(wrapper), stop_timeout_s=0.2)
+    broker.start()
+    pid, port = broker.pid, broker.port
+    seen = _warnings_of(broker.stop)
     assert not broker.running
-    assert f"embedded broker pid {pid} ignored SIGTERM for 0.0 s; killing it" in seen
+    assert f"embedded broker pid {pid} ignored SIGTERM for 0.2 s; killing it" in seen
     with pytest.raises(ProcessLookupError):  # killed and reaped: no such process any more
+        os.kill(pid, 0)
+    with pytest.raises(OSError):  # the broker under the shell went with it
+        probe_metadata("127.0.0.1", port, timeout=0.5)
+
+
+def test_stop_of_a_frozen_broker_does_not_wait_for_the_grace() -> None:
+    """A broker frozen with SIGSTOP (an outage drill) is continued so that it acts on SIGTERM:
+    stop takes well under the grace and kills nothing."""
+    broker = EmbeddedBroker(stop_timeout_s=30.0)
+    broker.start()
+    pid = broker.pid
+    os.kill(pid, signal.SIGSTOP)
+    began = time.monotonic()
+    seen = _warnings_of(broker.stop)
+    assert time.monotonic() - began < 10.0
+    assert not broker.running
+    assert not [line for line in seen if "killing it" in line]
+    with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
 
