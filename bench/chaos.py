@@ -116,6 +116,12 @@ class Observer:
         self.faults: list[tuple[float, str, str]] = []  # (seconds into the run, kind, task)
         self.measuring = True
         self.worst_at = 0.0  # seconds into the run when the worst stall ended or was seen
+        self.worst_from = 0.0  # seconds into the run when the worst partition last advanced
+        # what the sync topic said about each partition (who holds it, how; who it is offered
+        # to) and the epochs, with seconds into the run: the worst stall's story is cut from it
+        self.holders: dict[str, str] = {}
+        self.history: dict[str, list[tuple[float, str]]] = {}
+        self.epoch_log: list[tuple[float, int, str, tuple[str, ...]]] = []
 
     def apply(self, offset: int, payload: bytes) -> None:
         try:
@@ -125,10 +131,29 @@ class Observer:
             return
         before = self.cim.epoch
         self.cim.apply(offset, message)
+        now = time.monotonic()
         if self.cim.epoch != before:
             self.epochs += 1
-        now = time.monotonic()
+            self.epoch_log.append(
+                (round(now - self.t0, 1), self.cim.epoch, self.cim.leader, self.cim.members)
+            )
         live: set[str] = set()
+        holders: dict[str, list[str]] = {}
+        for task, view in self.cim.tasks.items():
+            member = task in self.cim.members
+            for token, part in view.partitions.items():
+                holders.setdefault(token, []).append(
+                    f"{task}{'' if member else '(gone)'}:{part.status}@{part.watermark}"
+                )
+            for token, share in view.share.items():
+                holders.setdefault(token, []).append(
+                    f"{task}->{share.target}:{share.kind}{':released' if share.released else ''}"
+                )
+        for token, said in holders.items():
+            text = " ".join(sorted(said))
+            if self.holders.get(token) != text:
+                self.holders[token] = text
+                self.history.setdefault(token, []).append((round(now - self.t0, 1), text))
         for task in self.cim.members:
             for token, part in self.cim.view(task).partitions.items():
                 if part.status == "finished":
@@ -155,6 +180,19 @@ class Observer:
                 self.max_unread_s = now - at
                 self.worst = token
                 self.worst_at = round(now - self.t0, 1)
+                self.worst_from = round(at - self.t0, 1)
+
+    def worst_story(self) -> list[str]:
+        """What happened around the worst stall, in order: the worst partition's holders as the
+        sync topic named them, the faults and the epochs, from 15 s before it began to its end."""
+        lo, hi = self.worst_from - 15.0, self.worst_at + 1.0
+        lines = [(t, f"partition: {text}") for t, text in self.history.get(self.worst, [])]
+        lines += [(t, f"fault: {kind} {task}") for t, kind, task in self.faults]
+        lines += [
+            (t, f"epoch {epoch}: leader {leader}, members {' '.join(members)}")
+            for t, epoch, leader, members in self.epoch_log
+        ]
+        return [f"{t:7.1f} {text}" for t, text in sorted(lines) if lo <= t <= hi]
 
 
 async def observe(bootstrap: str, observer: Observer, stop: asyncio.Event) -> None:
@@ -289,6 +327,8 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 max_unread_s=round(observer.max_unread_s, 1),
                 worst_partition=observer.worst[:12],
                 worst_unread_seen_at_s=observer.worst_at,
+                worst_unread_from_s=observer.worst_from,
+                worst_unread_story=observer.worst_story(),
                 fault_log=observer.faults,
                 rebalances=observer.epochs,
                 bad_sync_messages=observer.bad,
@@ -412,7 +452,10 @@ def main(argv: list[str]) -> int:
         print(f"chaos: {type(exc).__name__}: {exc} (work directory kept: {work})", file=sys.stderr)
         return 1
     for key, value in result.items():
-        print(f"{key:>32}: {value}")
+        if key == "worst_unread_story":
+            print(f"{key:>32}:", *value, sep="\n    ")
+        else:
+            print(f"{key:>32}: {value}")
     print(
         json.dumps(
             {
