@@ -14,7 +14,9 @@ Phases on one local Spark session (started and warmed first, not timed):
    acks, no commits).
 2. **e2e**: the same records as a backlog (the simulator's clock jumps to the stream's end
    once the three task nodes formed their group): the nodes, over in-memory coordination,
-   read them and put them into the bridge, which writes its default output (the typed
+   read them and put them into the bridge (the simulated source serves records its model
+   generated before the clock starts, as the floor's tables and the raw phase's records are:
+   the seeded generator is a stand-in for Spanner, whose decoding ``bench spanner`` measures), which writes its default output (the typed
    per-table layout, written by pyarrow; ``--output-layout generic``: Spark's write, as in
    raw); timed from the first put until every row is committed.
 
@@ -49,6 +51,8 @@ import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
+
+import uvloop
 
 from actors.node import NodeConfig, TaskNode
 from protocol.records import DataChange
@@ -215,7 +219,7 @@ async def _settled(nodes: list[TaskNode], partitions: int, timeout: float = 120.
 
 
 async def e2e_phase(
-    spark: Any, config: SparkConfig, params: StreamParams, end_ts: int, total_rows: int
+    spark: Any, config: SparkConfig, model: StreamModel, end_ts: int, total_rows: int
 ) -> tuple[float, int]:
     """Seconds from the first put until every row committed, and the rows in the output.
 
@@ -225,8 +229,9 @@ async def e2e_phase(
     re-read what they had not committed yet. Re-reads show as ``rows_deduplicated`` in the
     bridge's statistics printed after each phase (0 when the phase ran as intended)."""
     opened = False
+    params = model.params
     source = SimulatedSource(
-        StreamModel(params),
+        model,
         clock=lambda: end_ts if opened else params.start_ts,
         heartbeat_ms=1000,
     )
@@ -238,10 +243,18 @@ async def e2e_phase(
                 await stack.enter_async_context(node)
             await _settled(nodes, params.roots)
             opened = True
-            async with asyncio.timeout(600):
-                # polling the bridge's counters is the measurement itself
-                while bridge.stats().rows_committed < total_rows:  # noqa: ASYNC110
-                    await asyncio.sleep(0.02)
+            try:
+                async with asyncio.timeout(600):
+                    # polling the bridge's counters is the measurement itself
+                    while bridge.stats().rows_committed < total_rows:  # noqa: ASYNC110
+                        await asyncio.sleep(0.02)
+            except TimeoutError:
+                # say where the rows stopped (an output directory that already held them, for
+                # one: the bridge drops rows its output has committed, rows_deduplicated)
+                print(f"  e2e: not every row committed after 600 s; bridge: {bridge.stats()}")
+                for node in nodes:
+                    print(f"  node: {node.status()}")
+                raise
             done = time.monotonic()
         stats = bridge.stats()
     assert timed.first_put is not None
@@ -275,8 +288,12 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _stream(params: StreamParams, end_ts: int) -> list[tuple[str, DataChange]]:
-    return [("raw", change) for change in StreamModel(params).expected(end_ts)]
+def _stream(params: StreamParams, end_ts: int) -> tuple[StreamModel, list[tuple[str, DataChange]]]:
+    """The model of the stream up to ``end_ts``, its records generated (the model keeps them:
+    the e2e phase's source serves them from there, as the floor's tables are built before its
+    clock starts), and those records."""
+    model = StreamModel(params)
+    return model, [("raw", change) for change in model.expected(end_ts)]
 
 
 def _rows(stream: list[tuple[str, DataChange]]) -> int:
@@ -284,12 +301,12 @@ def _rows(stream: list[tuple[str, DataChange]]) -> int:
 
 
 def _e2e_rate(
-    spark: Any, config: SparkConfig, params: StreamParams, end_ts: int, expect: tuple[int, int]
+    spark: Any, config: SparkConfig, model: StreamModel, end_ts: int, expect: tuple[int, int]
 ) -> float:
     """One e2e phase over ``params``'s stream up to ``end_ts`` (``expect``: its records and
     rows): records/s. The output must hold every row; it is removed afterwards."""
     records, rows = expect
-    e2e_s, out_rows = asyncio.run(e2e_phase(spark, config, params, end_ts, rows))
+    e2e_s, out_rows = uvloop.run(e2e_phase(spark, config, model, end_ts, rows))
     rate = records / e2e_s
     print(f"  e2e: {e2e_s:.2f}s, {rate:,.0f} records/s, {out_rows} rows in the output")
     if out_rows != rows:
@@ -305,13 +322,13 @@ def vs_one_table(spark: Any, args: argparse.Namespace, records: int, work: Path)
     for n in (args.tables, 1):
         params = _params(roots=8, seed=args.seed, tables=n)
         end_ts = _stream_end(params, records)
-        stream = _stream(params, end_ts)
-        runs.append((params, end_ts, (len(stream), _rows(stream))))
+        model, stream = _stream(params, end_ts)
+        runs.append((model, end_ts, (len(stream), _rows(stream))))
         print(f"  {n} table(s): {len(stream)} records, {_rows(stream)} rows")
     rates: dict[int, list[float]] = {args.tables: [], 1: []}
     for r in range(args.rounds):
-        for params, end_ts, expect in runs:
-            n = len(params.tables)
+        for model, end_ts, expect in runs:
+            n = len(model.params.tables)
             print(f" round {r + 1}/{args.rounds}, {n} table(s)")
             config = SparkConfig(
                 output_dir=str(work / f"e2e-{n}"),
@@ -319,7 +336,7 @@ def vs_one_table(spark: Any, args: argparse.Namespace, records: int, work: Path)
                 max_age_s=args.max_age,
                 output_layout=args.output_layout,
             )
-            rates[n].append(_e2e_rate(spark, config, params, end_ts, expect))
+            rates[n].append(_e2e_rate(spark, config, model, end_ts, expect))
     ratios = [m / o for m, o in zip(rates[args.tables], rates[1], strict=True)]
     print(f"  {args.tables} tables vs one, per round: {', '.join(f'{x:.3f}' for x in ratios)}")
     print(
@@ -377,7 +394,7 @@ def main(argv: list[str]) -> int:
     live_s = args.live_seconds or (12.0 if args.quick else 60.0)
     params = _params(roots=8, seed=args.seed, tables=args.tables)
     end_ts = _stream_end(params, records)
-    stream = _stream(params, end_ts)
+    model, stream = _stream(params, end_ts)
     total_records = len(stream)
     total_rows = _rows(stream)
     print(
@@ -430,7 +447,7 @@ def main(argv: list[str]) -> int:
                 max_age_s=args.max_age,
                 output_layout=args.output_layout,
             )
-            e2e.append(_e2e_rate(spark, config, params, end_ts, (total_records, total_rows)))
+            e2e.append(_e2e_rate(spark, config, model, end_ts, (total_records, total_rows)))
             for name in ("floor", "pyarrow", "raw"):
                 shutil.rmtree(work / name, ignore_errors=True)
         del tables
@@ -445,7 +462,7 @@ def main(argv: list[str]) -> int:
             output_dir=str(work / "live"), max_rows=args.max_rows, max_age_s=args.max_age
         )
         live_params = StreamParams(seed=args.seed + 1, roots=8, records_per_s=200.0)
-        latencies = asyncio.run(latency_phase(spark, live, live_params, live_s))
+        latencies = uvloop.run(latency_phase(spark, live, live_params, live_s))
         p50, p99 = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
         mean = statistics.fmean(latencies) if latencies else float("nan")
         print(f"  commit-to-visible over {len(latencies)} records: p50 {p50:.3f}s p99 {p99:.3f}s")
