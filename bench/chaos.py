@@ -258,8 +258,8 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "--sink", "files",
                 "--output-dir", str(output),
                 "--kafka-bootstrap-servers", broker.bootstrap,
-                "--kafka-session-timeout-ms", "3000",
-                "--kafka-heartbeat-interval-ms", "1000",
+                "--kafka-session-timeout-ms", str(args.session_timeout_ms),
+                "--kafka-heartbeat-interval-ms", str(args.heartbeat_interval_ms),
                 "--progress", "off",
                 "--log-level", args.task_log_level,
                 "--drain-timeout", "20",
@@ -437,6 +437,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--no-faults", action="store_true", help="baseline: the load, no faults")
     parser.add_argument("--task-log-level", default="warning", help="log level of the tasks")
+    parser.add_argument(
+        "--session-timeout-ms",
+        type=int,
+        default=4000,
+        help="the tasks' group session timeout (default: what the embedded broker gets)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval-ms",
+        type=int,
+        default=500,
+        help="the tasks' heartbeat interval (default: what the embedded broker gets)",
+    )
     parser.add_argument("--quick", action="store_true", help="two minutes of faults")
     args = parser.parse_args(argv)
     if args.quick:
