@@ -38,7 +38,9 @@ pyspark (:data:`PYSPARK`), used by :mod:`runtime.spark.supervisor`:
   why its jobs hang;
 * :func:`forget_local_session` clears pyspark's class-level handles of a session whose JVM died
   (``SparkContext._gateway``, ``_jvm``, ``_active_spark_context``, ``SparkSession``'s instantiated
-  and active session), so that the next ``getOrCreate()`` launches a new JVM.
+  and active session), so that the next ``getOrCreate()`` launches a new JVM;
+* :func:`kill_launched_jvm` kills that JVM while a session start that ran past its time still
+  holds ``SparkContext._lock``, so that the start fails and its thread ends.
 
 And one process-wide setting of gRPC, applied where a Spanner client is created rather than at
 import (importing :mod:`runtime` changes nothing): :func:`disable_grpc_fork_support`.
@@ -228,6 +230,18 @@ def spark_executor_count(spark: Any) -> int:
     check(PYSPARK, "SparkContext._jsc, to count an application's executors")
     jsc = spark._sc._jsc
     return max(0, int(jsc.sc().getExecutorMemoryStatus().size()) - 1)
+
+
+def kill_launched_jvm() -> None:
+    """SIGKILL the JVM pyspark's gateway launched, if it runs, without taking
+    ``SparkContext._lock``: a thread starting a session holds that lock while it waits for the
+    JVM, so this is how to make its call fail (and release the lock) from outside."""
+    check(PYSPARK, "SparkContext._gateway.proc, to end a session start that hangs")
+    from pyspark.core.context import SparkContext
+
+    proc = getattr(SparkContext._gateway, "proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
 
 
 def forget_local_session() -> None:

@@ -403,6 +403,15 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "exit 1 naming Spark; 0: stop at once. Embedded path.",
         ),
     ] = 3
+    start_timeout_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Seconds Spark may take to start (the session, or a cluster's "
+            "executors registering) and to run its first job before the process stops with "
+            "exit 1 naming Spark; a replacement session gets the same.",
+        ),
+    ] = 180.0
     job_timeout_s: Annotated[
         float,
         Meta(

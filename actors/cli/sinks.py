@@ -522,6 +522,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         else config.run.output_layout,
         "restarts": sc.restarts,
         "job_timeout_s": sc.job_timeout_s or None,
+        "start_timeout_s": sc.start_timeout_s,
     }
     for name in ("max_rows", "max_age_s", "max_inflight_batches"):
         value = getattr(sc, name)

@@ -101,7 +101,7 @@ from runtime.spark.keyed import (
 )
 from runtime.spark.output import write_default, write_staged
 from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
-from runtime.spark.session import SparkStartError, start_session, warm
+from runtime.spark.session import SparkStartError, abandon_start, start_session, warm
 from runtime.spark.supervisor import SessionSupervisor, SparkJobTimeout, SparkLost, cancel_jobs
 from runtime.spark.typed_output import TypedBatch, typed_tails
 
@@ -226,9 +226,10 @@ class SparkBridge:
                         local_dir=self._local_dir,
                     )
             except TimeoutError:
+                await asyncio.to_thread(abandon_start, cfg.remote)
                 raise SparkStartError(
                     f"Spark did not start within {cfg.start_timeout_s:.0f}s "
-                    f"({cfg.remote or cfg.master})"
+                    f"({cfg.remote or cfg.master}; spark.start_timeout_s)"
                 ) from None
         try:
             async with asyncio.timeout(cfg.start_timeout_s):
@@ -255,7 +256,8 @@ class SparkBridge:
         except TimeoutError:
             await self._stop_spark()
             raise SparkStartError(
-                f"Spark's first job did not finish within {cfg.start_timeout_s:.0f}s"
+                f"Spark's first job did not finish within {cfg.start_timeout_s:.0f}s "
+                "(spark.start_timeout_s)"
             ) from None
         except BaseException:
             await self._stop_spark()

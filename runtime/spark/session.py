@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runtime import compat
+
 __all__ = [
     "SparkStartError",
     "connect_endpoint",
@@ -113,6 +115,17 @@ def start_session(
         return builder.getOrCreate()
     except Exception as exc:
         raise SparkStartError(f"Spark failed to start ({master}): {exc}") from exc
+
+
+def abandon_start(remote: str | None) -> None:
+    """Blocking: give up a session start that ran past its time. A local JVM being started is
+    killed: the starting thread's call into it then fails and the thread ends, instead of
+    keeping the process alive while Spark retries by itself (a ``spark://`` master that never
+    answers: a minute and more); then pyspark's handles of it are dropped, so that a next start
+    launches a new JVM. A Spark Connect start is the client's: it ends by its own retry limit."""
+    if remote is None:
+        compat.kill_launched_jvm()
+        compat.forget_local_session()
 
 
 def connect_endpoint(remote: str) -> tuple[str, int]:

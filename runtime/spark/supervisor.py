@@ -41,7 +41,7 @@ from typing import Any
 from runtime import compat
 from runtime.ports import Unrecoverable
 from runtime.spark.config import SparkConfig
-from runtime.spark.session import SparkStartError, start_session, warm
+from runtime.spark.session import SparkStartError, abandon_start, start_session, warm
 
 __all__ = [
     "SessionSupervisor",
@@ -235,8 +235,12 @@ class SessionSupervisor:
 
     async def _start(self) -> Any:
         cfg = self.config
-        async with asyncio.timeout(cfg.start_timeout_s):
-            return await asyncio.to_thread(self._start_blocking)
+        try:
+            async with asyncio.timeout(cfg.start_timeout_s):
+                return await asyncio.to_thread(self._start_blocking)
+        except TimeoutError:
+            await asyncio.to_thread(abandon_start, cfg.remote)
+            raise
 
     def _start_blocking(self) -> Any:
         cfg = self.config

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from protocol.records import DataChange
@@ -108,3 +109,28 @@ async def test_a_session_that_keeps_hanging_stops_the_bridge_naming_spark(
     assert "died 2 times in a row" in text, text
     # two timeouts, a restart and the cancels between them: bounded, not a retry loop
     assert took < 8.0 + 2 * 30 + 60, f"took {took:.0f}s"
+
+
+@pytest.mark.timeout(300)
+async def test_a_master_that_never_answers_is_a_start_error_naming_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """``--spark-master spark://...`` with no master there: Spark itself keeps trying to
+    register for a minute and more; past ``spark.start_timeout_s`` the bridge gives up with an
+    error that names Spark's address and the setting to change."""
+    from runtime.kafka.broker import free_port
+    from runtime.spark import SparkStartError
+
+    master = f"spark://127.0.0.1:{free_port()}"
+    config = msgspec.structs.replace(_config(tmp_path, 0), master=master, start_timeout_s=8.0)
+    began = time.monotonic()
+    with pytest.raises(SparkStartError, match=r"spark\.start_timeout_s") as caught:
+        async with SparkBridge(config):
+            pass
+    assert time.monotonic() - began < 40.0  # not Spark's own minute of registration retries
+    message = str(caught.value)
+    assert "within 8s" in message
+    assert master in message or "first job" in message
+    from pyspark.core.context import SparkContext
+
+    assert SparkContext._gateway is None  # its JVM was killed and forgotten, not left retrying

@@ -174,6 +174,16 @@ def test_spark_gets_absolute_paths_and_urls_as_they_are() -> None:
     assert spark_config(_load([]), None).checkpoint_dir is None
 
 
+def test_spark_timeouts_reach_the_bridge() -> None:
+    from actors.cli.sinks import spark_config
+
+    default = spark_config(_load([]), None)
+    assert (default.start_timeout_s, default.job_timeout_s) == (180.0, 300.0)
+    args = ["--spark-start-timeout-s", "45", "--spark-job-timeout-s", "0"]
+    chosen = spark_config(_load(args), None)
+    assert (chosen.start_timeout_s, chosen.job_timeout_s) == (45.0, None)  # 0: no limit
+
+
 def test_query_window_defaults_to_20s_against_the_emulator_only() -> None:
     """The emulator keeps running cancelled partition queries until their end; a window bounds
     that. Against Spanner a query runs to the partition's end unless a window is set."""
