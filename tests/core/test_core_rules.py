@@ -712,17 +712,24 @@ def test_a_new_offer_for_a_partition_moving_between_members_is_refused() -> None
     assert c.counters["offer_already_owned"] >= 1
 
 
-def _released_to_b_before_the_epoch_dropping_b() -> tuple[TaskCore, int]:
-    """a owns p1..p3 in an epoch of a, b, x, y and moves p1 to b; b answers, a releases p1 (its
-    message saying so is on its way), and the rebalance that drops b and its epoch land first:
-    the CIM still shows a owning p1."""
-    c = TaskCore(TaskConfig(task_id="a", cap=0), Random(0))
+def _a_given_p1_to_p3(rules: Rules | None = None) -> tuple[TaskCore, int]:
+    """a is dealt p1..p3 in x's epoch 0 of a, b, x, y and spreads them (p1 moves to b), its
+    messages read back; returns a and the next sync offset."""
+    c = TaskCore(TaskConfig(task_id="a", cap=0, rules=rules or Rules()), Random(0))
     members = ("a", "b", "x", "y")
     c.handle(Lease(until=10**12), now=1)
     offset = read_back(c, c.handle(Joined(generation=0, leader="x", members=members), now=2), 0, 2)
     offers = tuple(Share(part(f"p{i}", 10 * i), target="a", kind="new", since=3) for i in (1, 2, 3))
     out = c.handle(SyncRead(offset, epoch("x", 0, members, *offers)), now=3)
     offset = read_back(c, out, offset + 1, now=3)
+    return c, offset
+
+
+def _released_to_b_before_the_epoch_dropping_b() -> tuple[TaskCore, int]:
+    """a owns p1..p3 in an epoch of a, b, x, y and moves p1 to b; b answers, a releases p1 (its
+    message saying so is on its way), and the rebalance that drops b and its epoch land first:
+    the CIM still shows a owning p1."""
+    c, offset = _a_given_p1_to_p3()
     assert {t: (s.target, s.kind) for t, s in c.shares.items()} == {
         "p1": ("b", "move"),
         "p2": ("x", "move"),
@@ -801,13 +808,8 @@ def _leader_releasing_p1_while_its_epoch_is_on_its_way(
 ) -> tuple[TaskCore, list[TaskCommand], int]:
     """a owns p1..p3 and moves p1 to b; b answers; a becomes the leader of generation 1 and
     sends its epoch; then its reader of p1 stops: the release, while the epoch is on its way."""
-    c = TaskCore(TaskConfig(task_id="a", cap=0, rules=rules or Rules()), Random(0))
+    c, offset = _a_given_p1_to_p3(rules)
     members = ("a", "b", "x", "y")
-    c.handle(Lease(until=10**12), now=1)
-    offset = read_back(c, c.handle(Joined(generation=0, leader="x", members=members), now=2), 0, 2)
-    offers = tuple(Share(part(f"p{i}", 10 * i), target="a", kind="new", since=3) for i in (1, 2, 3))
-    out = c.handle(SyncRead(offset, epoch("x", 0, members, *offers)), now=3)
-    offset = read_back(c, out, offset + 1, now=3)
     incoming = msgspec.structs.replace(part("p1", 10), status="incoming", source="a")
     out = c.handle(SyncRead(offset, state("b", 1, incoming)), now=4)
     assert out == [StopReader("p1", StopReason.HANDOFF, drain=True)]
