@@ -160,10 +160,18 @@ class Rules(msgspec.Struct, frozen=True):
     keep_later_answers: bool = True
 
 
+ANSWER_TIMEOUT = 500_000  # TaskConfig.answer_timeout's default (micros); see there
+
+
 class TaskConfig(msgspec.Struct, frozen=True):
     task_id: str
     cap: int = 100  # partitions read at once; 0: no cap
-    answer_timeout: int = 2_000_000  # leader's bounded wait for rebalance answers (micros)
+    # leader's bounded wait for rebalance answers (micros). Answers only let it plan with every
+    # member's latest word; safety never waits for them (an answer may be lost). Every moment
+    # of it a dead task's partitions stay unread, and a leader that dies while it waits
+    # costs the group another session timeout, so it is short: on Kafka the answers come
+    # within milliseconds of each other (the join phase ends for all at once).
+    answer_timeout: int = ANSWER_TIMEOUT
     publish_interval: int = 250_000  # coalescing of watermark-only changes
     # group commit: hold changes while an own message is unread, at most this long (0: off)
     coalesce_wait: int = 100_000

@@ -38,7 +38,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.filters import RecordFilter
-from protocol.task import TaskConfig
+from protocol.task import ANSWER_TIMEOUT, TaskConfig
 
 if TYPE_CHECKING:
     from runtime.kafka import KafkaConfig
@@ -451,8 +451,13 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         int, Meta(ge=0, description="Partitions one task reads at once (0: no cap).")
     ] = 100
     answer_timeout_ms: Annotated[
-        int, Meta(gt=0, description="Leader's wait for rebalance answers.")
-    ] = 2000
+        int,
+        Meta(
+            gt=0,
+            description="Leader's wait for every member's answer to a rebalance before it plans "
+            "the epoch anyway (a dead task's partitions wait that long for a new owner).",
+        ),
+    ] = ANSWER_TIMEOUT // 1000
     publish_interval_ms: Annotated[
         int, Meta(gt=0, description="Coalescing of watermark-only sync messages.")
     ] = 250

@@ -91,6 +91,7 @@ from protocol.reader import (
 )
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
 from protocol.task import (
+    ANSWER_TIMEOUT,
     Alert,
     Joined,
     Lease,
@@ -145,6 +146,9 @@ class SimParams(msgspec.Struct, frozen=True):
     request_timeout_us: int = 2_000_000
     # the teeth tests break the lease rule (count a JoinGroup in flight, drop the rebalance bound)
     lease_rules: LeaseRules = LeaseRules()
+    # the leader's wait for rebalance answers: the shipped default; the regression seeds found
+    # while it was 2 s also run with that, to replay the histories they were found in
+    answer_timeout_us: int = ANSWER_TIMEOUT
     crash_p: float = 0.004
     restart_p: float = 0.5  # a crashed task comes back under the same id
     join_p: float = 0.004
@@ -337,7 +341,7 @@ class Simulation:
         config = TaskConfig(
             task_id=task_id,
             cap=self.p.cap,
-            answer_timeout=2_000_000,
+            answer_timeout=self.p.answer_timeout_us,
             publish_interval=250_000,
             negotiate_interval=200_000,
             checkpoint_interval=5_000_000,

@@ -84,9 +84,15 @@ def test_seed_sweep(chunk: int) -> None:
         _check(seed)
 
 
+# The leader's answer wait the seeds above were found with; since then it is 0.5 s (ANSWER_TIMEOUT).
+# Each regression seed runs with both: the history it was found in, and the shipped wait.
+FOUND_WITH = {"answer_timeout_us": 2_000_000}
+
+
 @pytest.mark.parametrize("seed", REGRESSIONS)
-def test_regression_seed(seed: int) -> None:
-    _check(seed)
+@pytest.mark.parametrize("found_with", [False, True], ids=["shipped", "found-with"])
+def test_regression_seed(seed: int, found_with: bool) -> None:
+    _check(seed, **(FOUND_WITH if found_with else {}))
 
 
 def test_runs_are_deterministic() -> None:
@@ -189,6 +195,7 @@ def test_teeth_a_leader_acting_on_a_superseded_generation() -> None:
     ``test_regression_seed`` is the control (the same seeds pass)."""
     broken = {"lead_under_lease": False, "plan_offers_in_epoch_only": False}
     for seed, params in STALE_LEADER_CASES:
+        params = {**FOUND_WITH, **params}
         result = run(SimParams(seed=seed, **broken, **params))  # type: ignore[arg-type]
         assert "went back" in result.violation, (seed, result)
         for rule in broken:
@@ -202,7 +209,7 @@ def test_teeth_a_partition_held_by_nobody(seed: int, rule: str) -> None:
     """Each rule off (a removal travels with the offer carrying the partition; an epoch keeps a
     dropped task's answer to a later generation) loses a partition on the seed that found it;
     ``test_regression_seed`` is the control."""
-    result = run(SimParams(seed=seed, **{rule: False}))  # type: ignore[arg-type]
+    result = run(SimParams(seed=seed, **FOUND_WITH, **{rule: False}))  # type: ignore[arg-type]
     assert "owned by []" in result.violation, result
 
 
