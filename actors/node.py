@@ -28,7 +28,7 @@ import msgspec
 
 from actors.kernel import MailboxStats, Supervisor
 from actors.task import LeaderActor, TaskActor, wall_micros
-from protocol import messages
+from protocol import epochs, messages
 from protocol.bounds import nothing_left
 from protocol.messages import CheckpointMessage
 from protocol.task import Drain, SyncRead, TaskConfig
@@ -158,7 +158,11 @@ class TaskNode:
         # before anything awaits: the first JoinGroup has not been sent yet.
         set_epoch_floor = getattr(self.membership, "set_epoch_floor", None)
         if set_epoch_floor is not None:
-            set_epoch_floor(lambda: task.core.cim.epoch)
+            core = task.core
+            set_epoch_floor(
+                lambda: core.cim.epoch,
+                lambda: epochs.Logged(core.cim.epoch, core.cim.leader, core.cim.members),
+            )
         leader = LeaderActor(task, self._source, cfg.task.cap, Random(self._rng.getrandbits(64)))
         await sup.spawn(leader)
         task.leader = leader

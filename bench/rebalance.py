@@ -50,7 +50,7 @@ import msgspec
 
 from actors.node import NodeConfig, TaskNode
 from actors.task import TaskActor
-from protocol import messages
+from protocol import epochs, messages
 from protocol.messages import EpochMessage, StateMessage
 from protocol.task import TaskConfig
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
@@ -135,8 +135,10 @@ class TimedMembership:
     def lease_valid_until(self) -> float:
         return self.inner.lease_valid_until()
 
-    def set_epoch_floor(self, epoch_floor: Callable[[], int]) -> None:
-        self.inner.set_epoch_floor(epoch_floor)
+    def set_epoch_floor(
+        self, epoch_floor: Callable[[], int], logged: Callable[[], epochs.Logged] | None = None
+    ) -> None:
+        self.inner.set_epoch_floor(epoch_floor, logged)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -25,16 +25,26 @@ not taken from Kafka:
    not read as far, e.g. a race at the first join, or the group started over and nobody told
    the leader) it refuses it: it counts the refusal, treats its membership as lost and rejoins,
    and so tells the next leader the epoch it knows. Rule 2 then gives a newer epoch.
+5. **The assignment's own epoch, landed first.** A follower's assignment can reach it after the
+   leader has planned and the epoch is already in the follower's CIM: the leader plans once the
+   answers are in *or its answer timeout ran out*, and a coordinator may answer one member's
+   join or sync seconds after the leader's (the embedded broker holds followers' JoinGroups;
+   Kafka answers a SyncGroup late to a member on a slow connection). That epoch is not newer
+   than what the member knows, yet it is this very generation's: the same number, opened by
+   the assignment's leader for the assignment's members, and never assigned to this member
+   before (:func:`landed_first`). Refusing it would be wrong twice over: the member would
+   rejoin, start another generation, whose leader would plan before the same late answer, and
+   the group would rebalance for ever. So the member accepts it (``receive(..., own=True)``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import msgspec
 
-__all__ = ["NO_EPOCH", "Accepted", "Stale", "newest", "number", "receive"]
+__all__ = ["NO_EPOCH", "Accepted", "Logged", "Stale", "landed_first", "newest", "number", "receive"]
 
 NO_EPOCH: Final = -1
 
@@ -56,6 +66,15 @@ class Stale(msgspec.Struct, frozen=True):
         return f"assigned a stale epoch {self.epoch} (epoch {self.known} is known here)"
 
 
+class Logged(msgspec.Struct, frozen=True):
+    """The newest epoch a member's CIM holds from the sync topic: its number, the leader that
+    opened it and its member list."""
+
+    epoch: int = NO_EPOCH
+    leader: str = ""
+    members: tuple[str, ...] = ()
+
+
 def newest(*epochs: int) -> int:
     """The newest of the epochs a member knows (rule 1); :data:`NO_EPOCH` if none."""
     return max(epochs, default=NO_EPOCH)
@@ -67,14 +86,30 @@ def number(generation: int, known: Iterable[int]) -> int:
     return max(generation, newest(*known) + 1)
 
 
-def receive(assigned: int, generation: int, known: int) -> Accepted | Stale:
+def receive(assigned: int, generation: int, known: int, *, own: bool = False) -> Accepted | Stale:
     """What a member makes of an assignment carrying epoch ``assigned`` (:data:`NO_EPOCH` from
     a leader that predates epochs: rule 3) in ``generation``, when it knows epoch ``known``
-    (rule 4)."""
+    (rule 4); ``own``: the epoch it knows is this assignment's own, landed first (rule 5,
+    :func:`landed_first`)."""
     epoch = assigned if assigned >= 0 else generation
-    if epoch <= known:
+    if epoch < known or (epoch == known and not own):
         return Stale(epoch=epoch, known=known)
     return Accepted(epoch=epoch)
+
+
+def landed_first(
+    assigned: int, leader: str, members: Sequence[str], seen: int, logged: Logged
+) -> bool:
+    """Whether the newest epoch in the member's CIM (``logged``) is the one this assignment
+    announces, written by its leader before the assignment reached the member (rule 5): the
+    same number, leader and members, and newer than every epoch the member was assigned
+    (``seen``). An assignment without an epoch (rule 3) never is."""
+    return (
+        0 <= assigned == logged.epoch
+        and assigned > seen
+        and logged.leader == leader
+        and logged.members == tuple(members)
+    )
 
 
 def rebalancing(group_in_progress: bool, member: bool, epoch: int, generation: int) -> bool:

@@ -312,7 +312,10 @@ class TaskCore:
         )
 
     def sharing_enabled(self, now: int) -> bool:
-        return self.may_read(now) and self.cim.epoch >= self.generation
+        """Sharing (offers, pick-ups, hand-offs) waits for this generation's epoch; and while the
+        CIM holds a newer epoch than this task's generation (its assignment is late: the leader
+        planned before it answered) whatever it writes is fenced, so a pick-up would be lost."""
+        return self.may_read(now) and self.cim.epoch == self.generation
 
     # -- timers -------------------------------------------------------------------------------
     def next_deadline(self) -> int | None:
@@ -554,6 +557,9 @@ class TaskCore:
                 del self.mine[token]
                 self.shares.pop(token, None)
                 self.moves.pop(token, None)
+                # the offer it answered may still stand (a move whose offerer still owns the
+                # partition): the answer never reached the CIM, so it may be answered again
+                self.consumed = {key for key in self.consumed if key[1] != token}
                 self.counters["claims_replanned"] += 1
 
     def _adopt(self) -> None:

@@ -157,6 +157,8 @@ class MembershipStats(msgspec.Struct, frozen=True):
     poll_errors: int
     events_dropped: int  # oldest events dropped because nobody read them
     stale_epochs: int  # assignments refused because their epoch was not newer than one known
+    # assignments whose own epoch was in the sync topic first (protocol/epochs.py, rule 5)
+    landed_first: int = 0
 
 
 _END: Final = object()
@@ -206,8 +208,10 @@ class KafkaMembership:
     task gives its CIM's epoch, read from the sync topic) — and the leader assigns
     ``max(generation, newest known + 1)``. A member that is assigned an epoch not newer than
     what it knows (the leader had not read as far: a race at the first join) refuses it and
-    rejoins, telling the next leader. While the group keeps its generations the epoch *is* the
-    generation. These rules are the pure functions of :mod:`protocol.epochs`.
+    rejoins, telling the next leader, unless it is the assignment's own epoch that landed in the
+    sync topic first (``logged_epoch()``, the CIM's newest epoch: a follower answered after the
+    leader planned). While the group keeps its generations the epoch *is* the generation. These
+    rules are the pure functions of :mod:`protocol.epochs`.
     """
 
     def __init__(
@@ -221,6 +225,7 @@ class KafkaMembership:
         event_buffer: int = 64,
         clock: Callable[[], float] = time.monotonic,
         epoch_floor: Callable[[], int] | None = None,
+        logged_epoch: Callable[[], epochs.Logged] | None = None,
     ) -> None:
         check_connector(connector)
         if not task_id:
@@ -248,6 +253,7 @@ class KafkaMembership:
         self._facts = lease.MemberFacts()  # the membership facts the lease is derived from
         self._clock = clock
         self._epoch_floor = epoch_floor
+        self._logged_epoch = logged_epoch
         self._epoch_seen = epochs.NO_EPOCH  # the newest epoch this member was assigned
         self._assignor = _TaskAssignor(task_id, self._known_epoch, self._coordinator_generation)
         self._events: asyncio.Queue[GroupEvent | object] = asyncio.Queue(event_buffer)
@@ -267,6 +273,7 @@ class KafkaMembership:
         self._poll_errors = 0
         self._events_dropped = 0
         self._stale_epochs = 0
+        self._landed_first = 0
 
     def __repr__(self) -> str:
         return (
@@ -296,10 +303,15 @@ class KafkaMembership:
         """The latest assignment while a member, else ``None``."""
         return self._current
 
-    def set_epoch_floor(self, epoch_floor: Callable[[], int]) -> None:
-        """Where the newest epoch this task has read in the sync topic comes from (see the class
-        docstring); may be set after :meth:`start`."""
+    def set_epoch_floor(
+        self, epoch_floor: Callable[[], int], logged: Callable[[], epochs.Logged] | None = None
+    ) -> None:
+        """Where the newest epoch this task has read in the sync topic comes from, and (``logged``)
+        who opened it for which members (see the class docstring); may be set after
+        :meth:`start`."""
         self._epoch_floor = epoch_floor
+        if logged is not None:
+            self._logged_epoch = logged
 
     def _known_epoch(self) -> int:
         floor = self._epoch_floor() if self._epoch_floor is not None else epochs.NO_EPOCH
@@ -332,6 +344,7 @@ class KafkaMembership:
             poll_errors=self._poll_errors,
             events_dropped=self._events_dropped,
             stale_epochs=self._stale_epochs,
+            landed_first=self._landed_first,
         )
 
     def events(self) -> AsyncIterator[GroupEvent]:
@@ -560,7 +573,17 @@ class KafkaMembership:
             log.error(
                 "%r: the leader's member list %s does not include this task", self, info.members
             )
-        verdict = epochs.receive(info.epoch, coordinator.generation, self._known_epoch())
+        logged = self._logged_epoch() if self._logged_epoch is not None else epochs.Logged()
+        own = epochs.landed_first(info.epoch, info.leader, info.members, self._epoch_seen, logged)
+        verdict = epochs.receive(info.epoch, coordinator.generation, self._known_epoch(), own=own)
+        if own:
+            self._landed_first += 1
+            log.info(
+                "%r: epoch %d was in the sync topic before this member's assignment (its "
+                "leader planned before this member answered): it is this generation's own",
+                self,
+                info.epoch,
+            )
         if isinstance(verdict, epochs.Stale):
             # The leader did not know how far the epochs went (this member had not told it yet,
             # or the group started over): rejoin, and the next leader learns it from us.

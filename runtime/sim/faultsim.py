@@ -141,6 +141,14 @@ class SimParams(msgspec.Struct, frozen=True):
     # another; no heartbeat meanwhile, as aiokafka)
     rebalance_timeout_us: int = 6_000_000
     lease_margin_us: int = 500_000
+    # a follower's assignment reaches it up to this long after the leader's, drawn per follower
+    # from its own random generator: the embedded broker answers followers' JoinGroups up to
+    # seconds after the leader's, and a slow connection delays a SyncGroup's answer on any
+    # Kafka. The leader may plan (answer timeout) and its epoch land first (protocol/epochs.py,
+    # rule 5). (0, 0): every member gets it at once, as the seeds found before 2026-11 had.
+    follower_lag_us: tuple[int, int] = (0, 2_000_000)
+    # the teeth test refuses such an epoch as stale (rule 5 off): the group rebalances for ever
+    accept_landed_epochs: bool = True
     join_delay_steps: tuple[int, int] = (0, 3)
     join_loss_p: float = 0.0
     request_timeout_us: int = 2_000_000
@@ -231,6 +239,16 @@ class _Reader:
         self.committed_ids: set[Identity] = set()
 
 
+class _Assign(msgspec.Struct, frozen=True):
+    """A generation's assignment on its way to one member (it lags behind the leader's)."""
+
+    generation: int
+    epoch: int
+    leader: str
+    members: tuple[str, ...]
+    sent: int  # when its SyncGroup was sent (the coordinator restarted its session then)
+
+
 class _Node:
     def __init__(self, task_id: str, core: TaskCore, join_order: int) -> None:
         self.id = task_id
@@ -240,7 +258,7 @@ class _Node:
         self.paused_until = -1
         self.read_offset = 0
         self.readers: dict[str, _Reader] = {}
-        self.inbox: list[tuple[int, int, TaskEvent]] = []  # (due step, seq, event)
+        self.inbox: list[tuple[int, int, TaskEvent | _Assign]] = []  # (due step, seq, event)
         self.expelled = False
         self.last_land = 0
         self.epoch_seen = epochs.NO_EPOCH  # the newest epoch this node was assigned
@@ -320,6 +338,7 @@ class Simulation:
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")
+        self.lag_rng = Random(f"lag:{params.seed}")
         # the sink's own durable record: each partition's position, moved atomically with
         # every batch it commits (docs/design.md#exactly-once-output, rule 2)
         self.sink_tails: dict[str, PartitionTail] = {}
@@ -611,28 +630,58 @@ class Simulation:
                 # restarts its session (Kafka's propagateAssignment; K1): a follower held
                 # waiting for a paused leader is not expelled the moment the leader syncs
                 self.group[member] = self.step
-            verdict = epochs.receive(
-                epoch, self.generation, epochs.newest(node.epoch_seen, node.core.cim.epoch)
-            )
-            if not self.p.epoch_rules:
-                verdict = epochs.Accepted(epoch)
-            # its JoinGroup answered, then its SyncGroup (sent now, answered with the
-            # assignment after a delay): both prove membership from their send times
-            node.facts = lease.sync_answered(lease.join_answered(node.facts), self.now())
+            lo, hi = self.p.follower_lag_us
+            lag = 0 if member == leader else self.lag_rng.randint(lo, hi) // self.p.step_us
+            item = _Assign(self.generation, epoch, leader, members, self.now())
+            if lag:
+                # still waiting for its answer: no heartbeat meanwhile, nothing renewed yet
+                heapq.heappush(node.inbox, (self.step + lag, next(self.seq), item))
+            else:
+                self.assign(node, item)
+
+    def assign(self, node: _Node, item: _Assign) -> None:
+        """A generation's assignment reaches a member: the epoch rules of the Kafka membership
+        adapter (protocol/epochs.py) decide whether it takes it."""
+        if item.generation != self.generation or self.preparing_since >= 0:
+            # a newer rebalance began before its answer came: answered REBALANCE_IN_PROGRESS
+            # (no proof of membership), it goes back to heartbeating and rejoins from there
             node.join = None
-            if isinstance(verdict, epochs.Stale):
-                self.stats["stale_epochs"] += 1
-                self.deliver(node, Lost(verdict.reason))
-                node.facts = lease.join_sent(lease.lost(node.facts), self.now())
-                self.begin_rebalance()  # it rejoins at once, telling the next leader
-                self.joined.add(member)
-                continue
-            node.epoch_seen = verdict.epoch
-            delay = self.rng.randint(0, 3)
-            self.deliver(node, Joined(verdict.epoch, leader, members), delay)
-            until = lease.valid_until(node.facts, self.timing, self.p.lease_rules)
-            if until is not None:
-                self.deliver(node, Lease(until), delay)
+            self.stats["lagging_assignments_superseded"] += 1
+            return
+        epoch, leader, members = item.epoch, item.leader, item.members
+        cim = node.core.cim
+        own = self.p.accept_landed_epochs and epochs.landed_first(
+            epoch,
+            leader,
+            members,
+            node.epoch_seen,
+            epochs.Logged(cim.epoch, cim.leader, cim.members),
+        )
+        verdict = epochs.receive(
+            epoch, self.generation, epochs.newest(node.epoch_seen, cim.epoch), own=own
+        )
+        if own:
+            self.stats["epochs_landed_first"] += 1
+        if not self.p.epoch_rules:
+            verdict = epochs.Accepted(epoch)
+        # its JoinGroup answered, then its SyncGroup (sent when the generation completed,
+        # answered with the assignment after a delay): both prove membership from their send
+        # times
+        node.facts = lease.sync_answered(lease.join_answered(node.facts), item.sent)
+        node.join = None
+        if isinstance(verdict, epochs.Stale):
+            self.stats["stale_epochs"] += 1
+            self.deliver(node, Lost(verdict.reason))
+            node.facts = lease.join_sent(lease.lost(node.facts), self.now())
+            self.begin_rebalance()  # it rejoins at once, telling the next leader
+            self.joined.add(node.id)
+            return
+        node.epoch_seen = verdict.epoch
+        delay = self.rng.randint(0, 3)  # the adapter's queue to the core
+        self.deliver(node, Joined(verdict.epoch, leader, members), delay)
+        until = lease.valid_until(node.facts, self.timing, self.p.lease_rules)
+        if until is not None:
+            self.deliver(node, Lease(until), delay)
 
     # -- readers and the sink --------------------------------------------------------------------
     def active(self, node: _Node) -> bool:
@@ -835,7 +884,7 @@ class Simulation:
             if node.expelled and node.id not in self.group and self.learns_removal(node):
                 node.expelled = False
                 # An expelled member never gets the assignments of the generations it missed.
-                node.inbox = [e for e in node.inbox if not isinstance(e[2], Joined)]
+                node.inbox = [e for e in node.inbox if not isinstance(e[2], Joined | _Assign)]
                 heapq.heapify(node.inbox)
                 self.handle(node, Lost("expelled"))
                 self.enter_group(node)
@@ -843,7 +892,10 @@ class Simulation:
             self.read_log(node)
             while node.inbox and node.inbox[0][0] <= self.step:
                 _, _, event = heapq.heappop(node.inbox)
-                self.handle(node, event)
+                if isinstance(event, _Assign):
+                    self.assign(node, event)
+                else:
+                    self.handle(node, event)
             self.run_readers(node)
             self.flush_commits(node)
             self.tick_due(node)

@@ -60,6 +60,40 @@ def test_receive(assigned: int, generation: int, known: int, verdict: Accepted |
     assert receive(assigned, generation, known) == verdict
 
 
+def test_receive_takes_its_own_epoch_that_landed_first() -> None:
+    """Rule 5: equal to the known epoch, but it is this assignment's own: taken. Never an
+    older one, whatever ``own`` says."""
+    assert receive(7, 7, 7, own=True) == Accepted(7)
+    assert receive(7, 7, 7) == Stale(epoch=7, known=7)
+    assert receive(6, 6, 7, own=True) == Stale(epoch=6, known=7)
+    assert receive(8, 8, 7, own=True) == Accepted(8)
+
+
+LOGGED = epochs.Logged(epoch=7, leader="a", members=("a", "b"))
+
+
+@pytest.mark.parametrize(
+    ("assigned", "leader", "members", "seen", "own"),
+    [
+        (7, "a", ("a", "b"), 6, True),  # the leader's epoch landed before b's assignment
+        (7, "a", ["a", "b"], 6, True),  # any sequence of members
+        (7, "a", ("a", "b"), 7, False),  # assigned to this member before: a second generation
+        (7, "b", ("a", "b"), 6, False),  # another leader numbered it: the leader was behind
+        (7, "a", ("a",), 6, False),  # other members: another generation's epoch
+        (8, "a", ("a", "b"), 6, False),  # not the epoch in the log (and newer anyway)
+        (NO_EPOCH, "a", ("a", "b"), 6, False),  # a leader that predates epochs
+    ],
+)
+def test_landed_first_only_for_the_assignments_own_epoch(
+    assigned: int, leader: str, members: tuple[str, ...], seen: int, own: bool
+) -> None:
+    assert epochs.landed_first(assigned, leader, members, seen, LOGGED) is own
+
+
+def test_landed_first_with_nothing_logged() -> None:
+    assert not epochs.landed_first(0, "a", ("a",), NO_EPOCH, epochs.Logged())
+
+
 def test_a_stale_verdict_says_why() -> None:
     assert Stale(epoch=3, known=7).reason == "assigned a stale epoch 3 (epoch 7 is known here)"
 

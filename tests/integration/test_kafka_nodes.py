@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from protocol import messages, trace
+from protocol import epochs, messages, trace
 from protocol.events import Joined
 from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
@@ -366,6 +366,36 @@ async def test_group_epochs_stay_above_what_members_know(
             assert got_b.generation == 21
             assert second.statistics().stale_epochs == 1
             assert first.statistics().stale_epochs == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_follower_takes_its_own_epoch_that_landed_first(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """protocol/epochs.py rule 5 on the real broker: the follower's CIM already holds the epoch
+    its assignment announces (the leader planned before the follower's answer came: the
+    embedded broker answers followers' joins up to seconds after the leader's). The follower
+    takes it instead of rejoining; before, each such follower started another generation, and
+    the group rebalanced every 3 s for ever (a full chaos run, 2026-11-27)."""
+    second: KafkaMembership
+
+    def landed() -> epochs.Logged:
+        # b's CIM holds a's epoch for the generation b is being assigned (nothing else is
+        # known, so a numbers it as the generation itself)
+        return epochs.Logged(second._coordinator_generation(), "a", ("a", "b"))
+
+    first = KafkaMembership(kafka_config, connector, "a")
+    second = KafkaMembership(kafka_config, connector, "b", logged_epoch=landed)
+    async with first:
+        await next_assignment(first.events())
+        async with second:
+            got_b = await next_assignment(second.events(), lambda a: set(a.members) == {"a", "b"})
+            assert got_b.leader == "a"
+            stats = second.statistics()
+            assert (stats.landed_first, stats.stale_epochs, stats.losses) == (1, 0, 0), stats
+            await asyncio.sleep(3 * kafka_config.heartbeat_interval_ms / 1000)
+            assert second.statistics().generation == got_b.generation  # no rebalance since
 
 
 def test_observer_catches_double_owner_regression_and_two_leaders() -> None:
