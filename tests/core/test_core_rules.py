@@ -862,3 +862,53 @@ def test_without_the_rule_the_removal_goes_out_alone() -> None:
     ]
     assert alone
     assert all(s.share is None for s in alone)
+
+
+# -- a member whose assignment comes after its generation's epoch (protocol/epochs.py rule 5) ----
+def _member_of_generation_1(members: tuple[str, ...]) -> TaskCore:
+    """``a`` joined generation 1 (leader ``x``), its epoch and a's answer read back."""
+    c = core()
+    c.handle(SyncRead(0, epoch("x", 0, members)), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    (answer,) = c.handle(Joined(generation=1, leader="x", members=members), now=3)
+    c.handle(SyncRead(1, epoch("x", 1, members)), now=4)
+    assert isinstance(answer, Publish)
+    c.handle(SyncRead(2, answer.message), now=5)
+    return c
+
+
+def test_a_member_whose_assignment_is_late_shares_only_once_it_came() -> None:
+    # The leader planned generation 2 before a answered (its answer timeout ran out) and the
+    # epoch landed first; whatever a writes before its assignment comes carries generation 1
+    # and is fenced, so it picks nothing up yet: it keeps reading, and picks up once it joined.
+    c = _member_of_generation_1(("a", "x"))
+    offer = Share(part("p1", 50), target="a", kind="new", since=6)
+    c.handle(SyncRead(3, epoch("x", 2, ("a", "x"), offer)), now=7)
+    assert not c.sharing_enabled(8)
+    assert c.may_read(8)
+    assert "p1" not in c.mine
+    c.handle(Joined(generation=2, leader="x", members=("a", "x")), now=9)
+    assert c.mine["p1"].status == "owned"
+
+
+def test_an_answer_to_a_move_lost_to_a_new_epoch_is_given_again() -> None:
+    # a answered y's move with 'incoming'; the next epoch landed before the answer and fenced
+    # it, and a dropped the claim (y owns p1). y's offer still stands: a answers it again once
+    # it joined the new generation. (Sim seed 1012 with followers' lag: the answer was marked
+    # given for ever, the move never completed, and the hand-off held balancing for good.)
+    members = ("a", "x", "y")
+    c = _member_of_generation_1(members)
+    move = Share(part("p1", 50), target="a", kind="move", since=6)
+    offered = StateMessage(
+        task_id="y",
+        epoch=1,
+        connector_state=(TaskState("y", 2 * 10**9, data=(part("p1", 50),), share=(move,)),),
+    )
+    c.handle(SyncRead(3, offered), now=6)
+    assert c.mine["p1"].status == "incoming"
+    c.handle(SyncRead(4, epoch("x", 2, members)), now=7)
+    assert "p1" not in c.mine
+    assert c.counters["claims_replanned"] == 1
+    c.handle(Joined(generation=2, leader="x", members=members), now=8)
+    assert c.mine["p1"].status == "incoming"
+    assert c.mine["p1"].source == "y"
