@@ -20,7 +20,9 @@ the embedded Kafka-compatible broker and the Cloud Spanner emulator with partiti
   de-duplicate) must all be 0: the output is exactly-once (docs/design.md#exactly-once-output).
 
 Last line: ``{"scenario": "chaos", "committed": .., "delivered": .., "lost": .., "duplicates":
-.., "duplicates_dropped_by_identity": .., "max_unread_s": .., "rebalances": ..}``. ``--quick`` runs two minutes of faults.
+.., "duplicates_dropped_by_identity": .., "max_unread_s": .., "rebalances": .., "unread_stretches":
+{"stretches": .., "p50_s": .., "p99_s": .., "over_12s": ..}, ..}`` (a stretch: the time between
+two moves of one live partition's watermark). ``--quick`` runs two minutes of faults.
 """
 
 from __future__ import annotations
@@ -111,6 +113,9 @@ class Observer:
         self.advanced: dict[str, float] = {}  # token -> when its watermark last moved
         self.watermark: dict[str, int] = {}
         self.max_unread_s = 0.0
+        # every stretch a live partition's watermark stood still, in seconds, once it moved on
+        # (while measuring): the worst is one number; how often a stretch is long is these
+        self.stalls: list[float] = []
         self.worst = ""
         self.t0 = time.monotonic()
         self.faults: list[tuple[float, str, str]] = []  # (seconds into the run, kind, task)
@@ -161,6 +166,8 @@ class Observer:
                 live.add(token)
                 if part.watermark > self.watermark.get(token, -1):
                     self.watermark[token] = part.watermark
+                    if token in self.advanced and self.measuring:
+                        self.stalls.append(now - self.advanced[token])
                     self.advanced[token] = now
                 self.advanced.setdefault(token, now)
         for token in list(self.advanced):
@@ -181,6 +188,23 @@ class Observer:
                 self.worst = token
                 self.worst_at = round(now - self.t0, 1)
                 self.worst_from = round(at - self.t0, 1)
+
+    def stall_summary(self, over: float = 12.0) -> dict[str, float | int]:
+        """How long watermarks stood still between two moves: how many stretches, their median
+        and 99th percentile, and how many were longer than ``over`` seconds."""
+        stalls = sorted(self.stalls)
+        if not stalls:
+            return {"stretches": 0, "p50_s": 0.0, "p99_s": 0.0, f"over_{over:g}s": 0}
+
+        def at(q: float) -> float:
+            return round(stalls[min(len(stalls) - 1, int(q * len(stalls)))], 1)
+
+        return {
+            "stretches": len(stalls),
+            "p50_s": at(0.5),
+            "p99_s": at(0.99),
+            f"over_{over:g}s": sum(1 for x in stalls if x > over),
+        }
 
     def worst_story(self) -> list[str]:
         """What happened around the worst stall, in order: the worst partition's holders as the
@@ -325,6 +349,7 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 duplicates=sum(extra.values()),
                 lost_examples=[list(k) for k in list(lost)[:5]],
                 max_unread_s=round(observer.max_unread_s, 1),
+                unread_stretches=observer.stall_summary(),
                 worst_partition=observer.worst[:12],
                 worst_unread_seen_at_s=observer.worst_at,
                 worst_unread_from_s=observer.worst_from,
@@ -484,6 +509,7 @@ def main(argv: list[str]) -> int:
                         "rebalances",
                     )
                 },
+                "unread_stretches": result["unread_stretches"],
                 "faults": dict(result["faults"]),
                 "caught_up": result["caught_up"],
             }
