@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -25,61 +22,13 @@ from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.composite_reader import read_composite
 from runtime.kafka.sink import decode_output
+from tests.fixtures import output_runs as runs
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.fixtures.kafka_sink import key_of
-from tests.helpers import REPO
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
 PER_KEY = 40
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
-    env["PYTHONPATH"] = str(REPO)
-    return env
-
-
-async def _producer(bootstrap: str, name: str, first: int, last: int) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.fixtures.output_producer",
-        bootstrap,
-        name,
-        str(first),
-        str(last),
-        str(PER_KEY),
-        "0.1",
-        "3",
-        stdout=asyncio.subprocess.PIPE,
-        cwd=REPO,
-        env=_env(),
-    )
-
-
-async def _line(proc: asyncio.subprocess.Process, prefix: str, within_s: float = 60) -> str:
-    assert proc.stdout is not None
-    async with asyncio.timeout(within_s):
-        while True:
-            raw = await proc.stdout.readline()
-            if not raw:
-                raise AssertionError(f"producer ended before {prefix!r}")
-            line = raw.decode().strip()
-            if line.startswith(prefix):
-                return line
-
-
-async def _shoal(*args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "actors.runtime", *args],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.mark.kafka
@@ -90,16 +39,16 @@ async def test_add_storage_topic_and_switch_with_a_kill_keep_per_key_order(
 ) -> None:
     name = f"{connector}_output"
     where = ["--kafka-bootstrap-servers", kafka_broker.bootstrap, "--connector", connector]
-    a = await _producer(kafka_broker.bootstrap, name, 0, 9)
-    await _line(a, "started")
-    b = await _producer(kafka_broker.bootstrap, name, 10, 19)
-    await _line(b, "put 5")
+    a = await runs.start_producer(kafka_broker.bootstrap, name, 0, 9, PER_KEY)
+    await runs.line(a, "started")
+    b = await runs.start_producer(kafka_broker.bootstrap, name, 10, 19, PER_KEY)
+    await runs.line(b, "put 5")
 
-    added = await _shoal("output", "add-storage-topic", "12", *where)
+    added = await runs.shoal("output", "add-storage-topic", "12", *where)
     assert added.returncode == 0, added.stderr
     assert f"added storage topic {name}.1 (P=12, K=3)" in added.stdout
 
-    switch = asyncio.create_task(_shoal("output", "switch-produce", "--wait", "60", *where))
+    switch = asyncio.create_task(runs.shoal("output", "switch-produce", "--wait", "60", *where))
     await asyncio.sleep(0.5)  # prepared: the producers hold and ack
     b.send_signal(signal.SIGKILL)
     await b.wait()
@@ -107,13 +56,15 @@ async def test_add_storage_topic_and_switch_with_a_kill_keep_per_key_order(
     assert done.returncode == 0, done.stderr
     assert f"producing to {name}.1" in done.stdout
 
-    b2 = await _producer(kafka_broker.bootstrap, name, 10, 19)  # B's keys again, from the start
-    await _line(a, "done", within_s=120)
-    await _line(b2, "done", within_s=120)
+    b2 = await runs.start_producer(
+        kafka_broker.bootstrap, name, 10, 19, PER_KEY
+    )  # B's keys again, from the start
+    await runs.line(a, "done", within_s=120)
+    await runs.line(b2, "done", within_s=120)
     await a.wait()
     await b2.wait()
 
-    shown = await _shoal("output", "show", "--json", *where)
+    shown = await runs.shoal("output", "show", "--json", *where)
     assert shown.returncode == 0, shown.stderr
     state = json.loads(shown.stdout)
     assert state["produce_pointer"] == 1

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -42,10 +41,9 @@ from runtime.kafka.retry_queue import (
 )
 from runtime.kafka.sink import decode_output
 from runtime.kafka.topics import ensure_topic
+from tests.fixtures import output_runs as runs
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.fixtures.kafka_sink import key_of, kname
-from tests.helpers import REPO
-from tests.integration.test_output_scaling import _env, _line, _shoal
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
@@ -56,23 +54,8 @@ LOGS: int | None = None  # a file descriptor for the producers' logs (set by the
 async def _producer(
     bootstrap: str, name: str, first: int, last: int, *opts: str
 ) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.fixtures.output_producer",
-        bootstrap,
-        name,
-        str(first),
-        str(last),
-        str(PER_KEY),
-        "0.1",
-        "3",
-        *opts,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL if LOGS is None else LOGS,
-        cwd=REPO,
-        env=_env(),
-    )
+    errors = asyncio.subprocess.DEVNULL if LOGS is None else LOGS
+    return await runs.start_producer(bootstrap, name, first, last, PER_KEY, *opts, stderr=errors)
 
 
 @pytest.mark.kafka
@@ -101,16 +84,16 @@ async def test_rq_dlq_shard_change_with_parked_records_and_a_kill(
             f"hold={hold}",
         )
         procs.append(a)
-        await _line(a, "started")
+        await runs.line(a, "started")
         b_opts = ("driver=0", "fail=3,13", f"heal={heal}")
         b = await _producer(kafka_broker.bootstrap, name, 10, 19, *b_opts)
         procs.append(b)
-        await _line(b, "put 8")
+        await runs.line(b, "put 8")
 
         # B stops (it cannot ack any more) and dies during the change: the change waits until
         # B's lease ran out, then commits without it
         b.send_signal(signal.SIGSTOP)
-        shards = asyncio.create_task(_shoal("output", "shards", "3", "--wait", "60", *where))
+        shards = asyncio.create_task(runs.shoal("output", "shards", "3", "--wait", "60", *where))
         async with MetaLog(kafka_config, name) as meta:
             async with asyncio.timeout(60):
                 while (await meta.load())[0].shards_pending is None:
@@ -124,7 +107,7 @@ async def test_rq_dlq_shard_change_with_parked_records_and_a_kill(
         fed = int(done.stdout.split("; fed ")[1].split()[0])
         assert fed >= 2, done.stdout  # the two dead-lettered records at least, and parked ones
 
-        shown = await _shoal("output", "show", "--json", *where)
+        shown = await runs.shoal("output", "show", "--json", *where)
         assert shown.returncode == 0, shown.stderr
         state = json.loads(shown.stdout)
         assert state["shards"] == 3
@@ -135,8 +118,8 @@ async def test_rq_dlq_shard_change_with_parked_records_and_a_kill(
 
         b2 = await _producer(kafka_broker.bootstrap, name, 10, 19, *b_opts)  # B's keys again
         procs.append(b2)
-        await _line(b2, "started")
-        listed = await _shoal("dlq", "list", "--sink", "kafka", *where)
+        await runs.line(b2, "started")
+        listed = await runs.shoal("dlq", "list", "--sink", "kafka", *where)
         assert listed.returncode == 0, listed.stderr
         lines = listed.stdout.splitlines()
         assert lines[0] == f"2 record(s) in the DLQ of {name!r}", listed.stdout
@@ -146,17 +129,17 @@ async def test_rq_dlq_shard_change_with_parked_records_and_a_kill(
         ]
 
         heal.touch()
-        replay = await _shoal("dlq", "replay", "--via-leader", "--sink", "kafka", *where)
+        replay = await runs.shoal("dlq", "replay", "--via-leader", "--sink", "kafka", *where)
         assert replay.returncode == 0, replay.stderr
         assert f"replayed 2 record(s) from the DLQ of {name!r} via the leader" in replay.stdout
-        await _line(a, "done", within_s=120)
-        await _line(b2, "done", within_s=120)
+        await runs.line(a, "done", within_s=120)
+        await runs.line(b2, "done", within_s=120)
         await b2.wait()
         hold.touch()
-        await _line(a, "idle", within_s=120)
+        await runs.line(a, "idle", within_s=120)
         await a.wait()
 
-        empty = await _shoal("dlq", "list", "--sink", "kafka", *where)
+        empty = await runs.shoal("dlq", "list", "--sink", "kafka", *where)
         assert empty.stdout.splitlines() == [f"0 record(s) in the DLQ of {name!r}"], empty.stdout
 
         last: dict[int, int] = {}
@@ -247,12 +230,12 @@ async def test_a_feed_interrupted_half_way_is_finished_by_running_the_command_ag
         [(new_dlq if isinstance(c.entry, SendToDlq) else new_rq, c.entry) for c in plan.copies[:3]]
     )
 
-    again = await _shoal("output", "shards", "3", *where)
+    again = await runs.shoal("output", "shards", "3", *where)
     assert again.returncode == 0, again.stderr
     assert "fed 7 held record(s) from the old storage topics (3 were there already)" in again.stdout
-    shown = json.loads((await _shoal("output", "show", "--json", *where)).stdout)
+    shown = json.loads((await runs.shoal("output", "show", "--json", *where)).stdout)
     assert (shown["rq"], shown["unfed"]) == ([[f"{name}_rq.1", 6]], False)
-    listed = await _shoal("dlq", "list", "--sink", "kafka", *where)
+    listed = await runs.shoal("dlq", "list", "--sink", "kafka", *where)
     assert listed.stdout.splitlines()[0] == f"1 record(s) in the DLQ of {name!r}", listed.stdout
     assert listed.stdout.splitlines()[1].startswith("r0  key=")
 
@@ -273,7 +256,7 @@ async def test_a_feed_interrupted_half_way_is_finished_by_running_the_command_ag
 
     # 'dlq replay' (no process runs) over the new storage topics, with a lease in the metadata:
     # the dead-lettered record, then the records parked behind it, in order
-    replay = await _shoal("dlq", "replay", "--sink", "kafka", *where)
+    replay = await runs.shoal("dlq", "replay", "--sink", "kafka", *where)
     assert replay.returncode == 0, replay.stderr
     assert f"replayed 1 record(s) from the DLQ of {name!r}" in replay.stdout
     key0 = [

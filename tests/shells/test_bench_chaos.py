@@ -3,6 +3,8 @@ only as true as this)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bench import chaos
@@ -21,7 +23,7 @@ def _state(ts: int, wm: int) -> bytes:
 
 def test_stretches_between_watermark_moves(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr(chaos.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])  # the observer's clock
     observer = chaos.Observer()
     observer.apply(0, messages.encode(EpochMessage(task_id="a", epoch=0, members=("a",))))
     moves = [(1.0, 1), (2.0, 2), (15.5, 3), (16.5, 3), (17.5, 4)]  # (clock, watermark)
