@@ -158,6 +158,9 @@ class Rules(msgspec.Struct, frozen=True):
     # An epoch keeps a dropped task's answer to a later generation (Cim rule 5); the teeth test
     # turns it off: that generation's leader, whose answer it was, never plans.
     keep_later_answers: bool = True
+    # Of several 'new' offers of one partition only the newest is picked up (``_follow_offers``);
+    # the teeth test turns it off: an old leader's offer and its re-plan are both picked up.
+    newest_offer_only: bool = True
 
 
 ANSWER_TIMEOUT = 500_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -834,6 +837,17 @@ class TaskCore:
     def _follow_offers(self, now: int) -> None:
         enabled = self.sharing_enabled(now)
         live = set(self.cim.members)
+        # Of several 'new' offers of one partition by members, only the newest (by ``since``,
+        # then holder) may be picked up: an older one is a plan a later one re-made (a leader's
+        # offer to a task an epoch dropped, re-planned by the next leader, and the target back
+        # under the same id before its holder withdrew it). Every task orders them alike, so
+        # at most one target picks the partition up, whatever the offerers' clocks say.
+        newest: dict[str, tuple[int, str]] = {}
+        if self.config.rules.newest_offer_only:
+            for holder, offer in self.cim.offers():
+                if offer.kind == "new" and holder in live:
+                    rank = (offer.since, holder)
+                    newest[offer.token] = max(newest.get(offer.token, rank), rank)
         # Offers addressed to this task.
         for holder, offer in list(self.cim.offers()):
             if offer.target != self.me:
@@ -863,6 +877,12 @@ class TaskCore:
                 continue  # finished here, or this task is handing it away right now
             found = self.cim.find(token)
             if found is not None and found.status == "finished":
+                continue
+            if offer.kind == "new" and newest.get(token, (offer.since, holder)) != (
+                offer.since,
+                holder,
+            ):
+                self.counters["offer_superseded"] += 1
                 continue
             leader = self.cim.leader
             if offer.kind == "new" and holder != leader and token in self.cim.view(leader).share:

@@ -192,6 +192,8 @@ class SimParams(msgspec.Struct, frozen=True):
     # offer that carries the partition; an epoch keeps a dropped task's later answer
     release_with_offer: bool = True
     keep_later_answers: bool = True
+    # ... and that of several 'new' offers of one partition only the newest is picked up
+    newest_offer_only: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
     # the simulated sink: each batch commits after a delay (in order per reader), and fails
     # with this chance (the reader then re-reads from its committed position). It draws from
@@ -335,6 +337,7 @@ class Simulation:
             plan_offers_in_epoch_only=params.plan_offers_in_epoch_only,
             release_with_offer=params.release_with_offer,
             keep_later_answers=params.keep_later_answers,
+            newest_offer_only=params.newest_offer_only,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")

@@ -912,3 +912,33 @@ def test_an_answer_to_a_move_lost_to_a_new_epoch_is_given_again() -> None:
     c.handle(Joined(generation=2, leader="x", members=members), now=8)
     assert c.mine["p1"].status == "incoming"
     assert c.mine["p1"].source == "y"
+
+
+def test_of_two_new_offers_of_one_partition_only_the_newest_is_picked_up() -> None:
+    # x (epoch 0's leader) offered p1 to a; a was dropped, y (epoch 1's leader) re-planned p1
+    # to b; a came back (epoch 2, led by z) before x withdrew its offer. Picking x's offer up
+    # would put a beside b (sim seed 942): a leaves it, b takes the newer one; with the rule
+    # off a takes it.
+    members = ("a", "b", "x", "y", "z")
+    old = Share(part("p1", 50), target="a", kind="new", since=10)
+    replan = Share(part("p1", 50), target="b", kind="new", since=20)
+
+    def offered(holder: str, offer: Share) -> StateMessage:
+        return StateMessage(
+            task_id=holder, epoch=1, connector_state=(TaskState(holder, 2 * 10**9, share=(offer,)),)
+        )
+
+    def takes_p1(me: str, rules: Rules) -> bool:
+        c = TaskCore(TaskConfig(task_id=me, cap=2, rules=rules), Random(0))
+        c.handle(SyncRead(0, offered("x", old)), now=1)
+        c.handle(SyncRead(1, offered("y", replan)), now=2)
+        c.handle(Lease(until=10**12), now=3)
+        (answer,) = c.handle(Joined(generation=2, leader="z", members=members), now=4)
+        assert isinstance(answer, Publish)
+        c.handle(SyncRead(2, epoch("z", 2, members)), now=5)
+        c.handle(SyncRead(3, answer.message), now=6)
+        return "p1" in c.mine
+
+    assert not takes_p1("a", Rules())
+    assert takes_p1("b", Rules())
+    assert takes_p1("a", Rules(newest_offer_only=False))

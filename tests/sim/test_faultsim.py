@@ -34,7 +34,10 @@ CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the lon
 # of f6a4792: a leader's release sent as a removal alone while its share section waited for its
 # epoch, the leader dying before the offer went out (8291, a partition lost), and an answer to a
 # later generation erased by the epoch that dropped its writer, whose generation then waited
-# for its leader's answer for ever (8675, a partition lost).
+# for its leader's answer for ever (8675, a partition lost). Once followers' assignments lagged
+# behind the leader's (2026-11): a move whose answer a new epoch fenced, never answered again
+# (1012, balancing held for good), and a leader's old 'new' offer to a task an epoch dropped,
+# picked up beside the next leader's re-plan of it when the task came back (942, two readers).
 REGRESSIONS = [
     0,
     6,
@@ -68,6 +71,8 @@ REGRESSIONS = [
     8077,
     8291,
     8675,
+    942,
+    1012,
 ]
 
 
@@ -224,6 +229,14 @@ def test_teeth_refusing_an_epoch_that_landed_before_its_assignment() -> None:
         broken = run(SimParams(seed=seed, accept_landed_epochs=False)).violation
         assert "not being read" in broken, (seed, broken)
         _check(seed)
+
+
+def test_teeth_picking_up_an_old_offer_beside_its_re_plan() -> None:
+    """Only the newest of several 'new' offers of one partition is picked up (protocol/task.py,
+    ``_follow_offers``); off, the seed that found it has two readers of one partition, and
+    ``test_regression_seed`` is the control."""
+    result = run(SimParams(seed=942, newest_offer_only=False))
+    assert "both read" in result.violation, result
 
 
 def test_a_group_whose_generations_start_over_keeps_epochs_going_up() -> None:
