@@ -455,7 +455,9 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Meta(
             gt=0,
             description="Leader's wait for every member's answer to a rebalance before it plans "
-            "the epoch anyway (a dead task's partitions wait that long for a new owner).",
+            "the epoch anyway (a dead task's partitions wait that long for a new owner). Keep it "
+            "above how late the broker answers followers' joins: shorter waits met unsafe "
+            "histories in the fault simulator (docs/design.md#epochs).",
         ),
     ] = ANSWER_TIMEOUT // 1000
     publish_interval_ms: Annotated[
