@@ -838,15 +838,16 @@ class TaskCore:
     def _follow_offers(self, now: int) -> None:
         enabled = self.sharing_enabled(now)
         live = set(self.cim.members)
-        # Of several 'new' offers of one partition by members, only the newest (by ``since``,
-        # then holder) may be picked up: an older one is a plan a later one re-made (a leader's
-        # offer to a task an epoch dropped, re-planned by the next leader, and the target back
-        # under the same id before its holder withdrew it). Every task orders them alike, so
-        # at most one target picks the partition up, whatever the offerers' clocks say.
+        # Of several offers of one partition by members that hand it to whoever picks them up
+        # ('new' offers and released moves), only the newest (by ``since``, then holder) may be
+        # picked up: an older one is a plan a later one re-made (an offer or a released move to
+        # a task an epoch dropped, re-planned by the leader, and the target back under the same
+        # id before its holder withdrew it). Every task orders them alike, so at most one target
+        # picks the partition up, whatever the offerers' clocks say.
         newest: dict[str, tuple[int, str]] = {}
         if self.config.rules.newest_offer_only:
             for holder, offer in self.cim.offers():
-                if offer.kind == "new" and holder in live:
+                if (offer.kind == "new" or offer.released) and holder in live:
                     rank = (offer.since, holder)
                     newest[offer.token] = max(newest.get(offer.token, rank), rank)
         # Offers addressed to this task.
@@ -879,10 +880,9 @@ class TaskCore:
             found = self.cim.find(token)
             if found is not None and found.status == "finished":
                 continue
-            if offer.kind == "new" and newest.get(token, (offer.since, holder)) != (
-                offer.since,
-                holder,
-            ):
+            if (offer.kind == "new" or offer.released) and newest.get(
+                token, (offer.since, holder)
+            ) != (offer.since, holder):
                 self.counters["offer_superseded"] += 1
                 continue
             leader = self.cim.leader

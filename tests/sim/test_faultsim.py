@@ -37,7 +37,8 @@ CHUNKS = 14  # 210 seeds in CI; `python -m bench sim --seeds 10000` runs the lon
 # for its leader's answer for ever (8675, a partition lost). Once followers' assignments lagged
 # behind the leader's (2026-11): a move whose answer a new epoch fenced, never answered again
 # (1012, balancing held for good), and a leader's old 'new' offer to a task an epoch dropped,
-# picked up beside the next leader's re-plan of it when the task came back (942, two readers).
+# picked up beside the next leader's re-plan of it when the task came back (942, two readers),
+# and the same with a released move (387).
 REGRESSIONS = [
     0,
     6,
@@ -93,7 +94,7 @@ def test_seed_sweep(chunk: int) -> None:
 FOUND_WITH: dict[str, object] = {"follower_lag_us": (0, 0)}
 # Found with followers lagging and a 0.5 s answer wait (a leader planning before their answers).
 SHORT_WAIT: dict[str, object] = {"answer_timeout_us": 500_000}
-LAG_REGRESSIONS = [942, 1012]
+LAG_REGRESSIONS = [387, 942, 1012]
 
 
 @pytest.mark.parametrize("seed", REGRESSIONS)
@@ -245,6 +246,10 @@ def test_teeth_picking_up_an_old_offer_beside_its_re_plan() -> None:
     ``_follow_offers``); off, the seed that found it has two readers of one partition, and
     ``test_regression_seed`` is the control."""
     result = run(SimParams(seed=942, newest_offer_only=False, **SHORT_WAIT))  # type: ignore[arg-type]
+    assert "both read" in result.violation, result
+    # a released move to a task an epoch dropped, re-planned by the leader, the target back
+    # under its id (found with the shipped 2 s wait)
+    result = run(SimParams(seed=387, newest_offer_only=False))
     assert "both read" in result.violation, result
 
 
