@@ -844,10 +844,17 @@ class TaskCore:
         # a task an epoch dropped, re-planned by the leader, and the target back under the same
         # id before its holder withdrew it). Every task orders them alike, so at most one target
         # picks the partition up, whatever the offerers' clocks say.
+        # An offer to a task that is moving the partition away itself is not ranked: that
+        # task never takes it (it hands the partition over instead), so the released move
+        # stands (sim seed 229).
         newest: dict[str, tuple[int, str]] = {}
         if self.config.rules.newest_offer_only:
             for holder, offer in self.cim.offers():
-                if (offer.kind == "new" or offer.released) and holder in live:
+                target_moves = offer.target is not None and (
+                    getattr(self.cim.view(offer.target).share.get(offer.token), "kind", "")
+                    == "move"
+                )
+                if (offer.kind == "new" or offer.released) and holder in live and not target_moves:
                     rank = (offer.since, holder)
                     newest[offer.token] = max(newest.get(offer.token, rank), rank)
         # Offers addressed to this task.
