@@ -158,8 +158,9 @@ class Rules(msgspec.Struct, frozen=True):
     # An epoch keeps a dropped task's answer to a later generation (Cim rule 5); the teeth test
     # turns it off: that generation's leader, whose answer it was, never plans.
     keep_later_answers: bool = True
-    # Of several 'new' offers of one partition only the newest is picked up (``_follow_offers``);
-    # the teeth test turns it off: an old leader's offer and its re-plan are both picked up.
+    # Of several offers of one partition that hand it to whoever takes them ('new' offers and
+    # released moves) only the newest is picked up (``_follow_offers``); the teeth test turns it
+    # off: an old offer and its re-plan are both picked up.
     newest_offer_only: bool = True
 
 
@@ -847,18 +848,20 @@ class TaskCore:
         # An offer to a task that is moving the partition away itself is not ranked: that
         # task never takes it (it hands the partition over instead), so the released move
         # stands (sim seed 229).
+        offers = list(self.cim.offers())
         newest: dict[str, tuple[int, str]] = {}
-        if self.config.rules.newest_offer_only:
-            for holder, offer in self.cim.offers():
-                target_moves = offer.target is not None and (
-                    getattr(self.cim.view(offer.target).share.get(offer.token), "kind", "")
-                    == "move"
-                )
-                if (offer.kind == "new" or offer.released) and holder in live and not target_moves:
-                    rank = (offer.since, holder)
-                    newest[offer.token] = max(newest.get(offer.token, rank), rank)
+        if self.config.rules.newest_offer_only and any(o.target == self.me for _, o in offers):
+            for holder, offer in offers:
+                if not (offer.kind == "new" or offer.released) or holder not in live:
+                    continue
+                if offer.target is not None:
+                    theirs = self.cim.view(offer.target).share.get(offer.token)
+                    if theirs is not None and theirs.kind == "move":
+                        continue
+                rank = (offer.since, holder)
+                newest[offer.token] = max(newest.get(offer.token, rank), rank)
         # Offers addressed to this task.
-        for holder, offer in list(self.cim.offers()):
+        for holder, offer in offers:
             if offer.target != self.me:
                 continue
             token = offer.token
