@@ -8,7 +8,8 @@ Given the CIM and the members of the new generation, the leader opens a new epoc
   watermark), what dead tasks offered as ``new`` or had released in a ``move``, ``new`` offers
   and released moves addressed to a dead task, and the leader's own earlier offers to dead tasks.
   Finished partitions of dead tasks are adopted by the leader as finished (they are still
-  referred to by children). When the stream has never been started, the roots are ownerless.
+  referred to by children); a partition finished in any dead task's state is never offered,
+  whatever an older offer of it by another dead task still says. When the stream has never been started, the roots are ownerless.
 * Ownerless partitions are offered, in token order, each to the member with the smallest load
   (ties by task id) whose load is below the per-task cap; when every member is at the cap the
   partition is parked (offered to nobody) until a task has room.
@@ -75,6 +76,10 @@ def ownerless(
                 take(share.partition)
             elif task == leader and share.target is None:
                 take(share.partition)  # re-plan the leader's parked partitions
+    # Finished anywhere is finished: a dead task's released move (or offer) still carries the
+    # partition as owned after its new owner read it to its end (sim seed 4652).
+    for token in adopt:
+        lost.pop(token, None)
     return lost, adopt
 
 

@@ -162,6 +162,10 @@ class Rules(msgspec.Struct, frozen=True):
     # released moves) only the newest is picked up (``_follow_offers``); the teeth test turns it
     # off: an old offer and its re-plan are both picked up.
     newest_offer_only: bool = True
+    # An offer of a partition some state shows read to its end is dropped (``_follow_offers``):
+    # nobody picks it up. The teeth test of the leader's rules turns it off, because it also
+    # catches one of that test's cases: a root read to its end, dealt out again.
+    drop_finished_offers: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -957,6 +961,18 @@ class TaskCore:
                 else self.cim.view(target).partitions.get(token)
             )
             taken = got is not None and got.status != "incoming"
+            if (
+                (offer.kind == "new" or offer.released)
+                and not taken
+                and self.config.rules.drop_finished_offers
+                and self._finished(token)
+            ):
+                # Read to its end (here, or by a task whose state the CIM still holds): no task
+                # picks a finished partition up, so the offer would stand for ever and count in
+                # its target's load (sim seed 4652: a leader's plan dealt out a dead task's
+                # released move of a partition another dead task had finished).
+                self.counters["offers_of_finished_dropped"] += 1
+                taken = True
             if (offer.kind == "new" or offer.released) and not taken and enabled:
                 # Someone else has it already (a task the group dropped does not count: its
                 # partitions are what the leader offers). Judged only once the CIM holds this
@@ -986,6 +1002,15 @@ class TaskCore:
                 else:
                     self._retarget(token)
                 self._urgent = True
+
+    def _finished(self, token: str) -> bool:
+        """``token`` is read to its end: this task finished it, or some state in the CIM says so."""
+        if token in self.retired:
+            return True
+        mine = self.mine.get(token)
+        if mine is not None and mine.status == "finished":
+            return True
+        return any(p.status == "finished" for _, p in self.cim.holders(token))
 
     def _claimed(self, task: str, part: Partition, live: set[str]) -> bool:
         """``task`` owns ``part``, or takes it over in a hand-off from a member that offers it

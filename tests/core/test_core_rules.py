@@ -942,3 +942,37 @@ def test_of_two_new_offers_of_one_partition_only_the_newest_is_picked_up() -> No
     assert not takes_p1("a", Rules())
     assert takes_p1("b", Rules())
     assert takes_p1("a", Rules(newest_offer_only=False))
+
+
+def test_an_offer_of_a_partition_read_to_its_end_is_dropped() -> None:
+    # Seed 4652: a leader's plan dealt out a dead task's released move of p1 as 'new', while
+    # another dead task had read p1 to its end; the leader adopted that finished p1 and kept the
+    # offer. Its target never picks a finished partition up, so the offer stood for ever,
+    # counted in the target's load, and balancing stopped with loads 3, 1, 3, 2.
+    members = ("a", "b", "x")
+    offer = Share(part("p1", 50), target="b", kind="new", since=2)
+    mine = StateMessage(
+        task_id="a",
+        epoch=0,
+        connector_state=(
+            TaskState("a", 2 * 10**9, data=(part("p1", 80, status="finished"),), share=(offer,)),
+        ),
+    )
+    log: list[SyncMessage] = [epoch("x", 0, members), mine]
+    a = TaskCore(TaskConfig(task_id="a", cap=0), Random(0))
+    for offset, message in enumerate(log):
+        a.handle(SyncRead(offset, message), now=1)
+    a.handle(Lease(until=10**12), now=2)
+    a.handle(Joined(generation=1, leader="x", members=members), now=3)
+    a.handle(SyncRead(2, epoch("x", 1, members)), now=4)
+    assert "p1" not in a.shares  # adopted, then dropped
+    assert a.counters["offers_of_finished_dropped"] == 1
+    # the target would never have taken it
+    b = TaskCore(TaskConfig(task_id="b", cap=0), Random(0))
+    for offset, message in enumerate(log):
+        b.handle(SyncRead(offset, message), now=1)
+    b.handle(Lease(until=10**12), now=2)
+    b.handle(Joined(generation=1, leader="x", members=members), now=3)
+    out = b.handle(SyncRead(2, epoch("x", 1, members)), now=4)
+    assert "p1" not in b.mine
+    assert not any(isinstance(cmd, StartReader) for cmd in out)

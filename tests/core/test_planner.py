@@ -90,3 +90,29 @@ def test_offers_of_a_live_task_still_count_in_their_targets_load() -> None:
     )
     # x counts at its destination: s1 owns nothing yet and is loaded with the offer
     assert cim.loads(("L", "s1")) == {"L": 1, "s1": 1}
+
+
+def test_a_partition_finished_by_a_dead_task_is_adopted_not_offered_again() -> None:
+    """Sim seed 4652: dead d1 had released a move of x to d2; d2 took it over, read it to its end
+    and died too. d1's released move still carries x as owned at the watermark it was handed
+    over at. Finished anywhere is finished: x is adopted, never dealt out (the offer would stand
+    for ever, since no task takes a finished partition, and hold its holder's balancing)."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "d1", "d2"))
+    moved = part("x", 5)
+    released = (Share(partition=moved, target="d2", kind="move", released=True, since=2),)
+    cim.apply(
+        2,
+        StateMessage(
+            task_id="d1",
+            epoch=1,
+            connector_state=(
+                TaskState(task_id="d1", state_timestamp=2, data=(), share=released, full=True),
+            ),
+        ),
+    )
+    finished = part("x", 9, status="finished")
+    cim.apply(3, state("d2", 3, finished))
+    result = plan(cim, ("L",), "L", 2, now=9, cap=0, rng=Random(0))
+    assert result.offers == ()
+    assert result.adopt == (finished,)

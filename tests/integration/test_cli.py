@@ -81,7 +81,11 @@ def _model(start: int) -> StreamModel:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    # no SHOAL_ settings of the caller's environment reach the runs, except the log level (to
+    # debug a failing run: SHOAL_LOG_LEVEL=info)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") or k == "SHOAL_LOG_LEVEL"
+    }
     env["PYTHONPATH"] = str(REPO)
     return env
 
