@@ -162,10 +162,6 @@ class Rules(msgspec.Struct, frozen=True):
     # released moves) only the newest is picked up (``_follow_offers``); the teeth test turns it
     # off: an old offer and its re-plan are both picked up.
     newest_offer_only: bool = True
-    # An offer of a partition some state shows read to its end is dropped (``_follow_offers``):
-    # nobody picks it up. The teeth test of the leader's rules turns it off, because it also
-    # catches one of that test's cases: a root read to its end, dealt out again.
-    drop_finished_offers: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -964,13 +960,15 @@ class TaskCore:
             if (
                 (offer.kind == "new" or offer.released)
                 and not taken
-                and self.config.rules.drop_finished_offers
+                and enabled
                 and self._finished(token)
             ):
-                # Read to its end (here, or by a task whose state the CIM still holds): no task
-                # picks a finished partition up, so the offer would stand for ever and count in
-                # its target's load (sim seed 4652: a leader's plan dealt out a dead task's
-                # released move of a partition another dead task had finished).
+                # Read to its end (here, or by a member): no task picks a finished partition up,
+                # so the offer would stand for ever and count in its target's load (sim seed
+                # 4652: a leader's plan dealt out a dead task's released move of a partition
+                # another dead task had finished). Judged once this generation's epoch is in the
+                # CIM: before, a task that epoch drops may still say finished (a zombie's word,
+                # which a plan of its partitions must not lose).
                 self.counters["offers_of_finished_dropped"] += 1
                 taken = True
             if (offer.kind == "new" or offer.released) and not taken and enabled:
@@ -1317,9 +1315,17 @@ class TaskCore:
         for parent in part.parents:
             found = self._lookup(parent)
             if found is None or found.status != "finished":
-                waiting.append(f"{parent[:12]}={'unknown' if found is None else found.status}")
+                # who holds it in this task's CIM, to tell a stuck parent from a stale view
+                held = ", ".join(f"{t} {p.status}" for t, p in self.cim.holders(parent))
+                waiting.append(
+                    f"{parent[:12]}={'unknown' if found is None else found.status} "
+                    f"(CIM: {held or 'none'})"
+                )
         if waiting:
-            return False, "waiting for parents " + ", ".join(waiting)
+            return False, (
+                f"waiting for parents {', '.join(waiting)} (sync log read to offset "
+                f"{self.cim.offset})"
+            )
         running = len([t for t in self.reading if t not in self.stopping])
         if 0 < self.config.cap <= running:
             return True, f"waiting for room under the cap ({running}/{self.config.cap} reading)"

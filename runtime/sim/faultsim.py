@@ -194,8 +194,6 @@ class SimParams(msgspec.Struct, frozen=True):
     keep_later_answers: bool = True
     # ... and that of several 'new' offers of one partition only the newest is picked up
     newest_offer_only: bool = True
-    # ... and that an offer of a partition read to its end is dropped
-    drop_finished_offers: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
     # the simulated sink: each batch commits after a delay (in order per reader), and fails
     # with this chance (the reader then re-reads from its committed position). It draws from
@@ -340,7 +338,6 @@ class Simulation:
             release_with_offer=params.release_with_offer,
             keep_later_answers=params.keep_later_answers,
             newest_offer_only=params.newest_offer_only,
-            drop_finished_offers=params.drop_finished_offers,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")

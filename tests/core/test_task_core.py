@@ -82,7 +82,12 @@ def test_why_unread_tells_expected_waits_from_faults() -> None:
     assert core.why_unread("r2", 3) == (True, "waiting for room under the cap (1/1 reading)")
     # a merged child waits for its parents (one owned, one unknown)
     core.mine["m"] = Partition("m", 5, parents=("r1", "gone"))
-    assert core.why_unread("m", 3) == (False, "waiting for parents r1=owned, gone=unknown")
+    # (r1 is this task's: its own state in the CIM is not read back yet)
+    assert core.why_unread("m", 3) == (
+        False,
+        "waiting for parents r1=owned (CIM: none), gone=unknown (CIM: none) "
+        "(sync log read to offset 1)",
+    )
     # the lease ran out: not permitted, as expected
     expected, why = core.why_unread("r2", 10**9 + 1)
     assert expected

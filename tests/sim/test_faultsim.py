@@ -199,8 +199,7 @@ def test_teeth_a_leader_that_does_not_resend_a_failed_epoch() -> None:
 # fenced go out in a state message of a later generation (docs/design.md#epochs).
 STALE_LEADER_CASES: list[tuple[int, dict[str, object]]] = [
     (824, {}),
-    # (the drop of an offer of a finished partition catches this one too)
-    (0, {"append_fail_p": 0.25, "drop_finished_offers": False}),
+    (0, {"append_fail_p": 0.25}),
 ]
 
 
