@@ -5,11 +5,12 @@ Given the CIM and the members of the new generation, the leader opens a new epoc
 * Survivors keep everything they own: the planner never moves a live task's partition.
 * Tasks that are not members are dropped from the state (the epoch message does that).
 * Ownerless partitions are collected: what dead tasks owned (with their last published
-  watermark), what dead tasks offered as ``new`` or had released in a ``move``, ``new`` offers
-  and released moves addressed to a dead task, and the leader's own earlier offers to dead tasks.
-  Finished partitions of dead tasks are adopted by the leader as finished (they are still
-  referred to by children); a partition finished in any dead task's state is never offered,
-  whatever an older offer of it by another dead task still says. When the stream has never been started, the roots are ownerless.
+  watermark), what dead tasks offered (``new``, or in a ``move``, released or not), ``new``
+  offers and released moves addressed to a dead task, and the leader's own earlier offers to
+  dead tasks. Finished partitions of dead tasks are adopted by the leader as finished (they are
+  still referred to by children); a partition finished in any dead task's state is never
+  offered, whatever an older offer of it by another dead task still says. When the stream has
+  never been started, the roots are ownerless.
 * Ownerless partitions are offered, in token order, each to the member with the smallest load
   (ties by task id) whose load is below the per-task cap; when every member is at the cap the
   partition is parked (offered to nobody) until a task has room.
@@ -70,8 +71,11 @@ def ownerless(
                 if part.status != "incoming":
                     take(part)
         for share in view.share.values():
-            if share.kind == "move" and not share.released:
-                continue  # still read by a live offerer, or a dead one's owned entry above
+            if share.kind == "move" and not share.released and not dead:
+                continue  # still read by its live offerer
+            # (a dead task's move that it had not released is its partition too: its owned
+            # entry may never have reached the CIM, written while its generation was fenced;
+            # sim seed 3330. ``take`` keeps the newest watermark of the two.)
             if dead or (share.target is not None and share.target not in live):
                 take(share.partition)
             elif task == leader and share.target is None:

@@ -526,6 +526,10 @@ class TaskCore:
             self.releasing.clear()
             self._sent_parts.clear()
             self._sent_share.clear()
+            # what it picked up is gone with its state: an offer it answered that still stands
+            # (a released move whose offerer waits for it) is to be answered again once an
+            # epoch takes it back, or the partition is held by nobody (sim seed 4954)
+            self.consumed.clear()
             return
         view = self.cim.view(self.me)
         self._yield_replanned(view)

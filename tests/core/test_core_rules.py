@@ -976,3 +976,46 @@ def test_an_offer_of_a_partition_read_to_its_end_is_dropped() -> None:
     out = b.handle(SyncRead(2, epoch("x", 1, members)), now=4)
     assert "p1" not in b.mine
     assert not any(isinstance(cmd, StartReader) for cmd in out)
+
+
+def test_a_task_an_epoch_dropped_answers_a_released_move_to_it_again_once_back() -> None:
+    # Seed 4954 (0.5 s answer wait): b took p1 over from a, then was paused; the epoch without b
+    # dealt p1 out to a, the move's own offerer, which never takes an offer of what it is
+    # handing over, so a's released move to b stood. b, back in the next epoch, had forgotten
+    # its claim (the epoch dropped it) but not that it had answered the move: nobody held p1.
+    members = ("a", "b", "x")
+    move = Share(part("p1", 50), target="b", kind="move", since=2)
+    a_offers = StateMessage(
+        task_id="a",
+        epoch=0,
+        connector_state=(TaskState("a", 2 * 10**9, data=(part("p1", 50),), share=(move,)),),
+    )
+    released = msgspec.structs.replace(move, released=True)
+    a_releases = StateMessage(
+        task_id="a",
+        epoch=0,
+        connector_state=(TaskState("a", 2 * 10**9 + 1, removed=("p1",), share=(released,)),),
+    )
+    b = TaskCore(TaskConfig(task_id="b", cap=0), Random(0))
+    b.handle(Lease(until=10**12), now=1)
+    b.handle(Joined(generation=0, leader="x", members=members), now=2)
+    b.handle(SyncRead(0, epoch("x", 0, members)), now=3)
+    out = b.handle(SyncRead(1, a_offers), now=4)
+    status = [b.mine["p1"].status]
+    offset = read_back(b, out, 2, now=4)
+    out = b.handle(SyncRead(offset, a_releases), now=5)
+    status.append(b.mine["p1"].status)
+    assert status == ["incoming", "owned"]
+    offset = read_back(b, out, offset + 1, now=5)
+    # the epoch without b (its plan offered p1 to a, which does not take it)
+    replanned = Share(part("p1", 50), target="a", kind="new", since=6)
+    b.handle(SyncRead(offset, epoch("x", 1, ("a", "x"), replanned)), now=6)
+    assert not b.mine
+    b.handle(ReaderStopped("p1", T0 + 60), now=6)  # its reader stopped
+    # b is back
+    b.handle(Joined(generation=2, leader="x", members=members), now=7)
+    out = b.handle(SyncRead(offset + 1, epoch("x", 2, members)), now=8)
+    assert b.mine["p1"].status == "owned"
+    assert b.counters["picked_up"] == 1
+    out += b.handle(TaskTick(), now=1_000_000)
+    assert any(isinstance(cmd, StartReader) and cmd.token == "p1" for cmd in out)

@@ -116,3 +116,47 @@ def test_a_partition_finished_by_a_dead_task_is_adopted_not_offered_again() -> N
     result = plan(cim, ("L",), "L", 2, now=9, cap=0, rng=Random(0))
     assert result.offers == ()
     assert result.adopt == (finished,)
+
+
+def test_a_dead_tasks_move_it_had_not_released_is_dealt_out() -> None:
+    """Sim seed 3330 (0.5 s answer wait): d's claim of x was written while its generation was
+    fenced, so the CIM never held it; d then offered x to s in a move and died before
+    releasing it. Its unreleased move is all the CIM knows of x: x is dealt out, from that
+    move's watermark (s's take-over, 'incoming', does not own it)."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s", "d"))
+    moving = part("x", 5)
+    offer = (Share(partition=moving, target="s", kind="move", since=2),)
+    cim.apply(
+        2,
+        StateMessage(
+            task_id="d",
+            epoch=1,
+            connector_state=(
+                TaskState(task_id="d", state_timestamp=2, data=(), share=offer, full=True),
+            ),
+        ),
+    )
+    cim.apply(3, state("s", 3, part("x", 5, status="incoming", source="d")))
+    result = plan(cim, ("L", "s"), "L", 2, now=9, cap=0, rng=Random(0))
+    assert [(s.token, s.partition.watermark) for s in result.offers] == [("x", 5)]
+
+
+def test_a_live_tasks_move_it_has_not_released_is_not_dealt_out() -> None:
+    """The control: a member's move to a dead target is still read by that member."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s", "d"))
+    offer = (Share(partition=part("x", 5), target="d", kind="move", since=2),)
+    cim.apply(
+        2,
+        StateMessage(
+            task_id="s",
+            epoch=1,
+            connector_state=(
+                TaskState(
+                    task_id="s", state_timestamp=2, data=(part("x", 5),), share=offer, full=True
+                ),
+            ),
+        ),
+    )
+    assert plan(cim, ("L", "s"), "L", 2, now=9, cap=0, rng=Random(0)).offers == ()
