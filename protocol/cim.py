@@ -20,6 +20,12 @@ task's CIM is the same at the same offset):
    5b. An offer in the epoch resumes from the newest watermark the CIM holds for its partition
    when the epoch lands (the leader may have planned before a dropped task's last report, or
    before a superseded plan's offer), so watermarks never go back.
+   5c. What a dropped task held (its partitions and its offers) that no state holds or offers
+   once the epoch is applied becomes an *orphan*, kept with its newest watermark (finished
+   wins): the leader planned from a CIM taken before the task's last claims landed. Orphans
+   stay until some state holds or offers them (a finished one, until nothing refers to it);
+   the leader offers them (``protocol/task.py``) and a plan deals out those still left
+   (``protocol/planner.py``).
 6. A ``checkpoint`` seeds an empty CIM (a replay that starts at the checkpoint); a CIM that has
    already applied the checkpoint's ``as_of`` offset ignores it.
 7. ``marker`` messages change nothing.
@@ -79,6 +85,7 @@ class Cim:
         self.members: tuple[str, ...] = ()
         self.stream_start = -1
         self.tasks: dict[str, TaskView] = {}
+        self.orphans: dict[str, Partition] = {}  # rule 5c
         self.ignored: Counter[str] = Counter()
         self._fence = fence_epochs
         self._keep_answers = keep_later_answers  # off only in the simulator's teeth test
@@ -111,12 +118,14 @@ class Cim:
                     self.stream_start = message.stream_start
                 live = set(message.members)
                 best = self._newest_watermarks()
+                dropped: list[TaskView] = []
                 for task in [t for t in self.tasks if t not in live]:
-                    answered = self.tasks.pop(task).epoch_seen
-                    if answered > message.epoch and self._keep_answers:
-                        self.tasks[task] = TaskView(epoch_seen=answered)  # rule 5
+                    dropped.append(view := self.tasks.pop(task))
+                    if view.epoch_seen > message.epoch and self._keep_answers:
+                        self.tasks[task] = TaskView(epoch_seen=view.epoch_seen)  # rule 5
                 result = self._apply_states(message.task_id, message.epoch, message.connector_state)
                 self._raise_offered_watermarks(message.task_id, best)
+                self._orphan(dropped)
                 return result  # the epoch itself holds even when a foreign state was dropped
             case StateMessage():
                 if message.epoch < self.epoch and self._fence:
@@ -127,7 +136,49 @@ class Cim:
                     view = self.tasks.setdefault(message.task_id, TaskView())
                     view.epoch_seen = max(view.epoch_seen, message.epoch)
                     return self._ignore("not-a-member")
-                return self._apply_states(message.task_id, message.epoch, message.connector_state)
+                result = self._apply_states(message.task_id, message.epoch, message.connector_state)
+                if self.orphans:
+                    self._adopted(message.task_id)
+                return result
+
+    def _orphan(self, dropped: list[TaskView]) -> None:
+        """Rule 5c: the dropped tasks' partitions and offers that no state holds or offers."""
+        for view in dropped:
+            for part in view.partitions.values():
+                if part.status != "incoming":
+                    self._keep_orphan(part)
+            for offer in view.share.values():
+                self._keep_orphan(offer.partition)
+        if self.orphans:
+            for task in list(self.tasks):
+                self._adopted(task)
+
+    def _keep_orphan(self, part: Partition) -> None:
+        known = self.orphans.get(part.token)
+        if known is not None and (
+            known.status == "finished"
+            or (part.status != "finished" and part.watermark <= known.watermark)
+        ):
+            return  # finished wins, then the newest watermark
+        self.orphans[part.token] = (
+            part
+            if part.status == "finished"
+            else msgspec.structs.replace(part, status="owned", source="")
+        )
+
+    def _adopted(self, task: str) -> None:
+        """Orphans ``task``'s state now holds or offers are orphans no more; nor is a finished
+        one nothing refers to any more (a task would remove it at once)."""
+        view = self.tasks.get(task)
+        if view is not None:
+            for token in [t for t in self.orphans if t in view.share]:
+                del self.orphans[token]
+            for token in [t for t in self.orphans if t in view.partitions]:
+                if view.partitions[token].status != "incoming":
+                    del self.orphans[token]
+        for token, part in list(self.orphans.items()):
+            if part.status == "finished" and lifecycle.removable(part, self.find):
+                del self.orphans[token]
 
     def _newest_watermarks(self) -> dict[str, int]:
         """The newest watermark the CIM holds for each partition, in any task's partitions or
@@ -190,6 +241,7 @@ class Cim:
             view = self.tasks[state.task_id] = TaskView()
             apply_state(view, state)
             view.epoch_seen = state.epoch_seen
+        self.orphans = {part.token: part for part in message.orphans}
 
     # -- queries -------------------------------------------------------------------------------
     def view(self, task: str) -> TaskView:
@@ -256,6 +308,7 @@ class Cim:
                 )
                 for task, view in sorted(self.tasks.items())
             ),
+            orphans=tuple(self.orphans[t] for t in sorted(self.orphans)),
         )
 
     def validate(self) -> None:

@@ -109,6 +109,7 @@ class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):
     members: tuple[str, ...] = ()
     connector_state: tuple[TaskState, ...] = ()
     stream_start: int = -1
+    orphans: tuple[Partition, ...] = ()  # the CIM's orphans (protocol/cim.py, rule 5c)
 
 
 class MarkerMessage(_Message, frozen=True, tag="marker"):

@@ -80,6 +80,10 @@ def ownerless(
                 take(share.partition)
             elif task == leader and share.target is None:
                 take(share.partition)  # re-plan the leader's parked partitions
+    # Orphans (Cim rule 5c): what tasks an earlier epoch dropped held, that no state took since
+    # (the leader offers them; a plan deals out those still left)
+    for part in cim.orphans.values():
+        take(part)
     # Finished anywhere is finished: a dead task's released move (or offer) still carries the
     # partition as owned after its new owner read it to its end (sim seed 4652).
     for token in adopt:

@@ -805,6 +805,7 @@ class TaskCore:
         out += self._leader_duties(now)
         offers = dict(self.shares)
         self._follow_offers(now)
+        self._take_orphans(now)
         self._negotiate(now)
         self._unsettled = self.shares != offers
         self._remove_finished()
@@ -839,6 +840,39 @@ class TaskCore:
             self._last_checkpoint = now
             out.append(Publish(self.cim.checkpoint(self.me, now)))
         return out
+
+    def _take_orphans(self, now: int) -> None:
+        """Cim rule 5c: the leader takes what an epoch dropped that no state holds (claims that
+        landed after the CIM it planned from): a finished orphan into its own state (children
+        refer to it), an unfinished one offered like a child, to the most underloaded member
+        within the cap, from its newest watermark. Once the epoch is in the CIM, and not while
+        a plan's epoch is on its way (its offers may deal them out)."""
+        if (
+            not self.cim.orphans
+            or self.leader != self.me
+            or self.cim.leader != self.me
+            or self._plan_out is not None
+            or not self.sharing_enabled(now)
+        ):
+            return
+        loads: dict[str, int] | None = None
+        for token, part in sorted(self.cim.orphans.items()):
+            if token in self.mine or token in self.shares or token in self.retired:
+                continue
+            self.counters["orphans_taken"] += 1
+            self._urgent = True
+            if part.status == "finished":
+                self.mine[token] = part
+                continue
+            if loads is None:
+                loads = self._loads()
+            target = share.place_child(self.me, loads, self.config.cap)
+            if target == self.me:
+                self.mine[token] = part
+            else:
+                self.shares[token] = Share(part, target=target, kind="new", since=now)
+            if target is not None:
+                loads[target] = loads.get(target, 0) + 1
 
     def _follow_offers(self, now: int) -> None:
         enabled = self.sharing_enabled(now)
@@ -1277,6 +1311,8 @@ class TaskCore:
     def _known(self, token: str) -> bool:
         if token in self.mine or token in self.shares or token in self.retired:
             return True
+        if token in self.cim.orphans:
+            return True  # the leader offers it (a child registered again would start over)
         if self.cim.find(token) is not None:
             return True
         return any(o.token == token for _, o in self.cim.offers())

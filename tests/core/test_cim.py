@@ -27,7 +27,8 @@ def _fold(log: list[SyncMessage]) -> Cim:
 
 
 def _contents(cim: Cim) -> tuple[object, ...]:
-    return (cim.offset, cim.epoch, cim.members, cim.leader, cim.checkpoint("x", 0).connector_state)
+    cp = cim.checkpoint("x", 0)
+    return (cim.offset, cim.epoch, cim.members, cim.leader, cp.connector_state, cp.orphans)
 
 
 def test_cim_keeps_latest_state_by_state_timestamp() -> None:
@@ -92,6 +93,11 @@ def test_replay_from_checkpoint_gives_same_cim_as_full_replay() -> None:
     for i, m in enumerate(tail, start=3):
         seeded.apply(i, m)
     assert _contents(seeded) == _contents(full)
+    assert full.orphans == {"q": part("q", 20)}  # b's, dropped by the epoch (rule 5c)
+    # a checkpoint carries the orphans
+    again = Cim()
+    again.apply(5, full.checkpoint("a", 0))
+    assert again.orphans == full.orphans
 
 
 _msgs = st.lists(
@@ -228,3 +234,72 @@ def test_an_epoch_keeps_a_dropped_tasks_answer_to_a_later_generation() -> None:
     for offset, message in enumerate(log):
         broken.apply(offset, message)
     assert broken.view("a").epoch_seen == -1
+
+
+def test_rule_5c_what_an_epoch_drops_that_no_state_holds_is_an_orphan_until_a_state_takes_it() -> (
+    None
+):
+    """Sim seed 4262 (0.5 s answer wait): d's last claims (a parent read to its end, its two
+    children registered, one read on) landed after the CIM the leader planned from; the epoch
+    dropped d, and the plan had dealt out only the parent. The children are orphans, with their
+    newest watermarks; the parent, offered in the epoch, is not."""
+    dealt = Share(partition=part("p", 10), target="s", kind="new", since=5)
+    leader_epoch = EpochMessage(
+        task_id="L",
+        epoch=2,
+        sync_epoch="e2",
+        members=("L", "s"),
+        connector_state=(TaskState(task_id="L", state_timestamp=9, share=(dealt,)),),
+    )
+    finished = part("p", 30, status="finished", children=("c1", "c2"))
+    cim = _fold(
+        [
+            epoch("L", 1, "L", "s", "d"),
+            state("d", 1, part("p", 10)),
+            state("d", 2, finished, part("c1"), part("c2"), full=False),
+            state("d", 3, part("c2", 40), full=False),
+            leader_epoch,
+        ]
+    )
+    assert cim.orphans == {"c1": part("c1"), "c2": part("c2", 40)}
+    assert "d" not in cim.tasks
+    # an orphan is one no more once a state holds or offers it
+    offered = Share(partition=part("c2", 40), target="s", kind="new", since=9)
+    cim.apply(
+        5,
+        StateMessage(
+            task_id="L",
+            epoch=2,
+            connector_state=(
+                TaskState(task_id="L", state_timestamp=10, share=(dealt, offered), full=False),
+            ),
+        ),
+    )
+    assert cim.orphans == {"c1": part("c1")}
+    cim.apply(6, state("s", 11, part("c1", 5), epoch=2, full=False))
+    assert cim.orphans == {}
+
+
+def test_rule_5c_a_finished_orphan_wins_over_an_older_claim() -> None:
+    """Two dropped tasks held x: one an offer of it, the other x read to its end."""
+    offer = Share(partition=part("x", 50), target="e", kind="move", released=True, since=2)
+    cim = _fold(
+        [
+            epoch("L", 1, "L", "d", "e"),
+            StateMessage(
+                task_id="d",
+                epoch=1,
+                connector_state=(TaskState(task_id="d", state_timestamp=2, share=(offer,)),),
+            ),
+            state("e", 3, part("x", 90, status="finished", children=("y",))),
+            epoch("L", 2, "L"),
+        ]
+    )
+    assert cim.orphans == {"x": part("x", 90, status="finished", children=("y",))}
+
+
+def test_rule_5c_a_finished_orphan_nothing_refers_to_is_dropped() -> None:
+    """A task would remove it at once (no child waits for it), never publishing it."""
+    cim = _fold([epoch("L", 1, "L", "e"), state("e", 3, part("x", 90, status="finished"))])
+    cim.apply(2, epoch("L", 2, "L"))
+    assert cim.orphans == {}

@@ -1019,3 +1019,41 @@ def test_a_task_an_epoch_dropped_answers_a_released_move_to_it_again_once_back()
     assert b.counters["picked_up"] == 1
     out += b.handle(TaskTick(), now=1_000_000)
     assert any(isinstance(cmd, StartReader) and cmd.token == "p1" for cmd in out)
+
+
+def _orphans_of_d(task: str) -> tuple[TaskCore, list[TaskCommand], Partition]:
+    """``task`` in x's epoch 2 of (x, s), which dropped d after d's last claims (f read to its
+    end, its child p1 registered and read on to 70) landed after x's plan was made."""
+    finished = msgspec.structs.replace(part("f", 90, status="finished"), children=("p1",))
+    claims = (part("p1", 70), finished)
+    log: list[SyncMessage] = [
+        epoch("x", 1, ("x", "s", "d")),
+        msgspec.structs.replace(state("x", 1, part("a", 5)), epoch=1),
+        msgspec.structs.replace(state("d", 2, *claims), epoch=1),
+        epoch("x", 2, ("x", "s")),
+    ]
+    c = TaskCore(TaskConfig(task_id=task, cap=0), Random(0))
+    out: list[TaskCommand] = []
+    for offset, message in enumerate(log):  # a restarted task's replay
+        out += c.handle(SyncRead(offset, message), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    out += c.handle(Joined(generation=2, leader="x", members=("x", "s")), now=3)
+    return c, out, finished
+
+
+def test_the_leader_offers_what_its_epoch_dropped_that_no_state_holds() -> None:
+    # Seed 4262 (0.5 s answer wait): a dropped task's last claims landed between the leader's
+    # plan and its epoch; the epoch dropped them, no plan had dealt them out, and a merged
+    # child was registered again from its start (its watermark went back).
+    x, out, finished = _orphans_of_d("x")
+    assert set(x.cim.orphans) == {"p1", "f"}
+    assert x.counters["orphans_taken"] == 2
+    assert x.mine["f"] == finished  # adopted (p1 refers to it)
+    # p1 offered from its newest watermark to the least loaded member (x owns a)
+    assert (x.shares["p1"].target, x.shares["p1"].partition.watermark) == ("s", T0 + 70)
+    read_back(x, out, 4, now=4)  # its checkpoint (with the orphans) and its state
+    assert x.cim.orphans == {}
+    # a member that is not the leader takes nothing itself: it waits for the offer
+    s, _, _ = _orphans_of_d("s")
+    assert "p1" not in s.mine
+    assert "orphans_taken" not in s.counters

@@ -160,3 +160,17 @@ def test_a_live_tasks_move_it_has_not_released_is_not_dealt_out() -> None:
         ),
     )
     assert plan(cim, ("L", "s"), "L", 2, now=9, cap=0, rng=Random(0)).offers == ()
+
+
+def test_orphans_left_from_an_earlier_epoch_are_dealt_out_or_adopted() -> None:
+    """Cim rule 5c: what an earlier epoch dropped that nobody took since (the leader that
+    should have offered it died first) is dealt out by the next plan, finished ones adopted."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s", "d"))
+    finished = part("y", 9, status="finished", children=("x",))
+    cim.apply(2, state("d", 2, part("x", 7), finished))
+    cim.apply(3, epoch("L", 2, "L", "s"))
+    assert set(cim.orphans) == {"x", "y"}
+    result = plan(cim, ("M", "s"), "M", 3, now=9, cap=0, rng=Random(0))
+    assert [(s.token, s.partition.watermark, s.target) for s in result.offers] == [("x", 7, "M")]
+    assert result.adopt == (finished,)
