@@ -95,7 +95,7 @@ def test_seed_sweep(chunk: int) -> None:
 FOUND_WITH: dict[str, object] = {"follower_lag_us": (0, 0)}
 # Found with followers lagging and a 0.5 s answer wait (a leader planning before their answers).
 SHORT_WAIT: dict[str, object] = {"answer_timeout_us": 500_000}
-LAG_REGRESSIONS = [229, 387, 942, 1012, 3190, 3330, 4652, 4954]
+LAG_REGRESSIONS = [229, 387, 942, 1012, 3190, 3330, 4262, 4652, 4954]
 
 
 @pytest.mark.parametrize("seed", REGRESSIONS)
