@@ -58,3 +58,23 @@ def test_every_partition_finished_and_no_offer_left() -> None:
     assert not nothing_left(cim)
     cim.apply(6, _state("b", 7, part("c", status="finished")))
     assert nothing_left(cim)
+
+
+def test_an_orphan_is_something_left() -> None:
+    """Cim rule 5c: the epoch dropped b, whose claim of r2 landed after the plan: nothing holds
+    r2 until the leader offers it, and it is still to be read."""
+    cim = Cim()
+    cim.apply(0, _epoch(100, part("r1", status="finished")))
+    cim.apply(1, _state("b", 2, part("r2", 50)))
+    cim.apply(
+        2,
+        EpochMessage(
+            task_id="a",
+            epoch=2,
+            sync_epoch="e2",
+            members=("a",),
+            connector_state=(TaskState(task_id="a", state_timestamp=3),),
+        ),
+    )
+    assert set(cim.orphans) == {"r2"}
+    assert not nothing_left(cim)
