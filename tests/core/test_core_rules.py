@@ -60,12 +60,20 @@ def part(
     return Partition(token, T0, parents=parents, status=status, watermark=wm)  # type: ignore[arg-type]
 
 
-def state(task: str, ts: int, *parts: Partition, removed: tuple[str, ...] = ()) -> StateMessage:
+def state(
+    task: str,
+    ts: int,
+    *parts: Partition,
+    removed: tuple[str, ...] = (),
+    share: tuple[Share, ...] | None = None,
+) -> StateMessage:
     """A state message; its state timestamps come after every epoch message's below."""
     return StateMessage(
         task_id=task,
         epoch=0,
-        connector_state=(TaskState(task, 2 * 10**9 + ts, data=parts, removed=removed),),
+        connector_state=(
+            TaskState(task, 2 * 10**9 + ts, data=parts, removed=removed, share=share),
+        ),
     )
 
 
@@ -951,29 +959,22 @@ def test_an_offer_of_a_partition_read_to_its_end_is_dropped() -> None:
     # counted in the target's load, and balancing stopped with loads 3, 1, 3, 2.
     members = ("a", "b", "x")
     offer = Share(part("p1", 50), target="b", kind="new", since=2)
-    mine = StateMessage(
-        task_id="a",
-        epoch=0,
-        connector_state=(
-            TaskState("a", 2 * 10**9, data=(part("p1", 80, status="finished"),), share=(offer,)),
-        ),
-    )
+    mine = state("a", 0, part("p1", 80, status="finished"), share=(offer,))
     log: list[SyncMessage] = [epoch("x", 0, members), mine]
-    a = TaskCore(TaskConfig(task_id="a", cap=0), Random(0))
-    for offset, message in enumerate(log):
-        a.handle(SyncRead(offset, message), now=1)
-    a.handle(Lease(until=10**12), now=2)
-    a.handle(Joined(generation=1, leader="x", members=members), now=3)
-    a.handle(SyncRead(2, epoch("x", 1, members)), now=4)
+
+    def restarted(task: str) -> tuple[TaskCore, list[TaskCommand]]:
+        """``task`` replays the log, joins x's generation 1 and reads its epoch."""
+        c = TaskCore(TaskConfig(task_id=task, cap=0), Random(0))
+        for offset, message in enumerate(log):
+            c.handle(SyncRead(offset, message), now=1)
+        c.handle(Lease(until=10**12), now=2)
+        c.handle(Joined(generation=1, leader="x", members=members), now=3)
+        return c, c.handle(SyncRead(2, epoch("x", 1, members)), now=4)
+
+    a, _ = restarted("a")
     assert "p1" not in a.shares  # adopted, then dropped
     assert a.counters["offers_of_finished_dropped"] == 1
-    # the target would never have taken it
-    b = TaskCore(TaskConfig(task_id="b", cap=0), Random(0))
-    for offset, message in enumerate(log):
-        b.handle(SyncRead(offset, message), now=1)
-    b.handle(Lease(until=10**12), now=2)
-    b.handle(Joined(generation=1, leader="x", members=members), now=3)
-    out = b.handle(SyncRead(2, epoch("x", 1, members)), now=4)
+    b, out = restarted("b")  # the target would never have taken it
     assert "p1" not in b.mine
     assert not any(isinstance(cmd, StartReader) for cmd in out)
 
@@ -985,17 +986,9 @@ def test_a_task_an_epoch_dropped_answers_a_released_move_to_it_again_once_back()
     # its claim (the epoch dropped it) but not that it had answered the move: nobody held p1.
     members = ("a", "b", "x")
     move = Share(part("p1", 50), target="b", kind="move", since=2)
-    a_offers = StateMessage(
-        task_id="a",
-        epoch=0,
-        connector_state=(TaskState("a", 2 * 10**9, data=(part("p1", 50),), share=(move,)),),
-    )
+    a_offers = state("a", 0, part("p1", 50), share=(move,))
     released = msgspec.structs.replace(move, released=True)
-    a_releases = StateMessage(
-        task_id="a",
-        epoch=0,
-        connector_state=(TaskState("a", 2 * 10**9 + 1, removed=("p1",), share=(released,)),),
-    )
+    a_releases = state("a", 1, removed=("p1",), share=(released,))
     b = TaskCore(TaskConfig(task_id="b", cap=0), Random(0))
     b.handle(Lease(until=10**12), now=1)
     b.handle(Joined(generation=0, leader="x", members=members), now=2)

@@ -13,6 +13,17 @@ from protocol.planner import plan
 from tests.helpers import epoch, part, state
 
 
+def _offers(task: str, *offers: Share, data: tuple[Partition, ...] = ()) -> StateMessage:
+    """``task``'s whole state in epoch 1: ``data`` and the offers ``offers``."""
+    return StateMessage(
+        task_id=task,
+        epoch=1,
+        connector_state=(
+            TaskState(task_id=task, state_timestamp=2, data=data, share=offers, full=True),
+        ),
+    )
+
+
 def test_roots_are_dealt_to_least_loaded_and_parked_past_cap() -> None:
     roots = tuple(Partition(f"r{i}", start_ts=0) for i in range(3))
     result = plan(Cim(), ("a", "b"), "a", 1, now=7, cap=1, rng=Random(0), roots=roots)
@@ -100,17 +111,7 @@ def test_a_partition_finished_by_a_dead_task_is_adopted_not_offered_again() -> N
     cim = Cim()
     cim.apply(1, epoch("L", 1, "L", "d1", "d2"))
     moved = part("x", 5)
-    released = (Share(partition=moved, target="d2", kind="move", released=True, since=2),)
-    cim.apply(
-        2,
-        StateMessage(
-            task_id="d1",
-            epoch=1,
-            connector_state=(
-                TaskState(task_id="d1", state_timestamp=2, data=(), share=released, full=True),
-            ),
-        ),
-    )
+    cim.apply(2, _offers("d1", Share(partition=moved, target="d2", kind="move", released=True)))
     finished = part("x", 9, status="finished")
     cim.apply(3, state("d2", 3, finished))
     result = plan(cim, ("L",), "L", 2, now=9, cap=0, rng=Random(0))
@@ -126,17 +127,7 @@ def test_a_dead_tasks_move_it_had_not_released_is_dealt_out() -> None:
     cim = Cim()
     cim.apply(1, epoch("L", 1, "L", "s", "d"))
     moving = part("x", 5)
-    offer = (Share(partition=moving, target="s", kind="move", since=2),)
-    cim.apply(
-        2,
-        StateMessage(
-            task_id="d",
-            epoch=1,
-            connector_state=(
-                TaskState(task_id="d", state_timestamp=2, data=(), share=offer, full=True),
-            ),
-        ),
-    )
+    cim.apply(2, _offers("d", Share(partition=moving, target="s", kind="move")))
     cim.apply(3, state("s", 3, part("x", 5, status="incoming", source="d")))
     result = plan(cim, ("L", "s"), "L", 2, now=9, cap=0, rng=Random(0))
     assert [(s.token, s.partition.watermark) for s in result.offers] == [("x", 5)]
@@ -146,19 +137,8 @@ def test_a_live_tasks_move_it_has_not_released_is_not_dealt_out() -> None:
     """The control: a member's move to a dead target is still read by that member."""
     cim = Cim()
     cim.apply(1, epoch("L", 1, "L", "s", "d"))
-    offer = (Share(partition=part("x", 5), target="d", kind="move", since=2),)
-    cim.apply(
-        2,
-        StateMessage(
-            task_id="s",
-            epoch=1,
-            connector_state=(
-                TaskState(
-                    task_id="s", state_timestamp=2, data=(part("x", 5),), share=offer, full=True
-                ),
-            ),
-        ),
-    )
+    offer = Share(partition=part("x", 5), target="d", kind="move")
+    cim.apply(2, _offers("s", offer, data=(part("x", 5),)))
     assert plan(cim, ("L", "s"), "L", 2, now=9, cap=0, rng=Random(0)).offers == ()
 
 
