@@ -138,7 +138,7 @@ class Cim:
                     return self._ignore("not-a-member")
                 result = self._apply_states(message.task_id, message.epoch, message.connector_state)
                 if self.orphans:
-                    self._adopted(message.task_id)
+                    self._prune_orphans((message.task_id,))
                 return result
 
     def _orphan(self, dropped: list[TaskView]) -> None:
@@ -150,8 +150,7 @@ class Cim:
             for offer in view.share.values():
                 self._keep_orphan(offer.partition)
         if self.orphans:
-            for task in list(self.tasks):
-                self._adopted(task)
+            self._prune_orphans(self.tasks)
 
     def _keep_orphan(self, part: Partition) -> None:
         known = self.orphans.get(part.token)
@@ -166,11 +165,13 @@ class Cim:
             else msgspec.structs.replace(part, status="owned", source="")
         )
 
-    def _adopted(self, task: str) -> None:
-        """Orphans ``task``'s state now holds or offers are orphans no more; nor is a finished
-        one nothing refers to any more (a task would remove it at once)."""
-        view = self.tasks.get(task)
-        if view is not None:
+    def _prune_orphans(self, tasks: Iterable[str]) -> None:
+        """Orphans the states of ``tasks`` now hold or offer are orphans no more; nor is a
+        finished one nothing refers to any more (a task would remove it at once)."""
+        for task in tasks:
+            view = self.tasks.get(task)
+            if view is None:
+                continue
             for token in [t for t in self.orphans if t in view.share]:
                 del self.orphans[token]
             for token in [t for t in self.orphans if t in view.partitions]:

@@ -995,31 +995,27 @@ class TaskCore:
                 else self.cim.view(target).partitions.get(token)
             )
             taken = got is not None and got.status != "incoming"
-            if (
-                (offer.kind == "new" or offer.released)
-                and not taken
-                and enabled
-                and self._finished(token)
-            ):
-                # Read to its end (here, or by a member): no task picks a finished partition up,
-                # so the offer would stand for ever and count in its target's load (sim seed
-                # 4652: a leader's plan dealt out a dead task's released move of a partition
-                # another dead task had finished). Judged once this generation's epoch is in the
-                # CIM: before, a task that epoch drops may still say finished (a zombie's word,
-                # which a plan of its partitions must not lose).
-                self.counters["offers_of_finished_dropped"] += 1
-                taken = True
             if (offer.kind == "new" or offer.released) and not taken and enabled:
-                # Someone else has it already (a task the group dropped does not count: its
-                # partitions are what the leader offers). Judged only once the CIM holds this
-                # generation's epoch: before, it may still show claims that epoch removes. A
-                # released move too: the leader may have dealt it out while its target was not
-                # a member, and the target, back under the same id, never picks it up; kept, the
-                # offer would count in the target's load and hold this task's balancing for ever.
-                taken = any(
-                    t != self.me and t in self.members and p.status != "incoming"
-                    for t, p in self.cim.holders(token)
-                )
+                # Judged only once the CIM holds this generation's epoch: before, it may still
+                # show claims (or a zombie's word that it finished the partition) that epoch
+                # removes, and a plan of their partitions must not be lost.
+                if self._finished(token):
+                    # Read to its end (here, or by a member): no task picks a finished partition
+                    # up, so the offer would stand for ever and count in its target's load (sim
+                    # seed 4652: a leader's plan dealt out a dead task's released move of a
+                    # partition another dead task had finished).
+                    self.counters["offers_of_finished_dropped"] += 1
+                    taken = True
+                else:
+                    # Someone else has it already (a task the group dropped does not count: its
+                    # partitions are what the leader offers). A released move too: the leader
+                    # may have dealt it out while its target was not a member, and the target,
+                    # back under the same id, never picks it up; kept, the offer would count in
+                    # the target's load and hold this task's balancing for ever.
+                    taken = any(
+                        t != self.me and t in self.members and p.status != "incoming"
+                        for t, p in self.cim.holders(token)
+                    )
             if taken:
                 if token in self.moves:
                     self.counters["handoffs_out"] += 1
