@@ -361,7 +361,9 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         async for event in membership.events():
             if isinstance(event, GroupAssignment):
                 await self.tell(self.lease(membership))
-                await self.tell(Joined(event.generation, event.leader, event.members))
+                await self.tell(
+                    Joined(event.generation, event.leader, event.members, fresh=event.fresh)
+                )
             else:
                 await self.tell(Lost(event.reason))
 
@@ -463,13 +465,15 @@ class LeaderActor(Actor[PlanRequest]):
             Random(self.rng.getrandbits(64)),
             roots,
             stream_start,
+            request.reset,
         )
         log.info(
-            "leader %s: epoch %d plan: %d offers, %d adopted",
+            "leader %s: epoch %d plan: %d offers, %d adopted, reset %s",
             self.task.core.me,
             request.generation,
             len(result.offers),
             len(result.adopt),
+            list(result.reset),
         )
         await self.task.tell(PlanReady(result))
 

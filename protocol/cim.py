@@ -26,6 +26,10 @@ task's CIM is the same at the same offset):
    stay until some state holds or offers them (a finished one, until nothing refers to it);
    the leader offers them (``protocol/task.py``) and a plan deals out those still left
    (``protocol/planner.py``).
+   5d. A member the epoch lists in ``reset`` (a task restarted under its id that had not
+   answered when the leader planned: ``protocol/planner.py``) has its state dropped like a
+   dropped task's (rule 5c applies to it), keeping only its answer; it stays a member. Its
+   partitions were dealt out by the same epoch.
 6. A ``checkpoint`` seeds an empty CIM (a replay that starts at the checkpoint); a CIM that has
    already applied the checkpoint's ``as_of`` offset ignores it.
 7. ``marker`` messages change nothing.
@@ -86,6 +90,7 @@ class Cim:
         self.stream_start = -1
         self.tasks: dict[str, TaskView] = {}
         self.orphans: dict[str, Partition] = {}  # rule 5c
+        self.reset: tuple[str, ...] = ()  # the current epoch's reset members (rule 5d)
         self.ignored: Counter[str] = Counter()
         self._fence = fence_epochs
         self._keep_answers = keep_later_answers  # off only in the simulator's teeth test
@@ -117,12 +122,18 @@ class Cim:
                 if message.stream_start >= 0:
                     self.stream_start = message.stream_start
                 live = set(message.members)
+                self.reset = tuple(t for t in message.reset if t in live)
                 best = self._newest_watermarks()
                 dropped: list[TaskView] = []
                 for task in [t for t in self.tasks if t not in live]:
                     dropped.append(view := self.tasks.pop(task))
                     if view.epoch_seen > message.epoch and self._keep_answers:
                         self.tasks[task] = TaskView(epoch_seen=view.epoch_seen)  # rule 5
+                for task in self.reset:  # rule 5d
+                    was = self.tasks.get(task)
+                    if was is not None:
+                        dropped.append(was)
+                        self.tasks[task] = TaskView(was.state_ts, epoch_seen=was.epoch_seen)
                 result = self._apply_states(message.task_id, message.epoch, message.connector_state)
                 self._raise_offered_watermarks(message.task_id, best)
                 self._orphan(dropped)

@@ -40,6 +40,9 @@ class Joined(_Event, frozen=True, tag="joined"):
     generation: int
     leader: str
     members: tuple[str, ...]
+    # members whose every group member is a fresh life (never assigned a generation before:
+    # restarted or new); see RequestPlan.reset
+    fresh: tuple[str, ...] = ()
 
 
 class Lost(_Event, frozen=True, tag="lost"):
@@ -172,6 +175,7 @@ class RequestPlan(_Command, frozen=True, tag="request-plan"):
     generation: int
     members: tuple[str, ...]
     need_roots: bool
+    reset: tuple[str, ...] = ()  # members the plan treats as restarted (planner.plan's reset)
 
 
 class Alert(_Command, frozen=True, tag="alert"):

@@ -99,6 +99,9 @@ class EpochMessage(_Message, frozen=True, tag="epoch"):
     members: tuple[str, ...] = ()
     connector_state: tuple[TaskState, ...] = ()
     stream_start: int = -1  # set once the root partitions were discovered
+    # members whose state the epoch drops: restarted under their ids, their earlier lives'
+    # partitions are dealt out (protocol/cim.py, rule 5d)
+    reset: tuple[str, ...] = ()
 
 
 class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):

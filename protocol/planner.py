@@ -11,6 +11,13 @@ Given the CIM and the members of the new generation, the leader opens a new epoc
   still referred to by children); a partition finished in any dead task's state is never
   offered, whatever an older offer of it by another dead task still says. When the stream has
   never been started, the roots are ownerless.
+* A member the epoch *resets* (a task restarted under its id whose new life has never been a
+  member of any generation, and which had not answered this generation when the leader asked
+  for the plan: ``protocol/task.py``, ``_reset_members``) counts as dead for what the CIM credits
+  to it: its new life has read nothing, and its earlier life is no member of this generation, so
+  that life's lease is bounded as a dead task's is. Its partitions are dealt out to the other
+  members (it gets none of them: it has not answered), and the epoch lists it in ``reset`` so
+  every CIM drops its state (``protocol/cim.py``, rule 5d).
 * Ownerless partitions are offered, in token order, each to the member with the smallest load
   (ties by task id) whose load is below the per-task cap; when every member is at the cap the
   partition is parked (offered to nobody) until a task has room.
@@ -40,13 +47,15 @@ class Plan(msgspec.Struct, frozen=True):
     offers: tuple[Share, ...]  # ownerless partitions, each offered to a member (or parked)
     adopt: tuple[Partition, ...]  # finished partitions of dead tasks the leader keeps
     stream_start: int = -1
+    reset: tuple[str, ...] = ()  # members whose earlier lives' state the epoch drops
 
 
 def ownerless(
-    cim: Cim, members: tuple[str, ...], leader: str
+    cim: Cim, members: tuple[str, ...], leader: str, reset: tuple[str, ...] = ()
 ) -> tuple[dict[str, Partition], dict[str, Partition]]:
-    """(unfinished ownerless partitions, finished ones to adopt), by token."""
-    live = set(members)
+    """(unfinished ownerless partitions, finished ones to adopt), by token. A ``reset``
+    member's state counts as a dead task's."""
+    live = set(members) - set(reset)
     owned: set[str] = set()
     for task, view in cim.tasks.items():
         if task in live:
@@ -101,13 +110,17 @@ def plan(
     rng: Random,
     roots: tuple[Partition, ...] = (),
     stream_start: int = -1,
+    reset: tuple[str, ...] = (),
 ) -> Plan:
-    lost, adopt = ownerless(cim, members, leader)
+    reset = tuple(sorted(set(reset) & set(members) - {leader}))
+    lost, adopt = ownerless(cim, members, leader, reset)
     for root in roots:
         lost.setdefault(root.token, root)
-    loads = cim.loads(members)
+    # a reset member takes nothing in this plan (it has not answered: handing its partitions
+    # back to it would cost what keeping them costs); the leader is always there to take them
+    order = sorted(m for m in members if m not in reset)
+    loads = cim.loads(order)
     offers: list[Share] = []
-    order = sorted(members)
     for token in sorted(lost):
         candidates = [m for m in order if cap <= 0 or loads[m] < cap]
         target = min(candidates, key=lambda m: (loads[m], m)) if candidates else None
@@ -121,6 +134,7 @@ def plan(
         offers=tuple(offers),
         adopt=tuple(adopt[t] for t in sorted(adopt)),
         stream_start=stream_start,
+        reset=reset,
     )
 
 
@@ -134,10 +148,11 @@ def plan_moving_survivors(
     rng: Random,
     roots: tuple[Partition, ...] = (),
     stream_start: int = -1,
+    reset: tuple[str, ...] = (),
 ) -> Plan:
     """A deliberately broken planner for the simulator's teeth tests: it re-deals *every*
     unfinished partition round-robin, moving survivors' partitions without a hand-off."""
-    good = plan(cim, members, leader, generation, now, cap, rng, roots, stream_start)
+    good = plan(cim, members, leader, generation, now, cap, rng, roots, stream_start, reset)
     everything: dict[str, Partition] = {s.token: s.partition for s in good.offers}
     for view in cim.tasks.values():
         for part in view.partitions.values():

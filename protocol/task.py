@@ -162,6 +162,11 @@ class Rules(msgspec.Struct, frozen=True):
     # released moves) only the newest is picked up (``_follow_offers``); the teeth test turns it
     # off: an old offer and its re-plan are both picked up.
     newest_offer_only: bool = True
+    # Only a member whose every group member is a fresh life (never assigned a generation) is
+    # reset when it has not answered by the plan (``_reset_members``); the teeth test resets
+    # every member that has not answered: a survivor still reading under its lease loses its
+    # partitions to another reader.
+    reset_only_fresh: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -211,6 +216,7 @@ class TaskCore:
         self.generation = -1
         self.leader = ""
         self.members: tuple[str, ...] = ()
+        self.fresh: tuple[str, ...] = ()  # members of this generation that are fresh lives
         self.member = False
         self.continuous_since = -1
         self.lease_until = 0
@@ -520,17 +526,20 @@ class TaskCore:
         if self.me not in self.cim.members:
             if self.mine or self.shares:
                 self.counters["evicted"] += 1
-            self.mine.clear()
-            self.shares.clear()
-            self.moves.clear()
-            self.releasing.clear()
-            self._sent_parts.clear()
-            self._sent_share.clear()
-            # what it picked up is gone with its state: an offer it answered that still stands
-            # (a released move whose offerer waits for it) is to be answered again once an
-            # epoch takes it back, or the partition is held by nobody (sim seed 4954)
-            self.consumed.clear()
+            self._drop_claims()
             return
+        if self.me in self.cim.reset:
+            # restarted under its id and planned before it answered: the epoch dealt out what
+            # its earlier life held (CIM rule 5d); it has read none of it (it never was a
+            # member of an epoch before this one), and it goes on with nothing
+            if self.mine or self.shares:
+                self.counters["reset"] += 1
+            if self.reading:
+                self.counters["reset_while_reading"] += 1
+                self._alerts.append(
+                    Alert("reset-while-reading", f"epoch {self.cim.epoch}: {sorted(self.reading)}")
+                )
+            self._drop_claims()
         view = self.cim.view(self.me)
         self._yield_replanned(view)
         for token, offer in self.shares.items():
@@ -540,6 +549,19 @@ class TaskCore:
         self._sent_parts = dict(view.partitions)
         self._sent_share = dict(view.share)
         self._urgent = True
+
+    def _drop_claims(self) -> None:
+        """Forget this task's state: an epoch dropped it (evicted, or reset)."""
+        self.mine.clear()
+        self.shares.clear()
+        self.moves.clear()
+        self.releasing.clear()
+        self._sent_parts.clear()
+        self._sent_share.clear()
+        # what it picked up is gone with its state: an offer it answered that still stands
+        # (a released move whose offerer waits for it) is to be answered again once an
+        # epoch takes it back, or the partition is held by nobody (sim seed 4954)
+        self.consumed.clear()
 
     def _yield_replanned(self, view: TaskView) -> None:
         """Claims this task made that never reached the CIM before the new epoch (a pickup whose
@@ -604,6 +626,7 @@ class TaskCore:
         self.generation = event.generation
         self.leader = event.leader
         self.members = event.members
+        self.fresh = event.fresh
         self._answer = True
         if event.leader == self.me:
             self._plan_deadline = now + self.config.answer_timeout
@@ -773,6 +796,7 @@ class TaskCore:
                 members=plan.members,
                 connector_state=(state,),
                 stream_start=plan.stream_start,
+                reset=plan.reset,
             )
         )
 
@@ -831,7 +855,14 @@ class TaskCore:
                 if not answered:
                     self.counters["plan_without_all_answers"] += 1
                 self._plan_requested = gen
-                out.append(RequestPlan(gen, self.members, need_roots=self.cim.stream_start < 0))
+                out.append(
+                    RequestPlan(
+                        gen,
+                        self.members,
+                        need_roots=self.cim.stream_start < 0,
+                        reset=self._reset_members(gen),
+                    )
+                )
         if (
             self.cim.epoch == gen
             and self.cim.leader == self.me
@@ -840,6 +871,24 @@ class TaskCore:
             self._last_checkpoint = now
             out.append(Publish(self.cim.checkpoint(self.me, now)))
         return out
+
+    def _reset_members(self, gen: int) -> tuple[str, ...]:
+        """The members whose state the epoch of ``gen`` drops (CIM rule 5d): a task restarted
+        under its id that has not answered ``gen`` when the leader plans keeps its partitions
+        unread until it has (its new life may still be replaying the log, or its join is held
+        by the coordinator). Only a *fresh* member qualifies: every group member with its task
+        id is a life that was never assigned a generation (it says so when it joins), so it has
+        read nothing, and the life that held the partitions is no member of this generation,
+        its lease bounded as a dead task's. A member that answered keeps what it adopted."""
+        candidates = self.fresh if self.config.rules.reset_only_fresh else self.members
+        out = []
+        for member in candidates:
+            view = self.cim.view(member)
+            if member == self.me or member not in self.members or view.epoch_seen >= gen:
+                continue
+            if view.partitions or view.share:
+                out.append(member)
+        return tuple(sorted(out))
 
     def _take_orphans(self, now: int) -> None:
         """Cim rule 5c: the leader takes what an epoch dropped that no state holds (claims that

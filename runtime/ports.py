@@ -50,6 +50,8 @@ class GroupAssignment(msgspec.Struct, frozen=True):
     generation: int
     leader: str  # the task id of the group leader (the one whose assignor ran)
     members: tuple[str, ...]  # task ids of every member of this generation
+    # task ids whose every group member is a fresh life (never assigned a generation before)
+    fresh: tuple[str, ...] = ()
 
 
 class GroupLost(msgspec.Struct, frozen=True):

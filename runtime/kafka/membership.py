@@ -51,6 +51,9 @@ class _MemberInfo(msgspec.Struct, frozen=True):
     task_id: str
     v: int = 1
     floor: int = epochs.NO_EPOCH  # the newest epoch this member knows (assigned, or in the log)
+    # this process was never assigned a generation: it has read nothing (a new or restarted
+    # task; the leader may deal out what the CIM credits to its task id: protocol/planner.py)
+    fresh: bool = False
 
 
 class _GroupInfo(msgspec.Struct, frozen=True):
@@ -60,6 +63,7 @@ class _GroupInfo(msgspec.Struct, frozen=True):
     members: tuple[str, ...]
     v: int = 1
     epoch: int = epochs.NO_EPOCH  # the generation's epoch (none from a leader predating epochs)
+    fresh: tuple[str, ...] = ()  # task ids whose every member said it is fresh
 
 
 _member_info_decoder: Final = msgspec.json.Decoder(_MemberInfo)
@@ -81,16 +85,23 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     version = 0
 
     def __init__(
-        self, task_id: str, floor: Callable[[], int], generation: Callable[[], int]
+        self,
+        task_id: str,
+        floor: Callable[[], int],
+        generation: Callable[[], int],
+        fresh: Callable[[], bool] = lambda: False,
     ) -> None:
         self._task_id = task_id
         self._floor = floor
         self._generation = generation
+        self._fresh = fresh
         self.received: _GroupInfo | None = None  # the last assignment's info, if it decoded
         self.bad_subscriptions = 0
 
     def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:
-        user_data = msgspec.json.encode(_MemberInfo(task_id=self._task_id, floor=self._floor()))
+        user_data = msgspec.json.encode(
+            _MemberInfo(task_id=self._task_id, floor=self._floor(), fresh=self._fresh())
+        )
         return ConsumerProtocolMemberMetadata(self.version, sorted(topics), user_data)
 
     def assign(
@@ -98,11 +109,14 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     ) -> dict[str, ConsumerProtocolMemberAssignment]:
         task_ids: dict[str, str] = {}
         known = [self._floor()]
+        stale: set[str] = set()  # task ids with a member that is not fresh
         for member_id, metadata in members.items():
             try:
                 member_info = _member_info_decoder.decode(metadata.user_data)
                 task_ids[member_id] = member_info.task_id
                 known.append(member_info.floor)
+                if not member_info.fresh:
+                    stale.add(member_info.task_id)
             except msgspec.DecodeError as exc:
                 self.bad_subscriptions += 1
                 log.warning(
@@ -111,7 +125,9 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
                     exc,
                 )
                 task_ids[member_id] = member_id
+                stale.add(member_id)
         unique = sorted(set(task_ids.values()))
+        fresh = tuple(t for t in unique if t not in stale)
         if len(unique) != len(task_ids):
             log.error(
                 "two group members claim the same task id (%s): task ids must be unique",
@@ -130,9 +146,15 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
                 epoch,
             )
         info = msgspec.json.encode(
-            _GroupInfo(leader=self._task_id, members=tuple(unique), epoch=epoch)
+            _GroupInfo(leader=self._task_id, members=tuple(unique), epoch=epoch, fresh=fresh)
         )
-        log.info("group leader %s assigns epoch %d members %s", self._task_id, epoch, unique)
+        log.info(
+            "group leader %s assigns epoch %d members %s (fresh %s)",
+            self._task_id,
+            epoch,
+            unique,
+            list(fresh),
+        )
         return {
             member_id: ConsumerProtocolMemberAssignment(self.version, [], info)
             for member_id in members
@@ -255,7 +277,12 @@ class KafkaMembership:
         self._epoch_floor = epoch_floor
         self._logged_epoch = logged_epoch
         self._epoch_seen = epochs.NO_EPOCH  # the newest epoch this member was assigned
-        self._assignor = _TaskAssignor(task_id, self._known_epoch, self._coordinator_generation)
+        self._assignor = _TaskAssignor(
+            task_id,
+            self._known_epoch,
+            self._coordinator_generation,
+            fresh=lambda: self._epoch_seen == epochs.NO_EPOCH,
+        )
         self._events: asyncio.Queue[GroupEvent | object] = asyncio.Queue(event_buffer)
         self._consumer: AIOKafkaConsumer | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -600,7 +627,9 @@ class KafkaMembership:
             coordinator.request_rejoin()
             return
         self._epoch_seen = verdict.epoch
-        event = GroupAssignment(generation=verdict.epoch, leader=info.leader, members=info.members)
+        event = GroupAssignment(
+            generation=verdict.epoch, leader=info.leader, members=info.members, fresh=info.fresh
+        )
         self._current = event
         self._assignments += 1
         log.info(

@@ -194,6 +194,11 @@ class SimParams(msgspec.Struct, frozen=True):
     keep_later_answers: bool = True
     # ... and that of several 'new' offers of one partition only the newest is picked up
     newest_offer_only: bool = True
+    reset_only_fresh: bool = True  # Rules.reset_only_fresh (off: a teeth test)
+    # the group tells the leader which members are fresh lives (never assigned a generation),
+    # so a restarted task that has not answered is reset; off, it never is (the histories the
+    # regression seeds were found in, before the reset rule)
+    report_fresh: bool = True
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
     # the simulated sink: each batch commits after a delay (in order per reader), and fails
     # with this chance (the reader then re-reads from its committed position). It draws from
@@ -222,6 +227,9 @@ class SimResult(msgspec.Struct, frozen=True):
     records: int = 0
     duplicates: int = 0
     append_failures: int = 0
+    resets: int = (
+        0  # restarted members planned as reset (their earlier lives' partitions dealt out)
+    )
 
 
 class _Reader:
@@ -249,6 +257,7 @@ class _Assign(msgspec.Struct, frozen=True):
     leader: str
     members: tuple[str, ...]
     sent: int  # when its SyncGroup was sent (the coordinator restarted its session then)
+    fresh: tuple[str, ...] = ()  # members never assigned a generation (their JoinGroups said)
 
 
 class _Node:
@@ -338,6 +347,7 @@ class Simulation:
             release_with_offer=params.release_with_offer,
             keep_later_answers=params.keep_later_answers,
             newest_offer_only=params.newest_offer_only,
+            reset_only_fresh=params.reset_only_fresh,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")
@@ -420,6 +430,7 @@ class Simulation:
             case Alert():
                 self.stats[f"alert.{command.kind}"] += 1
             case RequestPlan():
+                self.stats["resets"] += len(command.reset)
                 roots: tuple[Partition, ...] = ()
                 if command.need_roots:
                     root = self.model.root_record()
@@ -436,6 +447,7 @@ class Simulation:
                     Random(self.rng.getrandbits(32)),
                     roots,
                     self.t0 if command.need_roots else -1,
+                    command.reset,
                 )
                 self.deliver(node, PlanReady(result), 1)
 
@@ -625,6 +637,13 @@ class Simulation:
             epochs.newest(self.nodes[m].epoch_seen, self.nodes[m].core.cim.epoch) for m in members
         ]
         epoch = epochs.number(self.generation, known) if self.p.epoch_rules else self.generation
+        # what each member's JoinGroup said: never assigned a generation (a new or restarted
+        # life; an assignment is taken only before the next JoinGroup is sent)
+        fresh = tuple(
+            m
+            for m in members
+            if self.p.report_fresh and self.nodes[m].epoch_seen == epochs.NO_EPOCH
+        )
         for member in members:
             node = self.nodes[member]
             node.expelled = False
@@ -635,7 +654,7 @@ class Simulation:
                 self.group[member] = self.step
             lo, hi = self.p.follower_lag_us
             lag = 0 if member == leader else self.lag_rng.randint(lo, hi) // self.p.step_us
-            item = _Assign(self.generation, epoch, leader, members, self.now())
+            item = _Assign(self.generation, epoch, leader, members, self.now(), fresh)
             if lag:
                 # still waiting for its answer: no heartbeat meanwhile, nothing renewed yet
                 heapq.heappush(node.inbox, (self.step + lag, next(self.seq), item))
@@ -681,7 +700,7 @@ class Simulation:
             return
         node.epoch_seen = verdict.epoch
         delay = self.rng.randint(0, 3)  # the adapter's queue to the core
-        self.deliver(node, Joined(verdict.epoch, leader, members), delay)
+        self.deliver(node, Joined(verdict.epoch, leader, members, fresh=item.fresh), delay)
         until = lease.valid_until(node.facts, self.timing, self.p.lease_rules)
         if until is not None:
             self.deliver(node, Lease(until), delay)
@@ -976,6 +995,7 @@ class Simulation:
             records=sum(1 for _ in self.delivered),
             duplicates=sum(self.delivered.values()) - len(self.delivered),
             append_failures=self.stats["append_failures"],
+            resets=self.stats["resets"],
         )
 
     def final_checks(self) -> None:

@@ -97,9 +97,12 @@ class MemoryGroup:
         self.generation += 1
         members = tuple(sorted(self._members))
         leader = min(self._members.values(), key=lambda m: m.order).task_id
+        fresh = tuple(t for t in members if not self._members[t].assigned)
         for member in self._members.values():
             member.lease = time.monotonic() + self.session_timeout
-            member.events_queue.put_nowait(GroupAssignment(self.generation, leader, members))
+            member.assigned = True
+            event = GroupAssignment(self.generation, leader, members, fresh=fresh)
+            member.events_queue.put_nowait(event)
 
 
 class MemoryMembership:
@@ -110,6 +113,7 @@ class MemoryMembership:
         self.events_queue: asyncio.Queue[GroupEvent] = asyncio.Queue()
         self.lease = 0.0
         self.heartbeats = True
+        self.assigned = False  # ever assigned a generation (else it is a fresh life)
 
     async def events(self) -> AsyncIterator[GroupEvent]:
         while True:

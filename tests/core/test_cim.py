@@ -303,3 +303,38 @@ def test_rule_5c_a_finished_orphan_nothing_refers_to_is_dropped() -> None:
     cim = _fold([epoch("L", 1, "L", "e"), state("e", 3, part("x", 90, status="finished"))])
     cim.apply(2, epoch("L", 2, "L"))
     assert cim.orphans == {}
+
+
+def test_rule_5d_an_epoch_resets_a_member_keeping_its_answer() -> None:
+    """r restarted under its id; the leader planned before its answer and dealt out x, which r's
+    earlier life held. The epoch lists r as a member and in ``reset``: r's state is dropped, its
+    answer (it answered after the plan) is kept, and the partition its earlier life claimed
+    after the plan (y, never dealt out) is an orphan."""
+    dealt = Share(partition=part("x", 5), target="s", kind="new", since=5)
+    reset_epoch = EpochMessage(
+        task_id="L",
+        epoch=2,
+        sync_epoch="e2",
+        members=("L", "r", "s"),
+        connector_state=(TaskState(task_id="L", state_timestamp=9, share=(dealt,)),),
+        reset=("r", "gone"),
+    )
+    cim = _fold(
+        [
+            epoch("L", 1, "L", "r", "s"),
+            state("r", 1, part("x", 5)),
+            state("r", 2, part("y", 7), full=False),
+            state("r", 3, epoch=2, full=False),  # the new life's answer, after the plan
+            reset_epoch,
+        ]
+    )
+    assert cim.members == ("L", "r", "s")
+    assert cim.reset == ("r",)  # (a reset of a task that is no member means nothing)
+    view = cim.view("r")
+    assert (view.partitions, view.share, view.epoch_seen, view.state_ts) == ({}, {}, 2, 3)
+    assert cim.orphans == {"y": part("y", 7)}
+    assert [t for t, _ in cim.holders("x")] == []
+    assert cim.view("L").share == {"x": dealt}
+    # the next epoch resets nobody
+    cim.apply(10, epoch("L", 3, "L", "r", "s"))
+    assert not cim.reset

@@ -1050,3 +1050,85 @@ def test_the_leader_offers_what_its_epoch_dropped_that_no_state_holds() -> None:
     s, _, _ = _orphans_of_d("s")
     assert "p1" not in s.mine
     assert "orphans_taken" not in s.counters
+
+
+# -- restarted members: reset (protocol/planner.py, CIM rule 5d) -------------------------------
+def _leading_restarts(
+    rules: Rules | None = None, answered: tuple[str, ...] = ()
+) -> tuple[TaskCore, int, list[TaskCommand]]:
+    """``a`` leads generation 1 of members a, b, c, d. The CIM credits p7 to b and p8 to c; d
+    holds nothing. The group says b and d are fresh lives (restarted or new); c is not.
+    ``answered``: the members whose answers to generation 1 are in a's CIM; the commands their
+    reading brought are returned."""
+    c = TaskCore(TaskConfig(task_id="a", cap=2, rules=rules or Rules()), Random(0))
+    c.handle(SyncRead(0, epoch("x", 0, ("a", "b", "c", "x"))), now=1)
+    c.handle(SyncRead(1, state("b", 1, part("p7", 70))), now=1)
+    c.handle(SyncRead(2, state("c", 2, part("p8", 80))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    members = ("a", "b", "c", "d")
+    (answer,) = c.handle(Joined(1, "a", members, fresh=("b", "d")), now=3)
+    assert isinstance(answer, Publish)
+    c.handle(SyncRead(3, answer.message), now=4)
+    out: list[TaskCommand] = []
+    for offset, task in enumerate(answered, start=4):
+        answer_of = StateMessage(
+            task_id=task, epoch=1, connector_state=(TaskState(task, 2 * 10**9 + 9),)
+        )
+        out += c.handle(SyncRead(offset, answer_of), now=5)
+    return c, 4 + c.config.answer_timeout, out
+
+
+def test_a_leader_resets_a_fresh_member_that_holds_partitions_and_has_not_answered() -> None:
+    """b restarted under its id and has not answered when the answer wait is over: its earlier
+    life's partitions are dealt out (b's new life has read nothing). c, not fresh, may still be
+    reading under its lease: it keeps p8. d is fresh but holds nothing."""
+    c, due, _ = _leading_restarts()
+    assert c.handle(TaskTick(), now=due) == [
+        RequestPlan(1, ("a", "b", "c", "d"), need_roots=True, reset=("b",))
+    ]
+    assert c.counters["plan_without_all_answers"] == 1
+
+
+def test_a_fresh_member_that_answered_in_time_keeps_what_it_adopted() -> None:
+    _, _, out = _leading_restarts(answered=("b", "c", "d"))
+    assert [cmd for cmd in out if isinstance(cmd, RequestPlan)] == [
+        RequestPlan(1, ("a", "b", "c", "d"), need_roots=True)
+    ]
+
+
+def test_without_the_rule_a_member_that_is_not_fresh_is_reset_too() -> None:
+    """The simulator's teeth test turns ``reset_only_fresh`` off: c, which may be reading p8
+    under its lease, loses it to another reader."""
+    c, due, _ = _leading_restarts(Rules(reset_only_fresh=False))
+    (request,) = c.handle(TaskTick(), now=due)
+    assert isinstance(request, RequestPlan)
+    assert request.reset == ("b", "c")
+
+
+def test_an_epoch_that_resets_a_restarted_task_drops_what_it_adopted_before_it_reads() -> None:
+    """b's new life adopts p7 at its first join; the epoch of that generation resets it and
+    deals p7 to a: b drops p7 and starts no reader. The control: an epoch without the reset,
+    and b reads p7."""
+
+    def restarted_b() -> TaskCore:
+        b = core("b")
+        b.handle(SyncRead(0, epoch("x", 0, ("b", "x"))), now=1)
+        b.handle(SyncRead(1, state("b", 1, part("p7", 70))), now=1)  # its earlier life
+        b.handle(Lease(until=10**12), now=2)
+        (answer,) = b.handle(Joined(1, "a", ("a", "b"), fresh=("b",)), now=3)
+        assert b.mine == {"p7": part("p7", 70)}
+        assert isinstance(answer, Publish)
+        b.handle(SyncRead(2, answer.message), now=4)
+        return b
+
+    b = restarted_b()
+    dealt = Share(part("p7", 70), target="a", kind="new", since=3)
+    reset = msgspec.structs.replace(epoch("a", 1, ("a", "b"), dealt), reset=("b",))
+    out = b.handle(SyncRead(3, reset), now=5)
+    assert not any(isinstance(cmd, StartReader | Alert) for cmd in out)
+    assert b.mine == {}
+    assert b.counters["reset"] == 1
+    assert b.may_read(5)  # a member of the epoch, reading nothing
+    control = restarted_b()
+    out = control.handle(SyncRead(3, epoch("a", 1, ("a", "b"))), now=5)
+    assert [cmd.token for cmd in out if isinstance(cmd, StartReader)] == ["p7"]

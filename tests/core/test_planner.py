@@ -154,3 +154,44 @@ def test_orphans_left_from_an_earlier_epoch_are_dealt_out_or_adopted() -> None:
     result = plan(cim, ("M", "s"), "M", 3, now=9, cap=0, rng=Random(0))
     assert [(s.token, s.partition.watermark, s.target) for s in result.offers] == [("x", 7, "M")]
     assert result.adopt == (finished,)
+
+
+def test_a_reset_members_partitions_go_to_the_others_not_back_to_it() -> None:
+    """A task restarted under its id that had not answered when the leader planned (``reset``):
+    what the CIM credits to it (its partitions, its offers, offers made to it) is dealt out like
+    a dead task's, to the members that answered, never back to itself, and the plan names it."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s", "r"))
+    cim.apply(2, state("s", 2, part("a")))
+    to_r = Share(partition=part("z", 3), target="r", kind="new", since=2)
+    cim.apply(3, _offers("L", to_r))
+    released = Share(partition=part("w", 4), target="s", kind="move", released=True, since=2)
+    cim.apply(4, _offers("r", released, data=(part("x", 5), part("y", 6, status="finished"))))
+    result = plan(cim, ("L", "r", "s"), "L", 2, now=9, cap=0, rng=Random(0), reset=("r",))
+    assert result.reset == ("r",)
+    assert [(s.token, s.partition.watermark, s.target) for s in result.offers] == [
+        ("w", 4, "L"),
+        ("x", 5, "L"),
+        ("z", 3, "s"),
+    ]
+    assert [p.token for p in result.adopt] == ["y"]
+
+
+def test_the_reset_of_the_leader_or_of_a_non_member_is_ignored() -> None:
+    """The leader answered (it plans only then), and a task that is not a member is dead
+    anyway: neither is listed as reset."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s"))
+    cim.apply(2, state("L", 2, part("a")))
+    result = plan(cim, ("L", "s"), "L", 2, now=9, cap=0, rng=Random(0), reset=("L", "gone"))
+    assert result.reset == ()
+    assert result.offers == ()
+
+
+def test_a_reset_members_partitions_are_parked_when_the_others_are_at_the_cap() -> None:
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "r"))
+    cim.apply(2, state("L", 2, part("a")))
+    cim.apply(3, state("r", 3, part("x", 5)))
+    result = plan(cim, ("L", "r"), "L", 2, now=9, cap=1, rng=Random(0), reset=("r",))
+    assert [(s.token, s.target) for s in result.offers] == [("x", None)]

@@ -122,12 +122,20 @@ async def test_member_leaves_then_leader_leaves(kafka_config: KafkaConfig, conne
 
 
 async def test_new_member_joins_existing_group(kafka_config: KafkaConfig, connector: str) -> None:
+    """A joining member is listed as fresh (never assigned a generation: the leader may deal out
+    what the sync log credits to its task id, protocol/planner.py) in its first generation only;
+    so is a member restarted under the same task id."""
     async with members(kafka_config, connector, ["task-a", "task-b"]) as group:
         first = assert_agree(await all_see(group, {"task-a", "task-b"}))
         async with members(kafka_config, connector, ["task-c"]) as newcomer:
             both = group + newcomer
             second = assert_agree(await all_see(both, {"task-a", "task-b", "task-c"}))
             assert second.generation > first.generation
+            assert second.fresh == ("task-c",)
+        await all_see(group, {"task-a", "task-b"})
+        async with members(kafka_config, connector, ["task-c"]) as restarted:
+            third = assert_agree(await all_see(group + restarted, {"task-a", "task-b", "task-c"}))
+            assert third.fresh == ("task-c",)
 
 
 async def test_killed_member_is_removed_after_session_timeout(
