@@ -289,11 +289,15 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "--drain-timeout", "20",
                 "--stuck-after-s", "20",
             ]  # fmt: skip
+            if args.query_window_s is not None:
+                task_args += ["--spanner-query-window-s", str(args.query_window_s)]
             tasks = [TaskProcess(f"c{i}", task_args, logs) for i in range(args.tasks)]
             observer = Observer()
             stop_observing = asyncio.Event()
+            emulator_cores: list[float] = []
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(observe(broker.bootstrap, observer, stop_observing))
+                tg.create_task(sample_cpu(emulator.pid, emulator_cores, stop_observing))
                 for t in tasks:
                     t.start()
                 deadline = time.monotonic() + 90
@@ -358,10 +362,24 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 rebalances=observer.epochs,
                 bad_sync_messages=observer.bad,
                 task_starts={t.task_id: t.starts for t in tasks},
+                emulator_cores_per_minute=emulator_cores,
             )
     finally:
         await asyncio.to_thread(emulator.stop)
     return out
+
+
+async def sample_cpu(pid: int, out: list[float], stop: asyncio.Event) -> None:
+    """The cores process ``pid`` used in each minute until ``stop`` (the emulator's: its
+    partition queries scan the change stream's whole table every 100 ms, so its cost grows with
+    the data written, docs/benchmarks.md)."""
+    from bench.common import cpu_seconds
+
+    while not stop.is_set():
+        c0, t0 = cpu_seconds(pid), time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 60.0)
+        out.append(round((cpu_seconds(pid) - c0) / (time.monotonic() - t0), 2))
 
 
 async def inject_faults(
@@ -473,6 +491,12 @@ def main(argv: list[str]) -> int:
         type=int,
         default=500,
         help="the tasks' heartbeat interval (default: what the embedded broker gets)",
+    )
+    parser.add_argument(
+        "--query-window-s",
+        type=float,
+        default=None,
+        help="the tasks' --spanner-query-window-s (default: theirs, 20 s against the emulator)",
     )
     parser.add_argument("--quick", action="store_true", help="two minutes of faults")
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ cluster of task nodes over the in-memory group, sync log and sink reading a simu
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -20,6 +21,13 @@ def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * resource.getpagesize() / 1e6
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children that were waited for."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:

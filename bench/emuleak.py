@@ -19,28 +19,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 
 import msgspec
 
+from bench.common import cpu_seconds
 from protocol.records import ChildPartitions
 from runtime.spanner.emulator import EmulatorUnavailable, SpannerEmulator
 from runtime.spanner.reader import SpannerSource
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its children that were waited for."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 async def _cores(pid: int, seconds: float = 3.0) -> float:
-    c0, t0 = _cpu_seconds(pid), time.monotonic()
+    c0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.sleep(seconds)
-    return (_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+    return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
 
 
 async def _leak(source: SpannerSource, token: str, queries: int) -> None:
