@@ -18,7 +18,10 @@ Rebalance
   its shell for a plan (``protocol/planner.py``), and writes the epoch message: members, and in its
   own share section the ownerless partitions it offers. An epoch message whose append fails is
   sent again with the same plan while the generation lasts (without its epoch nobody shares, and
-  a task that joined in it never reads).
+  a task that joined in it never reads). A member restarted under its id (a fresh life: the group
+  says so) that has not answered when the leader plans is *reset*: the plan deals out what the
+  CIM credits to it, and the task drops what it adopted when it reads the epoch
+  (``_reset_members``, ``_on_epoch``).
 
 Incremental messages
   A task writes only its own state, as the difference between what it has and what its earlier
