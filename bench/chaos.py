@@ -496,7 +496,7 @@ def main(argv: list[str]) -> int:
         "--query-window-s",
         type=float,
         default=None,
-        help="the tasks' --spanner-query-window-s (default: theirs, 20 s against the emulator)",
+        help="the tasks' --spanner-query-window-s (default: theirs, 5 s against the emulator)",
     )
     parser.add_argument("--quick", action="store_true", help="two minutes of faults")
     args = parser.parse_args(argv)

@@ -184,15 +184,15 @@ def test_spark_timeouts_reach_the_bridge() -> None:
     assert (chosen.start_timeout_s, chosen.job_timeout_s) == (45.0, None)  # 0: no limit
 
 
-def test_query_window_defaults_to_20s_against_the_emulator_only() -> None:
+def test_query_window_defaults_to_5s_against_the_emulator_only() -> None:
     """The emulator keeps running cancelled partition queries until their end; a window bounds
     that. Against Spanner a query runs to the partition's end unless a window is set."""
     spanner = _load([]).spanner
-    assert options.query_window(spanner, emulator=True) == 20.0
+    assert options.query_window(spanner, emulator=True) == 5.0
     assert options.query_window(spanner, emulator=False) is None
-    chosen = _load(["--spanner-query-window-s", "5"]).spanner
-    assert options.query_window(chosen, emulator=False) == 5.0
-    assert options.query_window(chosen, emulator=True) == 5.0
+    chosen = _load(["--spanner-query-window-s", "20"]).spanner
+    assert options.query_window(chosen, emulator=False) == 20.0
+    assert options.query_window(chosen, emulator=True) == 20.0
     with pytest.raises(ConfigError, match="--spanner-query-window-s"):
         _load(["--spanner-query-window-s", "0"])
 
