@@ -44,7 +44,17 @@ from typing import Final
 
 import msgspec
 
-__all__ = ["NO_EPOCH", "Accepted", "Logged", "Stale", "landed_first", "newest", "number", "receive"]
+__all__ = [
+    "NO_EPOCH",
+    "Accepted",
+    "Logged",
+    "Stale",
+    "fresh_tasks",
+    "landed_first",
+    "newest",
+    "number",
+    "receive",
+]
 
 NO_EPOCH: Final = -1
 
@@ -117,3 +127,14 @@ def rebalancing(group_in_progress: bool, member: bool, epoch: int, generation: i
     flight, or the coordinator answered "rebalancing"), or it is a member of a generation whose
     epoch is not in its CIM yet (sharing waits for that epoch)."""
     return group_in_progress or (member and epoch < generation)
+
+
+def fresh_tasks(members: Iterable[tuple[str, bool]]) -> tuple[str, ...]:
+    """The task ids of a generation that are *fresh*, from each group member's (task id, fresh)
+    as it said in its join (fresh: its process was never assigned a generation, so it has read
+    nothing): those all of whose members are fresh. A task id that also has an older member (an
+    earlier life whose member is still in the group) is not: that life may still read. The
+    leader may reset a fresh task that has not answered (``protocol/planner.py``)."""
+    said = list(members)
+    stale = {task for task, fresh in said if not fresh}
+    return tuple(sorted({task for task, _ in said} - stale))

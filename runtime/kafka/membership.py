@@ -109,14 +109,13 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     ) -> dict[str, ConsumerProtocolMemberAssignment]:
         task_ids: dict[str, str] = {}
         known = [self._floor()]
-        stale: set[str] = set()  # task ids with a member that is not fresh
+        said: list[tuple[str, bool]] = []  # (task id, fresh) of each member
         for member_id, metadata in members.items():
             try:
                 member_info = _member_info_decoder.decode(metadata.user_data)
                 task_ids[member_id] = member_info.task_id
                 known.append(member_info.floor)
-                if not member_info.fresh:
-                    stale.add(member_info.task_id)
+                said.append((member_info.task_id, member_info.fresh))
             except msgspec.DecodeError as exc:
                 self.bad_subscriptions += 1
                 log.warning(
@@ -125,9 +124,9 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
                     exc,
                 )
                 task_ids[member_id] = member_id
-                stale.add(member_id)
+                said.append((member_id, False))
         unique = sorted(set(task_ids.values()))
-        fresh = tuple(t for t in unique if t not in stale)
+        fresh = epochs.fresh_tasks(said)
         if len(unique) != len(task_ids):
             log.error(
                 "two group members claim the same task id (%s): task ids must be unique",

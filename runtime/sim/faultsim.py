@@ -227,9 +227,8 @@ class SimResult(msgspec.Struct, frozen=True):
     records: int = 0
     duplicates: int = 0
     append_failures: int = 0
-    resets: int = (
-        0  # restarted members planned as reset (their earlier lives' partitions dealt out)
-    )
+    # restarted members planned as reset (their earlier lives' partitions dealt out)
+    resets: int = 0
 
 
 class _Reader:
@@ -639,10 +638,9 @@ class Simulation:
         epoch = epochs.number(self.generation, known) if self.p.epoch_rules else self.generation
         # what each member's JoinGroup said: never assigned a generation (a new or restarted
         # life; an assignment is taken only before the next JoinGroup is sent)
-        fresh = tuple(
-            m
+        fresh = epochs.fresh_tasks(
+            (m, self.p.report_fresh and self.nodes[m].epoch_seen == epochs.NO_EPOCH)
             for m in members
-            if self.p.report_fresh and self.nodes[m].epoch_seen == epochs.NO_EPOCH
         )
         for member in members:
             node = self.nodes[member]

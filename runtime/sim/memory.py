@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
+from protocol import epochs
 from protocol.dedup import PartitionTail, Position
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost, SinkBatch
 
@@ -97,7 +98,7 @@ class MemoryGroup:
         self.generation += 1
         members = tuple(sorted(self._members))
         leader = min(self._members.values(), key=lambda m: m.order).task_id
-        fresh = tuple(t for t in members if not self._members[t].assigned)
+        fresh = epochs.fresh_tasks((t, not self._members[t].assigned) for t in members)
         for member in self._members.values():
             member.lease = time.monotonic() + self.session_timeout
             member.assigned = True

@@ -186,3 +186,10 @@ def test_a_task_is_rebalancing_while_its_group_says_so_or_its_generation_has_no_
     assert not epochs.rebalancing(False, True, 5, 5)
     assert not epochs.rebalancing(False, True, 6, 5)  # epochs may run ahead of generations
     assert not epochs.rebalancing(False, False, 4, 5)  # not a member: nothing to wait for
+
+
+def test_a_task_is_fresh_only_when_every_member_with_its_id_is() -> None:
+    """A restarted task whose earlier life's member is still in the group is not fresh: that
+    life may still read (protocol/planner.py resets only fresh tasks)."""
+    said = [("a", True), ("b", True), ("b", False), ("c", False), ("d", True)]
+    assert epochs.fresh_tasks(iter(said)) == ("a", "d")
