@@ -6,6 +6,11 @@ task's CIM is the same at the same offset):
 1. A message at an offset already applied is ignored (duplicate delivery, overlapping replay).
 2. A ``state`` or ``epoch`` message whose ``epoch`` is older than the CIM's epoch is ignored:
    epochs fence messages written before a rebalance was settled.
+   2a. An ``epoch`` message is also ignored once any message of a later generation has been
+   applied (:attr:`Cim.newest_generation`: a task answered a generation that began after the
+   epoch's): that generation fences the older one's plan as its epoch would. So a task that
+   rejoined and read its own answer back knows every epoch that can still land is of its
+   generation or later, which it is a member of (``protocol/task.py``, resuming on the answer).
    2b. A ``state`` message from a task that is not a member of the current epoch changes
    nothing but its answer (the epoch it has seen): it was dropped, and whatever it claims was
    written before it learnt that; it joins the state again with the epoch that includes it.
@@ -81,9 +86,17 @@ class TaskView(msgspec.Struct):
 class Cim:
     """The consolidated state: every task's latest state, the epoch and its members."""
 
-    def __init__(self, *, fence_epochs: bool = True, keep_later_answers: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        fence_epochs: bool = True,
+        keep_later_answers: bool = True,
+        fence_superseded_epochs: bool = True,
+    ) -> None:
         self.offset = -1
         self.epoch = -1
+        # the newest generation any applied message was written in (rule 2a)
+        self.newest_generation = -1
         self.sync_epoch = ""
         self.leader = ""
         self.members: tuple[str, ...] = ()
@@ -94,6 +107,7 @@ class Cim:
         self.ignored: Counter[str] = Counter()
         self._fence = fence_epochs
         self._keep_answers = keep_later_answers  # off only in the simulator's teeth test
+        self._fence_superseded = fence_superseded_epochs  # off only in a teeth test
 
     # -- applying messages -------------------------------------------------------------------
     def apply(self, offset: int, message: SyncMessage) -> str | None:
@@ -115,6 +129,8 @@ class Cim:
             case EpochMessage():
                 if message.epoch <= self.epoch and self._fence:
                     return self._ignore("stale-epoch")
+                if self.superseded(message.epoch):
+                    return self._ignore("superseded-epoch")  # rule 2a
                 self.epoch = message.epoch
                 self.sync_epoch = message.sync_epoch
                 self.leader = message.task_id
@@ -146,6 +162,7 @@ class Cim:
                     # claims was written before it learnt that. Only its answer counts.
                     view = self.tasks.setdefault(message.task_id, TaskView())
                     view.epoch_seen = max(view.epoch_seen, message.epoch)
+                    self.newest_generation = max(self.newest_generation, message.epoch)
                     return self._ignore("not-a-member")
                 result = self._apply_states(message.task_id, message.epoch, message.connector_state)
                 if self.orphans:
@@ -222,6 +239,11 @@ class Cim:
                 part = msgspec.structs.replace(offer.partition, watermark=newer, tail=())
                 view.share[token] = msgspec.structs.replace(offer, partition=part)
 
+    def superseded(self, generation: int) -> bool:
+        """Rule 2a: no epoch of ``generation`` can land any more (a later generation's message
+        has been applied)."""
+        return self._fence_superseded and generation < self.newest_generation
+
     def _ignore(self, reason: str) -> str:
         self.ignored[reason] += 1
         return reason
@@ -232,6 +254,7 @@ class Cim:
         if view is None:
             view = self.tasks[sender] = TaskView()
         view.epoch_seen = max(view.epoch_seen, epoch)
+        self.newest_generation = max(self.newest_generation, epoch)
         for state in states:
             if state.task_id != sender:
                 result = self._ignore("foreign-state")
@@ -253,6 +276,10 @@ class Cim:
             view = self.tasks[state.task_id] = TaskView()
             apply_state(view, state)
             view.epoch_seen = state.epoch_seen
+        # (rule 2a: a later generation's message is in some task's answer, kept by rule 5)
+        self.newest_generation = max(
+            [self.epoch, *(view.epoch_seen for view in self.tasks.values())]
+        )
         self.orphans = {part.token: part for part in message.orphans}
 
     # -- queries -------------------------------------------------------------------------------

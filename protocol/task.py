@@ -10,6 +10,11 @@ Subscription order and membership
   So a task that lost its membership, or a zombie whose lease ran out, stops its readers before
   the leader can hand its partitions out, and a rejoined task waits for an epoch that includes it.
   An epoch that does not list the task means its partitions were handed out: it drops its state.
+  A rejoined task that is no fresh life need not wait for that epoch: once its own answer in the
+  new generation is read back while the CIM's epoch still lists it, it reads what the CIM credits
+  to it (``_resumed_on_answer``). Every epoch that could have handed those partitions out landed
+  before its answer (and it has applied it), and none older than its generation lands after
+  (CIM rule 2a); the epochs of its generation and later list it and keep a member's partitions.
 
 Rebalance
   On every completed rebalance a task answers at once with an incremental message in the new
@@ -170,6 +175,13 @@ class Rules(msgspec.Struct, frozen=True):
     # every member that has not answered: a survivor still reading under its lease loses its
     # partitions to another reader.
     reset_only_fresh: bool = True
+    # A rejoined task that is no fresh life reads what the CIM credits to it once its answer is
+    # read back (``_resumed_on_answer``), before its generation's epoch lands; its safety rests
+    # on CIM rule 2a (``fence_superseded_epochs``: an epoch older than an applied answer's
+    # generation is ignored). The teeth test turns the fence off: an epoch planned while the
+    # task was away lands after its answer and hands its partitions to a second reader.
+    resume_on_answer: bool = True
+    fence_superseded_epochs: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -210,6 +222,7 @@ class TaskCore:
         self.cim = Cim(
             fence_epochs=config.rules.fence_epochs,
             keep_later_answers=config.rules.keep_later_answers,
+            fence_superseded_epochs=config.rules.fence_superseded_epochs,
         )
         self.mine: dict[str, Partition] = {}
         self.shares: dict[str, Share] = {}
@@ -222,6 +235,7 @@ class TaskCore:
         self.fresh: tuple[str, ...] = ()  # members of this generation that are fresh lives
         self.member = False
         self.continuous_since = -1
+        self._answered = -1  # the newest generation whose answer of ours the CIM applied
         self.lease_until = 0
         self.reading: dict[str, int] = {}  # token -> start ts of the running reader
         self.stopping: set[str] = set()
@@ -321,8 +335,20 @@ class TaskCore:
                 or now - self._sync_failing_since < self.config.sync_timeout
             )
             and self.lease_valid(now)
-            and self.cim.epoch >= self.continuous_since
+            and (self.cim.epoch >= self.continuous_since or self._resumed_on_answer())
             and self.me in self.cim.members
+        )
+
+    def _resumed_on_answer(self) -> bool:
+        """A rejoined member reads before its generation's epoch lands (docs/design.md#leases):
+        its answer in this unbroken membership was applied while the CIM's epoch listed it, and
+        it is no fresh life in this generation (a fresh one may be reset by the plan). Only what
+        the CIM credits to it is read then (:meth:`_reconcile_readers`)."""
+        return (
+            self.config.rules.resume_on_answer
+            and self.continuous_since >= 0
+            and self._answered >= self.continuous_since
+            and self.me not in self.fresh
         )
 
     def sharing_enabled(self, now: int) -> bool:
@@ -384,11 +410,16 @@ class TaskCore:
             self._leads()
             and self._plan_deadline >= 0
             and self._plan_requested < gen
-            and self.cim.epoch < gen
+            and self._epoch_open(gen)
             and self._may_plan(max(self._plan_deadline, self._now))
         ):
             return self._plan_deadline  # (all answers in: requested at the event that brought it)
         return None
+
+    def _epoch_open(self, generation: int) -> bool:
+        """An epoch of ``generation`` can still land: the CIM holds none that new, and no
+        message of a later generation fences it (CIM rule 2a)."""
+        return self.cim.epoch < generation and not self.cim.superseded(generation)
 
     def _may_plan(self, now: int) -> bool:
         """The leader plans and opens its generation's epoch only (a) while its lease holds: once
@@ -447,6 +478,13 @@ class TaskCore:
         self._settle_plan()
         if message.task_id == self.me:
             self._sync_failing_since = -1  # an append of ours went through and was read back
+            if (
+                ignored is None
+                and isinstance(message, StateMessage)
+                and self.member
+                and message.epoch == self.generation
+            ):
+                self._answered = message.epoch  # (applied: the CIM's epoch lists this task)
         own = message.task_id == self.me and isinstance(message, StateMessage | EpochMessage)
         awaited = False
         if own:
@@ -690,7 +728,7 @@ class TaskCore:
         self._urgent = True
 
     def _on_plan(self, plan: Plan, now: int) -> list[TaskCommand]:
-        stale = self.cim.epoch >= plan.generation and self.config.rules.lead_under_lease
+        stale = not self._epoch_open(plan.generation) and self.config.rules.lead_under_lease
         if plan.generation != self.generation or self.leader != self.me or not self.member or stale:
             # (stale: an epoch that new landed while the plan was being made: it fences this one)
             self.counters["plan_discarded"] += 1
@@ -738,7 +776,7 @@ class TaskCore:
         if self._plan_out is None:
             return
         plan = self._plan_out[0]
-        if self.cim.epoch < plan.generation:
+        if self._epoch_open(plan.generation):
             return
         landed = (
             self.cim.epoch == plan.generation
@@ -820,7 +858,7 @@ class TaskCore:
             plan.generation != self.generation
             or self.leader != self.me
             or not self.member
-            or self.cim.epoch >= plan.generation
+            or not self._epoch_open(plan.generation)
         ):
             return []
         self.counters["epoch_resent"] += 1
@@ -850,7 +888,7 @@ class TaskCore:
         if (
             self._plan_deadline >= 0
             and self._plan_requested < gen
-            and self.cim.epoch < gen
+            and self._epoch_open(gen)
             and self._may_plan(now)
         ):
             answered = all(self.cim.view(m).epoch_seen >= gen for m in self.members)
@@ -1230,10 +1268,17 @@ class TaskCore:
         allowed = self.may_read(now)
         wanted: list[Partition] = []
         if allowed:
+            # resumed on its answer, before its generation's epoch: only what the log credits
+            credited = (
+                self.cim.view(self.me).partitions
+                if self.cim.epoch < self.continuous_since
+                else None
+            )
             for token, part in self.mine.items():
                 if (
                     part.status == "owned"
                     and token not in self.releasing
+                    and (credited is None or _owned(credited.get(token)))
                     and self.config.rules.readable(part, self._lookup)
                 ):
                     wanted.append(part)
@@ -1259,6 +1304,8 @@ class TaskCore:
                     reason = StopReason.NOT_WANTED
                 drain = reason in (StopReason.HANDOFF, StopReason.SHUTDOWN)
                 out.append(StopReader(token, reason, drain))
+        if start and self.cim.epoch < self.continuous_since:
+            self.counters["read_on_answer"] += len(start)
         for part in start:
             self.reading[part.token] = part.resume_ts()
             out.append(StartReader(part.token, part.resume_ts(), part.parents, part.resume_tail()))
@@ -1445,6 +1492,10 @@ class TaskCore:
                 ), f"{self.me} both owns and offers {token} as new"
         for token in self.moves:
             assert token in self.shares or token in self.mine, f"{self.me}: move of unknown {token}"
+
+
+def _owned(part: Partition | None) -> bool:
+    return part is not None and part.status == "owned"
 
 
 def _newer(part: Partition, watermark: int, tail: Ids) -> bool:

@@ -195,6 +195,11 @@ class SimParams(msgspec.Struct, frozen=True):
     # ... and that of several 'new' offers of one partition only the newest is picked up
     newest_offer_only: bool = True
     reset_only_fresh: bool = True  # Rules.reset_only_fresh (off: a teeth test)
+    # a rejoined task reads on its answer, before its generation's epoch (Rules.resume_on_answer;
+    # off: the histories the regression seeds were found in), safe by CIM rule 2a
+    # (Rules.fence_superseded_epochs; off: a teeth test)
+    resume_on_answer: bool = True
+    fence_superseded_epochs: bool = True
     # the group tells the leader which members are fresh lives (never assigned a generation),
     # so a restarted task that has not answered is reset; off, it never is (the histories the
     # regression seeds were found in, before the reset rule)
@@ -229,6 +234,7 @@ class SimResult(msgspec.Struct, frozen=True):
     append_failures: int = 0
     # restarted members planned as reset (their earlier lives' partitions dealt out)
     resets: int = 0
+    read_on_answer: int = 0  # readers a rejoined task started before its generation's epoch
 
 
 class _Reader:
@@ -310,7 +316,9 @@ class Simulation:
         # buffer and land only after it resumes, possibly long after newer epochs.
         self.pending_log: list[tuple[int, int, str, bytes]] = []
         self.observer = Cim(
-            fence_epochs=params.fence_epochs, keep_later_answers=params.keep_later_answers
+            fence_epochs=params.fence_epochs,
+            keep_later_answers=params.keep_later_answers,
+            fence_superseded_epochs=params.fence_superseded_epochs,
         )
         self.max_wm: dict[str, int] = {}
         self.finished: set[str] = set()
@@ -347,6 +355,8 @@ class Simulation:
             keep_later_answers=params.keep_later_answers,
             newest_offer_only=params.newest_offer_only,
             reset_only_fresh=params.reset_only_fresh,
+            resume_on_answer=params.resume_on_answer,
+            fence_superseded_epochs=params.fence_superseded_epochs,
         )
         self.planner: Planner = plan_broken if params.broken_planner else plan
         self.sink_rng = Random(f"sink:{params.seed}")
@@ -420,6 +430,8 @@ class Simulation:
                 if self.rng.random() < self.p.dup_p:  # a producer retry writes it twice
                     heapq.heappush(self.pending_log, (land + 1, next(self.seq), node.id, payload))
             case StartReader():
+                if node.core.cim.epoch < node.core.continuous_since:
+                    self.stats["read_on_answer"] += 1  # before its generation's epoch
                 self.start_reader(node, command)
             case StopReader():
                 reader = node.readers.get(command.token)
@@ -994,6 +1006,7 @@ class Simulation:
             duplicates=sum(self.delivered.values()) - len(self.delivered),
             append_failures=self.stats["append_failures"],
             resets=self.stats["resets"],
+            read_on_answer=self.stats["read_on_answer"],
         )
 
     def final_checks(self) -> None:

@@ -214,14 +214,18 @@ def test_final_states_over_the_cims_of_several_tasks() -> None:
 def test_an_epoch_keeps_a_dropped_tasks_answer_to_a_later_generation() -> None:
     # Seed 8675: a, back from a pause, answered generation 3 (it leads it) before the epoch of
     # generation 2, which dropped it, landed. The answer is a's only message; all of them read
-    # back, a had no cause to write it again, and generation 3 waited for it for ever.
+    # back, a had no cause to write it again, and generation 3 waited for it for ever. Rule 2a
+    # now ignores that epoch (superseded by the answer); rule 5 still keeps the answer when an
+    # epoch of generation 2 lands with the rule off.
     log: list[SyncMessage] = [
         epoch("b", 1, "a", "b"),
         state("a", 1, part("p")),
         state("a", 2, epoch=3),  # a's answer to generation 3
         epoch("b", 2, "b"),  # generation 2 dropped a
     ]
-    cim = _fold(log)
+    cim = Cim(fence_superseded_epochs=False)
+    for offset, message in enumerate(log):
+        cim.apply(offset, message)
     assert cim.members == ("b",)
     assert cim.view("a").epoch_seen == 3
     assert cim.view("a").partitions == {}  # its claims went with it
@@ -230,10 +234,50 @@ def test_an_epoch_keeps_a_dropped_tasks_answer_to_a_later_generation() -> None:
     old = _fold([*log[:2], state("a", 2, epoch=2), epoch("b", 2, "b")])
     assert "a" not in old.tasks
     # without the rule (the simulator's teeth test) the answer is gone
-    broken = Cim(keep_later_answers=False)
+    broken = Cim(keep_later_answers=False, fence_superseded_epochs=False)
     for offset, message in enumerate(log):
         broken.apply(offset, message)
     assert broken.view("a").epoch_seen == -1
+
+
+def test_rule_2a_an_answer_to_a_later_generation_fences_an_older_epoch() -> None:
+    """A task that rejoined answered generation 3 while the CIM's epoch 1 still listed it: the
+    epoch of generation 2 (planned while it was away, dealing out its partition) lands after
+    that answer and is ignored, as generation 3's epoch would have fenced it. The task keeps
+    what it held; generation 3's epoch lands."""
+    log: list[SyncMessage] = [
+        epoch("b", 1, "a", "b"),
+        state("a", 1, part("p", 5)),
+        state("a", 2, part("p", 6), epoch=3),  # a's answer to generation 3
+        EpochMessage(
+            task_id="b",
+            epoch=2,
+            sync_epoch="e2",
+            members=("b",),
+            connector_state=(
+                TaskState(task_id="b", state_timestamp=3, share=(Share(part("p", 5), "b"),)),
+            ),
+        ),
+    ]
+    cim = _fold(log)
+    assert cim.ignored["superseded-epoch"] == 1
+    assert (cim.epoch, cim.members) == (1, ("a", "b"))
+    assert cim.newest_generation == 3
+    assert cim.superseded(2)
+    assert not cim.superseded(3)
+    assert [t for t, _ in cim.holders("p")] == ["a"]
+    assert list(cim.offers()) == []
+    cim.apply(4, epoch("a", 3, "a", "b"))
+    assert (cim.epoch, cim.leader) == (3, "a")
+    # an epoch of the same generation as the newest answer lands (the leader's own answer is
+    # in the log before its epoch)
+    same = _fold([*log[:3], epoch("b", 3, "b", "a")])
+    assert same.epoch == 3
+    # a checkpoint carries the fence: a replay from it ignores the old epoch alike
+    seeded = Cim()
+    seeded.apply(10, _fold(log[:3]).checkpoint("a", 0))
+    assert seeded.newest_generation == 3
+    assert seeded.apply(11, log[3]) == "superseded-epoch"
 
 
 def test_rule_5c_what_an_epoch_drops_that_no_state_holds_is_an_orphan_until_a_state_takes_it() -> (

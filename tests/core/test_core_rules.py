@@ -31,6 +31,7 @@ from protocol.task import (
     Drain,
     Joined,
     Lease,
+    Lost,
     PlanReady,
     Publish,
     PublishFailed,
@@ -1132,3 +1133,70 @@ def test_an_epoch_that_resets_a_restarted_task_drops_what_it_adopted_before_it_r
     control = restarted_b()
     out = control.handle(SyncRead(3, epoch("a", 1, ("a", "b"))), now=5)
     assert [cmd.token for cmd in out if isinstance(cmd, StartReader)] == ["p7"]
+
+
+# -- a rejoined member reads on its answer (protocol/task.py, CIM rule 2a) ---------------------
+def _rejoining(
+    rules: Rules | None = None, fresh: tuple[str, ...] = (), missed: bool = False
+) -> tuple[TaskCore, list[TaskCommand]]:
+    """``a`` reads p1 in epoch 0, loses its membership (a pause past its lease), and rejoins in
+    generation 2; generation 1 (without it) had no epoch yet. ``missed``: the epoch of
+    generation 1, which dealt p1 to x, lands before a's answer. Returns a and the commands
+    reading its answer back brought."""
+    a = TaskCore(TaskConfig(task_id="a", cap=2, rules=rules or Rules()), Random(0))
+    a.handle(SyncRead(0, epoch("x", 0, ("a", "x"))), now=1)
+    a.handle(SyncRead(1, state("a", 1, part("p1", 10))), now=1)
+    a.handle(Lease(until=100), now=2)
+    first = a.handle(Joined(0, "x", ("a", "x")), now=3)
+    assert a.reading == {"p1": T0 + 10}
+    for cmd in first:
+        if isinstance(cmd, Publish):
+            a.handle(SyncRead(2, cmd.message), now=3)
+    assert [c for c in a.handle(Lost("no heartbeat"), now=4) if isinstance(c, StopReader)] == [
+        StopReader("p1", StopReason.NOT_PERMITTED, drain=False)
+    ]
+    a.handle(ReaderStopped("p1", T0 + 20), now=5)
+    if missed:
+        dealt = Share(part("p1", 10), target="x", kind="new", since=5)
+        a.handle(SyncRead(3, epoch("x", 1, ("x",), dealt)), now=6)
+    a.handle(Lease(until=10**12), now=7)
+    out = a.handle(Joined(2, "x", ("a", "x"), fresh=fresh), now=8)
+    assert not any(isinstance(cmd, StartReader) for cmd in out)  # its answer is not read back
+    (answer,) = [cmd for cmd in out if isinstance(cmd, Publish)]
+    assert answer.message.epoch == 2
+    return a, a.handle(SyncRead(4, answer.message), now=9)
+
+
+def test_a_rejoined_task_reads_what_the_cim_credits_it_once_its_answer_is_read_back() -> None:
+    """No epoch of generation 2 yet: the answer, applied while epoch 0 lists a, is enough. An
+    epoch of generation 1 that lands after it is ignored (CIM rule 2a): it was planned while a
+    was away and would give p1 to x."""
+    a, out = _rejoining()
+    assert [(c.token, c.start_ts - T0) for c in out if isinstance(c, StartReader)] == [("p1", 20)]
+    assert a.cim.epoch == 0
+    dealt = Share(part("p1", 10), target="x", kind="new", since=5)
+    a.handle(SyncRead(5, epoch("x", 1, ("x",), dealt)), now=10)
+    assert (a.cim.epoch, a.cim.ignored["superseded-epoch"]) == (0, 1)
+    assert a.reading == {"p1": T0 + 20}
+    assert not a.sharing_enabled(10)  # sharing still waits for the epoch of its generation
+
+
+def test_a_rejoined_task_waits_for_its_epoch_when_it_is_fresh_or_the_rule_is_off() -> None:
+    """A fresh life may be reset by its generation's plan; with ``resume_on_answer`` off a
+    rejoined task waits for that epoch (the behaviour before the rule). Either way it reads
+    once the epoch lands."""
+    for rules, fresh in ((None, ("a",)), (Rules(resume_on_answer=False), ())):
+        a, out = _rejoining(rules, fresh)
+        assert not any(isinstance(cmd, StartReader) for cmd in out)
+        out = a.handle(SyncRead(5, epoch("x", 2, ("a", "x"))), now=10)
+        assert [c.token for c in out if isinstance(c, StartReader)] == ["p1"]
+
+
+def test_a_rejoined_task_that_an_epoch_dropped_before_its_answer_reads_nothing() -> None:
+    """The epoch of generation 1 landed before a's answer: a saw it drop it and deal p1 to x,
+    so it dropped its claims; its answer (rule 2b) counts, nothing is read."""
+    a, out = _rejoining(missed=True)
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert a.mine == {}
+    assert a.counters["evicted"] == 1
+    assert not a.may_read(10)

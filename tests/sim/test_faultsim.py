@@ -92,7 +92,8 @@ def test_seed_sweep(chunk: int) -> None:
 # What the seeds above were found with: every member's assignment arriving at once (followers
 # lag since 2026-11). Each regression seed runs both ways: the history it was found in, and
 # today's.
-FOUND_WITH: dict[str, object] = {"follower_lag_us": (0, 0)}
+# Nor did a rejoined task read before its generation's epoch then (resume_on_answer).
+FOUND_WITH: dict[str, object] = {"follower_lag_us": (0, 0), "resume_on_answer": False}
 # Found with followers lagging and a 0.5 s answer wait (a leader planning before their answers).
 SHORT_WAIT: dict[str, object] = {"answer_timeout_us": 500_000}
 LAG_REGRESSIONS = [229, 387, 942, 1012, 3190, 3330, 4262, 4652, 4954]
@@ -107,7 +108,7 @@ def test_regression_seed(seed: int, found_with: bool) -> None:
 # The histories the lag regressions were found in had no resets (protocol/planner.py): a seed
 # that resets now may miss the hole it found, so each also runs without the group reporting
 # fresh lives.
-NO_RESETS: dict[str, object] = {**SHORT_WAIT, "report_fresh": False}
+NO_RESETS: dict[str, object] = {**SHORT_WAIT, "report_fresh": False, "resume_on_answer": False}
 
 
 @pytest.mark.parametrize("seed", LAG_REGRESSIONS)
@@ -231,8 +232,11 @@ def test_teeth_a_leader_acting_on_a_superseded_generation() -> None:
 def test_teeth_a_partition_held_by_nobody(seed: int, rule: str) -> None:
     """Each rule off (a removal travels with the offer carrying the partition; an epoch keeps a
     dropped task's answer to a later generation) loses a partition on the seed that found it;
-    ``test_regression_seed`` is the control."""
-    result = run(SimParams(seed=seed, **FOUND_WITH, **{rule: False}))  # type: ignore[arg-type]
+    ``test_regression_seed`` is the control. CIM rule 2a (an answer to a later generation fences
+    the older epoch) now keeps such an epoch from landing at all: the second rule is defence in
+    depth behind it, and bites with it off."""
+    behind = {"fence_superseded_epochs": False} if rule == "keep_later_answers" else {}
+    result = run(SimParams(seed=seed, **FOUND_WITH, **behind, **{rule: False}))  # type: ignore[arg-type]
     assert "owned by []" in result.violation, result
 
 
@@ -243,8 +247,8 @@ def test_teeth_refusing_an_epoch_that_landed_before_its_assignment() -> None:
     group rebalances for ever, reading nothing. The same seeds with the rule on (and the sweep)
     are the control. (Seed 5 no longer fails this way: its looping follower is a restarted task
     that never takes an assignment, so it stays fresh and each epoch deals out its partitions:
-    ``protocol/planner.py``, reset.)"""
-    for seed in (1, 4, 7, 13):
+    ``protocol/planner.py``, reset. Seed 7 neither, since a rejoined task reads on its answer.)"""
+    for seed in (1, 4, 13, 14):
         broken = run(
             SimParams(seed=seed, accept_landed_epochs=False, **SHORT_WAIT)  # type: ignore[arg-type]
         ).violation
@@ -415,3 +419,20 @@ def test_teeth_resetting_a_member_that_is_not_fresh() -> None:
         broken = run(SimParams(seed=seed, reset_only_fresh=False)).violation
         assert "both read" in broken, (seed, broken)
         _check(seed)
+
+
+def test_a_rejoined_task_reads_on_its_answer_and_teeth_without_the_superseded_epoch_fence() -> None:
+    """A task back from a pause reads what the CIM credits to it once its answer is read back,
+    before its generation's epoch (protocol/task.py, ``_resumed_on_answer``): seeds 8 and 19 do
+    so and pass. Its safety is CIM rule 2a; with that rule off, an epoch planned while the task
+    was away lands after its answer, and on seeds 0 and 204 hands a partition it reads to a
+    second reader. With both off (reading waits for the epoch) the same seeds pass."""
+    for seed in (8, 19):
+        result = run(SimParams(seed=seed))
+        assert result.passed, result
+        assert result.read_on_answer > 0, result
+    for seed in (0, 204):
+        broken = run(SimParams(seed=seed, fence_superseded_epochs=False))
+        assert "both read" in broken.violation, (seed, broken)
+        _check(seed)
+        _check(seed, fence_superseded_epochs=False, resume_on_answer=False)
