@@ -9,9 +9,10 @@ The shell only does what the core's commands say and feeds it what happens:
   durable position of the partition (``sink_committed``): the core resumes from the newer of
   that and the task's (``Start``);
 * ``StartQuery`` runs the source's query in a task that feeds each answer back as a ``Chunk``
-  (with ``permit()``, the membership lease, read when the chunk is handled) and waits until the
-  core has handed its batches to the sink (backpressure); the query's end or error comes back as
-  an event; ``CancelQuery`` cancels that task (its stream is closed);
+  (with ``permit()``, the membership lease, read when the chunk is handled, and again right
+  before each of its batches is put into the sink) and waits until the core has handed its
+  batches to the sink (backpressure); the query's end or error comes back as an event;
+  ``CancelQuery`` cancels that task (its stream is closed);
 * ``PutBatch`` puts a batch into the sink; the sink's future comes back as ``BatchCommitted`` or
   ``BatchFailed``;
 * ``FenceBatches`` (a stop with batches in flight) asks the sink to fence them (``fence_sink``)
@@ -310,6 +311,15 @@ class PartitionReader(Actor[Stop]):
 
     async def _put(self, command: PutBatch) -> None:
         batch_id = command.batch
+        if not self._permit():
+            # the permit was read when the chunk was handled; the lease may have run out since
+            # (a process paused in between, or a put before this one that waited for room):
+            # a zombie hands the sink nothing, so the batch fails and the restarted query's
+            # first chunk finds the reader not permitted (the core's rule 5)
+            self._inbox.put_nowait(
+                (BatchFailed(batch_id, "the task may no longer read: batch not handed"), None)
+            )
+            return
         batch = SinkBatch(self.token, command.records, command.watermark)
         try:
             future = await self._sink.put(batch)

@@ -245,3 +245,50 @@ async def _read_until_committed(sink: MemorySink, start: int, until: int) -> int
                 await asyncio.sleep(0.01)
         reader.request_stop(StopReason.HANDOFF, drain=True)
     return reader.committed
+
+
+class CountingSink:
+    """Commits every batch at once and counts them."""
+
+    def __init__(self) -> None:
+        self.batches: list[SinkBatch] = []
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        self.batches.append(batch)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+@pytest.mark.asyncio
+async def test_a_lease_that_runs_out_after_the_chunk_was_permitted_hands_the_sink_nothing() -> None:
+    """The permit read when a chunk is handled held; by the time its batch is put into the sink
+    it no longer does (a pause landed in between: the zombie delivery a node test saw once).
+    The permit is asked again right before the put: the batch fails instead, and the reader
+    stops at the committed position without the sink ever seeing a batch."""
+    events: list[TaskEvent] = []
+    asked = [0]
+
+    def permit() -> bool:
+        asked[0] += 1
+        return asked[0] == 1  # the first chunk's check only
+
+    sink = CountingSink()
+    async with Supervisor("test") as sup:
+        reader = PartitionReader(
+            "p1",
+            T0,
+            source=SteadySource(),
+            sink=sink,
+            report=events.append,
+            permit=permit,
+            max_backoff=0.05,
+        )
+        await sup.spawn(reader)
+        async with asyncio.timeout(5):
+            while reader.alive:
+                await asyncio.sleep(0.01)
+    assert sink.batches == []
+    stops = [e for e in events if isinstance(e, ReaderStopped)]
+    assert [s.watermark for s in stops] == [T0]
+    assert any("no longer read" in e.error for e in events if isinstance(e, ReaderFailed))
