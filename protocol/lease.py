@@ -195,5 +195,17 @@ def valid_until(facts: MemberFacts, timing: LeaseTiming, rules: LeaseRules = DER
     return until - timing.margin
 
 
+def silent_for(facts: MemberFacts, heard: int | None, now: int) -> int:
+    """How long (micros) the coordinator has said nothing as this member's: since the later of
+    the latest answered request's send time (``facts.alive``) and when its answer came
+    (``heard``, the member's clock at the answer). This measures whether the coordinator is
+    reachable, not the membership: a SyncGroup the coordinator held for a whole session (its
+    leader was slow) proves membership only from its send time (the lease may have run out,
+    and the member reads nothing until its next heartbeat's answer renews it), but the answer
+    shows the coordinator alive and this member in the new generation."""
+    latest = max((t for t in (facts.alive, heard) if t is not None), default=None)
+    return now - latest if latest is not None else now
+
+
 def _newest(old: int | None, new: int) -> int:
     return new if old is None else max(old, new)

@@ -272,6 +272,9 @@ class KafkaMembership:
             session=session * 1000, rebalance=rebalance * 1000, margin=margin * 1000
         )
         self._facts = lease.MemberFacts()  # the membership facts the lease is derived from
+        # when (our clock, seconds) the coordinator last answered a group request as this
+        # member's: it is reachable then, whatever the lease (send times) says
+        self._heard: int | None = None
         self._clock = clock
         self._epoch_floor = epoch_floor
         self._logged_epoch = logged_epoch
@@ -517,7 +520,14 @@ class KafkaMembership:
                 await asyncio.sleep(backoff)
 
     async def _watch(self, consumer: AIOKafkaConsumer) -> None:
-        """Declare the membership lost once no heartbeat has succeeded for too long."""
+        """Declare the membership lost once the coordinator has answered nothing for too long.
+
+        Silence is counted from the later of the last answered request's send time and when
+        its answer came: a SyncGroup the coordinator held for a whole session (it waits for a
+        slow leader's) proves membership only from its send time, so the lease may run out,
+        but the answer shows the coordinator reachable, and the next heartbeat's answer renews
+        the lease. Declaring the membership lost there made a member that was in the new
+        generation rejoin, and start yet another rebalance for everyone."""
         period = min(self._config.heartbeat_interval_ms / 1000 / 4, 0.25)
         while True:
             await asyncio.sleep(period)
@@ -532,8 +542,7 @@ class KafkaMembership:
             allowed = self._session_s
             if self._joining:
                 allowed += self._rebalance_timeout_ms / 1000
-            alive = self._facts.alive
-            silent = self._clock() - (alive / 1_000_000 if alive is not None else -math.inf)
+            silent = lease.silent_for(self._facts, self._heard, int(self._clock() * 1e6)) / 1e6
             if silent > allowed:
                 self._lose(
                     f"no successful heartbeat for {silent:.1f} s (session timeout "
@@ -572,6 +581,9 @@ class KafkaMembership:
                     facts = lease.join_failed(facts)
             elif error == _NONE:  # sync
                 facts = lease.sync_answered(facts, sent)
+            counted = error == _NONE or (kind == "heartbeat" and error == _REBALANCE_IN_PROGRESS)
+            if counted:
+                self._heard = int(self._clock() * 1e6)  # an answer as this member's came now
             self._facts = facts
 
         compat.observe_heartbeats(coordinator, self._clock, heartbeat_done)

@@ -113,3 +113,18 @@ def test_the_lease_never_goes_back_and_never_passes_its_bounds(
         assert until <= facts.alive + S - M
         assert until <= facts.stable + R - M
         last = until
+
+
+def test_silence_counts_from_the_answer_of_a_held_sync_group_not_its_send_time() -> None:
+    """A follower's SyncGroup sent at 1 s is held by the coordinator until its slow leader's
+    comes, and answered at 5.5 s. The lease (from the send time, session 4 s) has run out, so
+    the member reads nothing; but the coordinator answered it just now: it is reachable, and
+    the membership is not declared lost (that made a member of the new generation rejoin and
+    start another rebalance). Nothing answered at all: silence counts from the send time."""
+    sec = 1_000_000
+    timing = LeaseTiming(session=4 * sec, rebalance=10 * sec, margin=sec // 2)
+    facts = lease.sync_answered(MemberFacts(), 1 * sec)
+    assert lease.valid_until(facts, timing) == 4_500_000
+    assert lease.silent_for(facts, heard=5_500_000, now=5_600_000) == 100_000
+    assert lease.silent_for(facts, heard=None, now=5_600_000) == 4_600_000
+    assert lease.silent_for(MemberFacts(), heard=None, now=7) == 7
