@@ -48,6 +48,7 @@ from protocol import messages
 from protocol.cim import Cim
 
 CONNECTOR = "chaos"
+LONG_S = 12.0  # an unread stretch longer than this is told in full (the goal's bound)
 
 
 class TaskProcess:
@@ -116,6 +117,7 @@ class Observer:
         # every stretch a live partition's watermark stood still, in seconds, once it moved on
         # (while measuring): the worst is one number; how often a stretch is long is these
         self.stalls: list[float] = []
+        self.long: list[tuple[str, float, float]] = []  # (token, from, to) of those over 12 s
         self.worst = ""
         self.t0 = time.monotonic()
         self.faults: list[tuple[float, str, str]] = []  # (seconds into the run, kind, task)
@@ -168,6 +170,8 @@ class Observer:
                     self.watermark[token] = part.watermark
                     if token in self.advanced and self.measuring:
                         self.stalls.append(now - self.advanced[token])
+                        if now - self.advanced[token] > LONG_S:
+                            self.long.append((token, self.advanced[token] - self.t0, now - self.t0))
                     self.advanced[token] = now
                 self.advanced.setdefault(token, now)
         for token in list(self.advanced):
@@ -209,8 +213,21 @@ class Observer:
     def worst_story(self) -> list[str]:
         """What happened around the worst stall, in order: the worst partition's holders as the
         sync topic named them, the faults and the epochs, from 15 s before it began to its end."""
-        lo, hi = self.worst_from - 15.0, self.worst_at + 1.0
-        lines = [(t, f"partition: {text}") for t, text in self.history.get(self.worst, [])]
+        return self.story(self.worst, self.worst_from, self.worst_at)
+
+    def long_stories(self, limit: int = 8) -> list[list[str]]:
+        """The story (:meth:`story`) of each stretch over 12 s, the longest first."""
+        longest = sorted(self.long, key=lambda s: s[1] - s[2])[:limit]
+        return [
+            [f"{token[:12]}: {round(hi - lo, 1)} s", *self.story(token, round(lo, 1), round(hi, 1))]
+            for token, lo, hi in longest
+        ]
+
+    def story(self, token: str, start: float, end: float) -> list[str]:
+        """What happened to ``token`` from 15 s before ``start`` to ``end`` (seconds into the
+        run): its holders as the sync topic named them, the faults and the epochs."""
+        lo, hi = start - 15.0, end + 1.0
+        lines = [(t, f"partition: {text}") for t, text in self.history.get(token, [])]
         lines += [(t, f"fault: {kind} {task}") for t, kind, task in self.faults]
         lines += [
             (t, f"epoch {epoch}: leader {leader}, members {' '.join(members)}")
@@ -358,6 +375,7 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 worst_unread_seen_at_s=observer.worst_at,
                 worst_unread_from_s=observer.worst_from,
                 worst_unread_story=observer.worst_story(),
+                long_unread_stories=observer.long_stories(),
                 fault_log=observer.faults,
                 rebalances=observer.epochs,
                 bad_sync_messages=observer.bad,
@@ -515,6 +533,10 @@ def main(argv: list[str]) -> int:
     for key, value in result.items():
         if key == "worst_unread_story":
             print(f"{key:>32}:", *value, sep="\n    ")
+        elif key == "long_unread_stories":
+            print(f"{key:>32}:")
+            for story in value:
+                print(*story, sep="\n    ")
         else:
             print(f"{key:>32}: {value}")
     print(

@@ -33,6 +33,9 @@ def test_stretches_between_watermark_moves(monkeypatch: pytest.MonkeyPatch) -> N
     # first seen at 1.0; then 1.0 s, 13.5 s; the same watermark again is no move; then 2.0 s
     assert sorted(round(x, 1) for x in observer.stalls) == [1.0, 2.0, 13.5]
     assert observer.stall_summary() == {"stretches": 3, "p50_s": 2.0, "p99_s": 13.5, "over_12s": 1}
+    (story,) = observer.long_stories()  # the one over 12 s, told from the sync topic
+    assert story[0] == "p1: 13.5 s"
+    assert any("partition: a:owned@" in line for line in story[1:]), story
     observer.measuring = False  # the run is over: nothing more counts
     clock[0] = 130.0
     observer.apply(9, _state(9, 5))
