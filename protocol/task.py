@@ -768,8 +768,9 @@ class TaskCore:
     def _settle_plan(self) -> None:
         """A plan's offers reach the CIM only in its epoch message (where rule 5b of the CIM
         raises their watermarks and the epoch fences what came before). Once the CIM holds an
-        epoch at least as new as the plan's generation, that epoch message either landed (the
-        offers are in the CIM: nothing to do) or never will (an epoch that new fences it): the
+        epoch at least as new as the plan's generation (or a message of a later one: rule 2a),
+        that epoch message either landed (the offers are in the CIM: nothing to do) or never
+        will (an epoch that new, or that message, fences it): the
         plan's offers are then withdrawn, never published in a later message of another
         generation, where they would deal out partitions from a CIM long gone (a root read to
         its end and removed, dealt out again from its start)."""
