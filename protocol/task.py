@@ -340,10 +340,11 @@ class TaskCore:
         )
 
     def _resumed_on_answer(self) -> bool:
-        """A rejoined member reads before its generation's epoch lands (docs/design.md#leases):
-        its answer in this unbroken membership was applied while the CIM's epoch listed it, and
-        it is no fresh life in this generation (a fresh one may be reset by the plan). Only what
-        the CIM credits to it is read then (:meth:`_reconcile_readers`)."""
+        """A rejoined member reads before its generation's epoch lands
+        (docs/design.md#membership-and-leases): its answer in this unbroken membership was
+        applied while the CIM's epoch listed it, and it is no fresh life in this generation (a
+        fresh one may be reset by the plan). Only what the CIM credits to it is read then
+        (:meth:`_reconcile_readers`)."""
         return (
             self.config.rules.resume_on_answer
             and self.continuous_since >= 0
