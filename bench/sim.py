@@ -120,6 +120,9 @@ def main(argv: list[str]) -> int:
                 "failed_seeds": [r.seed for r in results if not r.passed][:50],
                 "append_fail_p": args.append_fail_p,
                 "append_failures": sum(r.append_failures for r in results),
+                # how often the rules of docs/design.md that only some histories need ran
+                "resets": sum(r.resets for r in results),
+                "read_on_answer": sum(r.read_on_answer for r in results),
             }
         )
     )
