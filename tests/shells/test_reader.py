@@ -85,7 +85,13 @@ async def test_a_drain_whose_batch_the_sink_fails_stops_at_the_committed_waterma
 
 
 class SteadySink:
+    """Commits every batch at once, and keeps them."""
+
+    def __init__(self) -> None:
+        self.batches: list[SinkBatch] = []
+
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        self.batches.append(batch)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return future
@@ -247,19 +253,6 @@ async def _read_until_committed(sink: MemorySink, start: int, until: int) -> int
     return reader.committed
 
 
-class CountingSink:
-    """Commits every batch at once and counts them."""
-
-    def __init__(self) -> None:
-        self.batches: list[SinkBatch] = []
-
-    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
-        self.batches.append(batch)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        future.set_result(None)
-        return future
-
-
 @pytest.mark.asyncio
 async def test_a_lease_that_runs_out_after_the_chunk_was_permitted_hands_the_sink_nothing() -> None:
     """The permit read when a chunk is handled held; by the time its batch is put into the sink
@@ -273,7 +266,7 @@ async def test_a_lease_that_runs_out_after_the_chunk_was_permitted_hands_the_sin
         asked[0] += 1
         return asked[0] == 1  # the first chunk's check only
 
-    sink = CountingSink()
+    sink = SteadySink()
     async with Supervisor("test") as sup:
         reader = PartitionReader(
             "p1",
