@@ -771,10 +771,10 @@ class TaskCore:
         raises their watermarks and the epoch fences what came before). Once the CIM holds an
         epoch at least as new as the plan's generation (or a message of a later one: rule 2a),
         that epoch message either landed (the offers are in the CIM: nothing to do) or never
-        will (an epoch that new, or that message, fences it): the
-        plan's offers are then withdrawn, never published in a later message of another
-        generation, where they would deal out partitions from a CIM long gone (a root read to
-        its end and removed, dealt out again from its start)."""
+        will (an epoch that new, or that message, fences it): the plan's offers are then
+        withdrawn, never published in a later message of another generation, where they would
+        deal out partitions from a CIM long gone (a root read to its end and removed, dealt out
+        again from its start)."""
         if self._plan_out is None:
             return
         plan = self._plan_out[0]
