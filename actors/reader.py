@@ -184,12 +184,13 @@ class PartitionReader(Actor[Stop]):
                 end = ReaderStopped(self.token, position.ts, position.ids)
             if end is not None:
                 log.info(
-                    "reader %s: %s at %d (%d records, %d re-reads dropped)",
+                    "reader %s: %s at %d (%d records, %d re-reads dropped, %d out of order)",
                     self.token,
                     type(end).__name__,
                     self.core.committed.ts,
                     self.core.records,
                     self.core.dropped,
+                    self.core.out_of_order,
                 )
                 self._report(end)
 
@@ -230,11 +231,23 @@ class PartitionReader(Actor[Stop]):
             event, handled = await self._next_event()
             if isinstance(event, Chunk):
                 event = msgspec.structs.replace(event, permitted=self._permit())
+            late = self.core.out_of_order
             try:
                 commands = self.core.handle(event, _micros())
             finally:
                 if handled is not None and not handled.done():
                     handled.set_result(None)
+            if self.core.out_of_order > late:
+                ts, position = self.core.out_of_order_last
+                log.error(
+                    "reader %s: the source sent %d records older than the position its query "
+                    "had reached (the last at %d, behind %d): it broke commit-timestamp order "
+                    "within the partition; a record the position has passed is dropped",
+                    self.token,
+                    self.core.out_of_order - late,
+                    ts,
+                    position,
+                )
 
     async def _next_event(self) -> _Item:
         deadline = self.core.next_deadline()

@@ -280,6 +280,12 @@ class ReaderCore:
         self.source_kind = "none"
         self.records = 0
         self.dropped = 0  # re-reads dropped by identity
+        # records older than the position their own query had already reached (a heartbeat or
+        # a later record of it came first): the source broke its promise of commit-timestamp
+        # order within a partition. Positions assume that order, so such a record is dropped
+        # when the position has passed it; it is counted, and the shell logs it at once.
+        self.out_of_order = 0
+        self.out_of_order_last: tuple[int, int] = (0, 0)  # (commit ts, position it was behind)
         self.restarts = 0
         self.fenced = 0  # batches fenced at the end (they never commit)
         self.unfenced = 0  # batches abandoned at the end to a sink that cannot fence
@@ -384,6 +390,9 @@ class ReaderCore:
         for record in event.records:
             match record:
                 case DataChange():
+                    if record.commit_ts < position:
+                        self.out_of_order += 1
+                        self.out_of_order_last = (record.commit_ts, position)
                     if drop and self.handed.seen(record.commit_ts, record.identity):
                         self.dropped += 1
                         continue
