@@ -272,7 +272,7 @@ class KafkaMembership:
             session=session * 1000, rebalance=rebalance * 1000, margin=margin * 1000
         )
         self._facts = lease.MemberFacts()  # the membership facts the lease is derived from
-        # when (our clock, seconds) the coordinator last answered a group request as this
+        # when (our clock, micros) the coordinator last answered a group request as this
         # member's: it is reachable then, whatever the lease (send times) says
         self._heard: int | None = None
         self._clock = clock
