@@ -360,6 +360,13 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 stop_observing.set()
             delivered, rows, dropped = read_output(output)
             lost = expected - delivered
+            if loader.committed and (lost or args.reread):
+                # Did the emulator serve what shoal lost? Read the run's stretch of the stream
+                # again, one plain query per partition (no windows, nobody else reading).
+                first_commit = min(c.commit_ts for c in loader.committed)
+                out["reread"] = await reread(
+                    cfg, first_commit - 1_000_000, last_commit, expected, lost
+                )
             extra = delivered - expected
             out.update(
                 committed=sum(expected.values()),
@@ -385,6 +392,45 @@ async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     finally:
         await asyncio.to_thread(emulator.stop)
     return out
+
+
+async def reread(
+    cfg: Any,
+    start_ts: int,
+    end_ts: int,
+    expected: Counter[tuple[int, str, str, int]],
+    lost: Counter[tuple[int, str, str, int]],
+) -> dict[str, Any]:
+    """Read ``[start_ts, end_ts]`` of the emulator's change stream again after the run, every
+    partition with one query to its end (``walk_stream``), and compare with what was committed:
+    ``missing`` (committed, not served by this read either: the emulator's doing) and, of what
+    shoal lost, how many this read did serve (``lost_but_served``: shoal's doing) with the
+    partition that served each."""
+    from runtime.spanner.loadgen import expected_from_records
+    from runtime.spanner.reader import SpannerSource, walk_stream
+
+    served_by: dict[tuple[int, str, str, int], str] = {}
+
+    def note(token: str, batch: Any) -> None:
+        for key in expected_from_records([r for r in batch if hasattr(r, "mods")]):
+            if key in lost:
+                served_by[key] = token
+
+    t0 = time.monotonic()
+    async with await SpannerSource.connect(cfg) as source:
+        walked = await walk_stream(source, start_ts, end_ts, concurrency=8, on_batch=note)
+    served = expected_from_records(walked.data)
+    missing = expected - served
+    return {
+        "seconds": round(time.monotonic() - t0, 1),
+        "partitions": len(walked.partitions),
+        "records": len(walked.data),
+        "missing": sum(missing.values()),
+        "missing_examples": [list(k) for k in list(missing)[:5]],
+        "extra": sum((served - expected).values()),
+        "lost_but_served": sum((lost & served).values()),
+        "lost_served_by": [[*k, v] for k, v in served_by.items()][:5],
+    }
 
 
 async def sample_cpu(pid: int, out: list[float], stop: asyncio.Event) -> None:
@@ -516,6 +562,11 @@ def main(argv: list[str]) -> int:
         default=None,
         help="the tasks' --spanner-query-window-s (default: theirs, 5 s against the emulator)",
     )
+    parser.add_argument(
+        "--reread",
+        action="store_true",
+        help="read the stream again after the run and compare (always done when records are lost)",
+    )
     parser.add_argument("--quick", action="store_true", help="two minutes of faults")
     args = parser.parse_args(argv)
     if args.quick:
@@ -558,6 +609,7 @@ def main(argv: list[str]) -> int:
                 "unread_stretches": result["unread_stretches"],
                 "faults": dict(result["faults"]),
                 "caught_up": result["caught_up"],
+                **({"reread": result["reread"]} if "reread" in result else {}),
             }
         )
     )
