@@ -31,7 +31,12 @@ What the coordinator does (the classic protocol, Kafka's ``GroupCoordinator``/``
   aiokafka (0.14) answers: it heartbeats every ``heartbeat_interval_ms`` while the group is
   stable, counts ``REBALANCE_IN_PROGRESS`` as a successful heartbeat and then *stops*
   heartbeating while its JoinGroup and SyncGroup are in flight, and starts again after the
-  SyncGroup is answered.
+  SyncGroup is answered. The membership adapter therefore heartbeats itself, on a second
+  connection, while its rebalance is in flight (``runtime/kafka/membership.py``, ``_probe``):
+  by K1 each such heartbeat answered ``REBALANCE_IN_PROGRESS`` (or ``NONE``, Kafka's answer in
+  ``CompletingRebalance``) restarts the session, and it is a fact like any other heartbeat's.
+  Without them a member whose JoinGroup or SyncGroup the coordinator held (waiting for a dead
+  member, or for a dead leader's SyncGroup) lost its lease although it stayed in the group.
 
 The embedded broker (Tansu 0.6.0) differs, and the rule takes the stricter of the two:
   T1. It has no join phase bounded by a rebalance timeout (it ignores ``rebalance_timeout_ms``)
@@ -42,8 +47,11 @@ The embedded broker (Tansu 0.6.0) differs, and the rule takes the stricter of th
       each time counting it as contact) before it answers.
   Both are consistent with K1, K3 and K4 (Tansu only removes *later* than K2 allows), so the
   Kafka bound is the stricter one and is the rule. Checked against the broker by
-  ``tests/integration/test_kafka_group.py`` (a member whose JoinGroup is held is kept, and
-  heartbeats during a rebalance are answered ``REBALANCE_IN_PROGRESS``).
+  ``tests/integration/test_kafka_group.py``: a member whose JoinGroup is held is kept,
+  heartbeats during a rebalance are answered ``REBALANCE_IN_PROGRESS``, and heartbeats on a
+  second connection while the member's own JoinGroup or SyncGroup is held are answered as the
+  member's and keep its lease (without them, with the group's leader killed, it lapsed for
+  about 4.5 s).
 
 Timing assumptions
   A1. Causality: the coordinator processes a request after the member sent it, so every time
@@ -53,10 +61,13 @@ Timing assumptions
       rate within a factor the margin absorbs; the margin also covers how long the task takes
       to see that its lease ended and stop handing batches to the sink. The margin is taken
       off the bound below, never added.
-  A3. One TCP connection to the coordinator: the member's group requests are sent and answered
-      in order, so "the latest answered request" is well defined. An error on the connection or
-      a timed-out request says nothing about whether the coordinator processed it: it is no
-      proof of anything, and it never extends the lease (K4: an unanswered JoinGroup neither).
+  A3. Every fact is a send time, and the facts only ever take the newest (``max``), so the
+      order in which answers come back does not matter, nor whether they come on one connection
+      or two (the adapter's heartbeats during a rebalance use a second one). An error on a
+      connection or a timed-out request says nothing about whether the coordinator processed
+      it: it is no proof of anything, and it never extends the lease (K4: an unanswered
+      JoinGroup neither). An answer to a request of an earlier membership (sent before the
+      membership was lost) is dropped.
   A4. Every member uses the same rebalance timeout (the group's is the largest, so a member
       with a smaller one only makes this bound shorter than it could be).
 

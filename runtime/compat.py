@@ -188,6 +188,24 @@ def observe_group_requests(
     coordinator._send_req = observed_send
 
 
+async def send_heartbeat_aside(coordinator: Any) -> int | None:
+    """Send one Heartbeat for the coordinator's member on a connection of its own (the client's
+    default connection group, not the one aiokafka's JoinGroup and SyncGroup wait on) and return
+    the answer's error code; ``None`` without a coordinator, member id or generation to send.
+    Raises what ``AIOKafkaClient.send`` raises (a timeout, a broken connection)."""
+    check(AIOKAFKA, "GroupCoordinator._client/coordinator_id/generation/member_id, to heartbeat")
+    from aiokafka.protocol.group import HeartbeatRequest
+
+    node = coordinator.coordinator_id
+    generation = coordinator.generation
+    member_id = coordinator.member_id
+    if node is None or member_id == "" or generation is None or generation < 0:
+        return None
+    request = HeartbeatRequest(coordinator.group_id, generation, member_id)
+    response = await coordinator._client.send(node, request)
+    return int(response.error_code)
+
+
 async def send_leave_group(coordinator: Any, group_id: str) -> None:
     """Send a LeaveGroup request for the coordinator's member (``GroupCoordinator._send_req``)."""
     check(AIOKAFKA, "GroupCoordinator._send_req, to send LeaveGroup")

@@ -180,6 +180,11 @@ class MembershipStats(msgspec.Struct, frozen=True):
     stale_epochs: int  # assignments refused because their epoch was not newer than one known
     # assignments whose own epoch was in the sync topic first (protocol/epochs.py, rule 5)
     landed_first: int = 0
+    # heartbeats sent on a second connection while this member's rebalance was in flight, and
+    # how many of them the coordinator answered as this member's (they renew the lease)
+    probes: int = 0
+    probes_counted: int = 0
+    lease_lapses: int = 0  # times the lease ran out while a member (readers stop until renewed)
 
 
 _END: Final = object()
@@ -206,9 +211,11 @@ class KafkaMembership:
     the rebalance timeout, minus ``lease_margin_ms`` (default: a sixth of the session, at most
     1 s: it must cover how long the task takes to notice the lease is past and stop its
     readers); ``-inf`` while not a member. A task stops its readers once it is past. So a
-    member keeps its lease through a rebalance it takes part in as long as its JoinGroup is
-    answered within ``session - margin`` of the ``REBALANCE_IN_PROGRESS`` heartbeat, and a
-    JoinGroup in flight never extends it (it may never have reached the coordinator).
+    member keeps its lease through a rebalance it takes part in, and a JoinGroup in flight never
+    extends it (it may never have reached the coordinator): while its rebalance is in flight
+    (aiokafka sends no heartbeat then) the member heartbeats on a second connection every
+    heartbeat interval (``heartbeat_while_rebalancing``, on by default), and each answer as this
+    member's renews the lease, up to the rebalance timeout from the last stable answer.
     :attr:`rebalance_in_progress` says whether a rebalance is under way for this member. The
     requests' send times and answers are observed through :func:`runtime.compat.observe_group_requests`.
 
@@ -247,6 +254,7 @@ class KafkaMembership:
         clock: Callable[[], float] = time.monotonic,
         epoch_floor: Callable[[], int] | None = None,
         logged_epoch: Callable[[], epochs.Logged] | None = None,
+        heartbeat_while_rebalancing: bool = True,
     ) -> None:
         check_connector(connector)
         if not task_id:
@@ -303,6 +311,12 @@ class KafkaMembership:
         self._events_dropped = 0
         self._stale_epochs = 0
         self._landed_first = 0
+        self._probes = 0
+        self._probes_counted = 0
+        self._lease_lapses = 0
+        self._lapsed_at: float | None = None  # when the lease ran out, while it stays out
+        self._life = 0  # memberships lost so far: an answer to a request of an earlier one is old
+        self._heartbeat_while_rebalancing = heartbeat_while_rebalancing  # False: tests only
 
     def __repr__(self) -> str:
         return (
@@ -374,6 +388,9 @@ class KafkaMembership:
             events_dropped=self._events_dropped,
             stale_epochs=self._stale_epochs,
             landed_first=self._landed_first,
+            probes=self._probes,
+            probes_counted=self._probes_counted,
+            lease_lapses=self._lease_lapses,
         )
 
     def events(self) -> AsyncIterator[GroupEvent]:
@@ -502,6 +519,8 @@ class KafkaMembership:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._poll(consumer))
                 group.create_task(self._watch(consumer))
+                if self._heartbeat_while_rebalancing:
+                    group.create_task(self._probe(consumer))
         finally:
             if not self._closed:
                 # The runner died on its own: say so to the events reader.
@@ -532,7 +551,9 @@ class KafkaMembership:
         while True:
             await asyncio.sleep(period)
             if self._current is None:
+                self._lapsed_at = None
                 continue
+            self._note_lapse()
             coordinator = compat.group_coordinator(consumer)
             if coordinator is not None and coordinator.member_id == _UNKNOWN_MEMBER_ID:
                 self._lose(
@@ -550,6 +571,75 @@ class KafkaMembership:
                 )
                 if coordinator is not None:
                     coordinator.request_rejoin()
+
+    def _note_lapse(self) -> None:
+        """Log when the lease runs out while a member, and when it is renewed: the task reads
+        nothing in between, and the facts say why."""
+        now = self._clock()
+        if self.lease_valid_until() > now:
+            if self._lapsed_at is not None:
+                log.info("%r: lease renewed after %.1f s out", self, now - self._lapsed_at)
+                self._lapsed_at = None
+            return
+        if self._lapsed_at is not None:
+            return
+        self._lapsed_at = now
+        self._lease_lapses += 1
+        f = self._facts
+
+        def ago(t: int | None) -> str:
+            return "never" if t is None else f"{now - t / 1e6:.1f} s ago"
+
+        log.info(
+            "%r: lease ran out (last answer as a member sent %s, last stable one %s, JoinGroup "
+            "in flight since %s, rebalancing %s)",
+            self,
+            ago(f.alive),
+            ago(f.stable),
+            ago(f.join_sent),
+            self._joining,
+        )
+
+    async def _probe(self, consumer: AIOKafkaConsumer) -> None:
+        """Heartbeat on a second connection while this member's rebalance is in flight.
+
+        aiokafka sends no heartbeat from its JoinGroup until its SyncGroup is answered, and the
+        coordinator may hold a JoinGroup for seconds (until every member rejoined or was removed;
+        the embedded broker holds each for about half a session). An unanswered JoinGroup
+        proves nothing (protocol/lease.py, K4), so without these heartbeats the lease ran out in
+        a held JoinGroup and the member stopped reading although it stayed in the group. The
+        coordinator answers them ``REBALANCE_IN_PROGRESS`` and restarts the member's session
+        (K1): that renews the lease from the heartbeat's send time, still bounded by the
+        rebalance timeout from the last stable answer, so a member cut off or paused stops as
+        before."""
+        coordinator = compat.group_coordinator(consumer)
+        interval = self._config.heartbeat_interval_ms / 1000
+        timeout = self._config.request_timeout_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            if self._current is None or not (self._joining or self._facts.join_sent is not None):
+                continue
+            life = self._life
+            sent = self._clock()
+            try:
+                async with asyncio.timeout(timeout):
+                    error = await compat.send_heartbeat_aside(coordinator)
+            except (TimeoutError, KafkaError) as exc:
+                log.info("%r: heartbeat during the rebalance got no answer: %r", self, exc)
+                continue  # no proof of anything (A3)
+            if error is None:
+                continue
+            self._probes += 1
+            if life != self._life:
+                continue  # the membership it was sent for was lost meanwhile
+            if error in (_NONE, _REBALANCE_IN_PROGRESS):
+                self._probes_counted += 1
+                self._facts = lease.heartbeat_answered(
+                    self._facts, int(sent * 1_000_000), rebalancing=error == _REBALANCE_IN_PROGRESS
+                )
+                self._heard = int(self._clock() * 1e6)
+            else:
+                log.info("%r: heartbeat during the rebalance answered error %d", self, error)
 
     def _observe_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
         """Learn the send time and answer of every group request (aiokafka has no public
@@ -658,6 +748,7 @@ class KafkaMembership:
         log.warning("%r: group membership lost: %s", self, reason)
         self._current = None
         self._facts = lease.lost(self._facts)
+        self._life += 1
         self._losses += 1
         self._put(GroupLost(reason=reason))
 

@@ -138,7 +138,8 @@ class SimParams(msgspec.Struct, frozen=True):
     # the group coordinator's rebalance (join-phase) timeout and the lease margin
     # (protocol/lease.py); a JoinGroup reaches the coordinator after join_delay_steps, or is lost
     # with join_loss_p (the member's request times out after request_timeout_us and it sends
-    # another; no heartbeat meanwhile, as aiokafka)
+    # another; aiokafka sends no heartbeat meanwhile, the membership adapter does, on a second
+    # connection, unless heartbeat_while_rebalancing is off)
     rebalance_timeout_us: int = 6_000_000
     lease_margin_us: int = 500_000
     # a follower's assignment reaches it up to this long after the leader's, drawn per follower
@@ -152,6 +153,9 @@ class SimParams(msgspec.Struct, frozen=True):
     join_delay_steps: tuple[int, int] = (0, 3)
     join_loss_p: float = 0.0
     request_timeout_us: int = 2_000_000
+    # the membership adapter heartbeats on a second connection while its JoinGroup or SyncGroup
+    # is in flight (runtime/kafka/membership.py); off: only aiokafka's heartbeats, as before
+    heartbeat_while_rebalancing: bool = True
     # the teeth tests break the lease rule (count a JoinGroup in flight, drop the rebalance bound)
     lease_rules: LeaseRules = LeaseRules()
     # the leader's wait for rebalance answers: the shipped default (some regression and teeth
@@ -594,6 +598,22 @@ class Simulation:
                 self.renew(node)
                 if rebalancing and task_id not in self.joined:
                     self.send_join(node)
+            elif (
+                running
+                and join is not None
+                and self.p.heartbeat_while_rebalancing
+                and (step - node.join_order) % hb == 0
+                and task_id in self.group
+            ):
+                # its rebalance is in flight and the adapter heartbeats on a second connection:
+                # the coordinator restarts its session (K1) and answers REBALANCE_IN_PROGRESS
+                # while a rebalance is being prepared, else NONE (Kafka's CompletingRebalance)
+                self.group[task_id] = step
+                self.stats["heartbeats_while_rebalancing"] += 1
+                node.facts = lease.heartbeat_answered(
+                    node.facts, self.now(), rebalancing=self.preparing_since >= 0
+                )
+                self.renew(node)
             held = self.preparing_since >= 0 and task_id in self.joined  # kept (K4)
             if self.pending is not None and task_id != self.pending[1]:
                 held = held or task_id in self.pending[0]  # waiting for the leader's sync

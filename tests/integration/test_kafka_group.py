@@ -292,3 +292,60 @@ async def test_closed_members_leave_at_once(kafka_config: KafkaConfig, connector
     async with members(kafka_config, connector, ["new-c", "new-d"]) as group:
         view = await next_assignment(group[0][1], lambda a: {"new-c", "new-d"} <= set(a.members))
         assert view.members == ("new-c", "new-d")
+
+
+@pytest.mark.parametrize("heartbeat_while_rebalancing", [True, False])
+async def test_a_rebalance_held_for_a_dead_leader_keeps_the_lease_of_a_heartbeating_member(
+    kafka_broker: EmbeddedBroker,
+    kafka_config: KafkaConfig,
+    connector: str,
+    heartbeat_while_rebalancing: bool,
+) -> None:
+    """The group's leader is killed and a member joins at once: the broker holds the survivors'
+    JoinGroups and SyncGroups (it waits for the dead leader) longer than a lease can be proven
+    from the last heartbeat before them. Heartbeats on a second connection during the rebalance
+    are answered as the member's and keep the lease; without them it lapses for seconds."""
+    process = await spawn_group_member(kafka_broker.bootstrap, connector, "task-victim")
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(20):  # the victim leads a group of its own first
+            while True:
+                line = await process.stdout.readline()
+                assert line, "the member process ended"
+                if msgspec.json.decode(line).get("members") == ["task-victim"]:
+                    break
+        async with contextlib.AsyncExitStack() as stack:
+            group = []
+            for task_id in ("task-a", "task-b"):
+                m = KafkaMembership(
+                    kafka_config,
+                    connector,
+                    task_id,
+                    heartbeat_while_rebalancing=heartbeat_while_rebalancing,
+                )
+                await stack.enter_async_context(m)
+                group.append((m, m.events()))
+            first = assert_agree(await all_see(group, {"task-a", "task-b", "task-victim"}))
+            assert first.leader == "task-victim"  # the broker keeps its first member as leader
+            watch = LeaseWatch([m for m, _ in group])
+            async with asyncio.TaskGroup() as tasks:
+                watcher = tasks.create_task(watch.run())
+                await asyncio.sleep(1.0)
+                process.send_signal(signal.SIGKILL)
+                async with members(kafka_config, connector, ["task-c"]):
+                    assert_agree(await all_see(group, {"task-a", "task-b", "task-c"}))
+                    await asyncio.sleep(1.0)
+                    watcher.cancel()
+            stats = [m.statistics() for m, _ in group]
+            if heartbeat_while_rebalancing:
+                assert all(s.probes_counted > 0 for s in stats), stats
+                assert watch.lapsed == {"task-a": 0.0, "task-b": 0.0}, watch.lapsed
+                assert all(s.lease_lapses == 0 for s in stats), stats
+            else:
+                assert all(s.probes == 0 for s in stats), stats
+                assert min(watch.lapsed.values()) > 1.0, watch.lapsed
+                assert all(s.lease_lapses > 0 for s in stats), stats
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
