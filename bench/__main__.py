@@ -18,6 +18,7 @@ SCENARIOS = {
     "capacity": "bench.capacity",
     "chaos": "bench.chaos",
     "emuleak": "bench.emuleak",
+    "emutail": "bench.emutail",
     "timeline": "bench.timeline",
     "backfill": "bench.backfill",
     "faults": "bench.faults",

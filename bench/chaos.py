@@ -18,6 +18,9 @@ the embedded Kafka-compatible broker and the Cloud Spanner emulator with partiti
   ``duplicates_dropped_by_identity`` (raw rows whose identity (commit timestamp, transaction id,
   record sequence, mod index) an earlier row already had: what a reader would have to
   de-duplicate) must all be 0: the output is exactly-once (docs/design.md#exactly-once-output).
+* When records were lost (or with ``--reread``), the run's stretch of the stream is read again,
+  one plain query per partition over the past (``reread``): ``missing`` counts what even that
+  read lacks, ``lost_but_served`` what it has of what shoal lost.
 
 Last line: ``{"scenario": "chaos", "committed": .., "delivered": .., "lost": .., "duplicates":
 .., "duplicates_dropped_by_identity": .., "max_unread_s": .., "rebalances": .., "unread_stretches":

@@ -323,6 +323,15 @@ class SpannerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "until their end), none against Spanner."
         ),
     ] = None
+    trail_s: Annotated[
+        Annotated[float, Meta(ge=0)] | None,
+        Meta(
+            description="Read only commit time at least N s old, polling every N s (the "
+            "emulator's live queries skip a commit that lands exactly on one of their internal "
+            "100 ms scan steps; its queries over the past are complete); unset: 0.25 against "
+            "the emulator, 0 (read live) against Spanner."
+        ),
+    ] = None
     emulator_path: Annotated[
         str | None,
         _d("emulator_main binary for --source emulator; unset: $SHOAL_SPANNER_EMULATOR, Debian."),
@@ -881,6 +890,19 @@ def query_window(options: SpannerOptions, *, emulator: bool) -> float | None:
     if options.query_window_s is not None:
         return options.query_window_s
     return EMULATOR_QUERY_WINDOW_S if emulator else None
+
+
+# How far behind now a reader of the emulator stays (runtime/spanner/reader.py, "Trailing"):
+# each poll is one query, so this is also the poll interval; the added delay is about 1.5x it.
+EMULATOR_TRAIL_S = 0.25
+
+
+def trail(options: SpannerOptions, *, emulator: bool) -> float | None:
+    """How far behind now partition queries stay: the configured value (0: read live), else
+    0.25 s against the emulator and none against Spanner."""
+    if options.trail_s is not None:
+        return options.trail_s or None
+    return EMULATOR_TRAIL_S if emulator else None
 
 
 def kafka_config(config: ShoalConfig, bootstrap: str) -> KafkaConfig:

@@ -60,6 +60,7 @@ from runtime.config import (
     secret_values,
     start_micros,
     task_count,
+    trail,
 )
 from runtime.logs import mask
 from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
@@ -500,6 +501,7 @@ class Pipeline:
                     emulator_host=s.emulator_host,
                     heartbeat_ms=s.heartbeat_ms,
                     query_window_s=query_window(s, emulator=s.emulator_host is not None),
+                    trail_s=trail(s, emulator=s.emulator_host is not None),
                     rpc_priority=s.rpc_priority,
                     database_role=s.database_role,
                 )
@@ -553,6 +555,7 @@ class Pipeline:
         spanner = msgspec.structs.replace(
             spanner,
             query_window_s=query_window(s, emulator=True),
+            trail_s=trail(s, emulator=True),
             rpc_priority=s.rpc_priority,
             database_role=s.database_role,
         )

@@ -24,6 +24,9 @@ class SpannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # each partition query spans at most this many seconds of commit time (None: to the
     # partition's end); see SpannerSource
     query_window_s: float | None = None
+    # read only commit time at least this many seconds old, polling (the emulator: see
+    # SpannerSource); None: read live
+    trail_s: float | None = None
     # RequestOptions.priority of the change-stream queries (None: Spanner's default, HIGH)
     rpc_priority: Literal["LOW", "MEDIUM", "HIGH"] | None = None
     # fine-grained access control: the database role the connection acts as (None: the
@@ -40,6 +43,8 @@ class SpannerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"heartbeat_ms must be positive, got {self.heartbeat_ms}")
         if self.query_window_s is not None and not self.query_window_s > 0:
             raise ValueError(f"query_window_s must be positive, got {self.query_window_s}")
+        if self.trail_s is not None and not self.trail_s > 0:
+            raise ValueError(f"trail_s must be positive, got {self.trail_s}")
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``google.cloud.spanner.Client`` / ``spanner_v1.AsyncClient``."""

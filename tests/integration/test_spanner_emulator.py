@@ -323,6 +323,41 @@ async def test_a_query_window_stops_at_the_callers_end(mock_spanner: MockSpanner
     assert ranges == [(t0, t0 + 2_000_000), (t0 + 1_000_001, t0 + 3_000_000)]
 
 
+@pytest.mark.asyncio
+async def test_a_trailing_source_asks_only_for_the_past_and_polls(
+    mock_spanner: MockSpanner,
+) -> None:
+    """With ``trail_s`` every query ends ``trail_s`` before the (wall) clock when it is sent,
+    at most a window long; each one that does not end the partition is followed by a heartbeat
+    at its end (it was answered over the past: complete), and the next starts a microsecond
+    later; having reached the horizon the source waits ``trail_s``."""
+    t0 = _micros("2026-11-22T10:00:00Z")
+    mock_spanner.servicer.script = _window_script(children_from=_micros("2026-11-22T10:00:03.5Z"))
+    config = msgspec.structs.replace(mock_spanner.config, query_window_s=2.0, trail_s=0.5)
+    clock = iter([3.0, 3.2, 4.5])
+    got: list[ChangeRecord] = []
+    async with await SpannerSource.connect(config) as source:
+        source._clock = lambda: t0 / 1e6 + next(clock)  # commit time as the source sees it
+        async for batch in source.query("tok-1", t0, None):
+            got.extend(batch)
+    assert [type(r).__name__ for r in got] == [
+        "DataChange",
+        "Heartbeat",
+        "Heartbeat",
+        "ChildPartitions",
+    ]
+    assert got[1:3] == [Heartbeat(t0 + 2_000_000), Heartbeat(t0 + 2_700_000)]
+    calls = mock_spanner.servicer.streaming_calls
+    ranges = [
+        (parse_timestamp(_param(c, "start")), parse_timestamp(_param(c, "end"))) for c in calls
+    ]
+    assert ranges == [
+        (t0, t0 + 2_000_000),  # a window, its end 1 s in the past
+        (t0 + 2_000_001, t0 + 2_700_000),  # up to the horizon (now - 0.5 s) ...
+        (t0 + 2_700_001, t0 + 4_000_000),  # ... then, 0.5 s later, the next one
+    ]
+
+
 def test_a_query_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="query_window_s"):
         SpannerConfig(project="p", instance="i", database="d", change_stream="s", query_window_s=0)

@@ -184,6 +184,16 @@ def test_spark_timeouts_reach_the_bridge() -> None:
     assert (chosen.start_timeout_s, chosen.job_timeout_s) == (45.0, None)  # 0: no limit
 
 
+def test_reads_trail_now_against_the_emulator_only() -> None:
+    spanner = _load([]).spanner
+    assert options.trail(spanner, emulator=True) == 0.25
+    assert options.trail(spanner, emulator=False) is None
+    live = _load(["--spanner-trail-s", "0"]).spanner
+    assert options.trail(live, emulator=True) is None
+    chosen = _load(["--spanner-trail-s", "1.5"]).spanner
+    assert options.trail(chosen, emulator=False) == 1.5
+
+
 def test_query_window_defaults_to_5s_against_the_emulator_only() -> None:
     """The emulator keeps running cancelled partition queries until their end; a window bounds
     that. Against Spanner a query runs to the partition's end unless a window is set."""
