@@ -160,8 +160,10 @@ class Rules(msgspec.Struct, frozen=True):
     # are published in a later generation.
     plan_offers_in_epoch_only: bool = True
     # A partition handed over through the share section leaves this task's state in the same
-    # message as the offer carrying it (``_diff``); the teeth test turns it off: a leader whose
-    # share section waits for its epoch sends the removal alone, dies, and the partition is lost.
+    # message as the offer carrying it, and a finished partition's end goes out with the offers
+    # of its children (``_diff``); the teeth tests turn it off: a leader whose share section
+    # waits for its epoch sends the removal (or the end) alone, dies, and the partition (or the
+    # child) is lost.
     release_with_offer: bool = True
     # An epoch keeps a dropped task's answer to a later generation (Cim rule 5); the teeth test
     # turns it off: that generation's leader, whose answer it was, never plans.
@@ -1361,6 +1363,16 @@ class TaskCore:
             # removal leaves it held by nobody in the CIM, and lost if this task dies before
             # the held share section goes out (its next life drops an unreleased move).
             removed = tuple(t for t in removed if self.shares.get(t) == self._sent_share.get(t))
+            # Likewise a finished partition names its children, and a child offered from here
+            # is held by nobody but the share section: sent alone, the parent's end leaves
+            # that child unknown to the CIM, and unread for ever if this task dies before the
+            # held section goes out (sim seed 3212). The end waits for the section; meanwhile
+            # the CIM shows the parent owned here, and dealt out after a death, re-read to its
+            # end by its next owner, which registers the children again.
+            unsent = {t for t, o in self.shares.items() if self._sent_share.get(t) != o}
+            data = tuple(
+                p for p in data if p.status != "finished" or not unsent.intersection(p.children)
+            )
         shares = tuple(self.shares.values()) if send else None
         if not (data or removed or shares is not None or force):
             return None

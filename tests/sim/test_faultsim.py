@@ -109,12 +109,12 @@ def test_regression_seed(seed: int, found_with: bool) -> None:
     _check(seed, **(FOUND_WITH if found_with else {}))
 
 
-# The histories the lag regressions were found in had no resets (protocol/planner.py): a seed
-# that resets now may miss the hole it found, so each also runs without the group reporting
-# fresh lives.
 # the membership model before the adapter heartbeated during its rebalances (2026-11-27): the
 # seeds of some tests below were found in its histories, and run with it
 HELD_REBALANCES: dict[str, object] = {"heartbeat_while_rebalancing": False}
+# The histories the lag regressions were found in had no resets (protocol/planner.py): a seed
+# that resets now may miss the hole it found, so each also runs without the group reporting
+# fresh lives.
 NO_RESETS: dict[str, object] = {
     **SHORT_WAIT,
     "report_fresh": False,
@@ -129,6 +129,19 @@ NO_RESETS: dict[str, object] = {
 )
 def test_lag_regression_seed(seed: int, variant: dict[str, object]) -> None:
     _check(seed, **variant)
+
+
+def test_a_finished_partitions_end_waits_for_its_child_offers() -> None:
+    """Seed 3212 (found by the sweep with heartbeats during rebalances): a task read a partition
+    to its end while its plan's epoch was on its way, so the share section with its offer of
+    one child was held back; its state message carried the parent's end (naming the child) and
+    the task died: the child was known to nobody and never read. The parent's end now waits
+    for the share section (protocol/task.py, ``_diff``, the rule of ``release_with_offer``);
+    with that rule off the child is lost again."""
+    _check(3212)
+    _check(3212, **HELD_REBALANCES)
+    broken = run(SimParams(seed=3212, release_with_offer=False))
+    assert "p00037 is owned by []" in broken.violation, broken
 
 
 def test_runs_are_deterministic() -> None:
