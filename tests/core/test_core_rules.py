@@ -36,6 +36,7 @@ from protocol.task import (
     Publish,
     PublishFailed,
     ReaderCommitted,
+    ReaderFinished,
     ReaderStopped,
     RequestPlan,
     Rules,
@@ -868,6 +869,67 @@ def test_without_the_rule_the_removal_goes_out_alone() -> None:
         if isinstance(cmd, Publish) and isinstance(cmd.message, StateMessage)
         for s in cmd.message.connector_state
         if "p1" in s.removed
+    ]
+    assert alone
+    assert all(s.share is None for s in alone)
+
+
+def _leader_finishing_p3_while_its_epoch_is_on_its_way(
+    rules: Rules | None = None,
+) -> tuple[TaskCore, list[TaskCommand], int]:
+    """As above, then a's reader of p3 reads it to its end (children c1, c2) while the epoch is
+    on its way: a keeps a child or offers it to the most underloaded member."""
+    c, sent, offset = _leader_releasing_p1_while_its_epoch_is_on_its_way(rules)
+    children = (ChildPartition("c1", ("p3",)), ChildPartition("c2", ("p3",)))
+    now = 10 + c.config.answer_timeout
+    out = c.handle(ReaderFinished("p3", T0 + 20, children, T0 + 21), now=now)
+    out += c.handle(TaskTick(), now=now + 1_000_000)  # what it publishes meanwhile
+    assert any(s.kind == "new" for t, s in c.shares.items() if t in ("c1", "c2")), c.shares
+    return c, [*sent, *out], offset
+
+
+def _states(sent: list[TaskCommand]) -> list[TaskState]:
+    return [
+        s
+        for cmd in sent
+        if isinstance(cmd, Publish) and isinstance(cmd.message, StateMessage)
+        for s in cmd.message.connector_state
+    ]
+
+
+def test_a_partitions_end_goes_out_only_with_the_offers_of_its_children() -> None:
+    # Sweep seed 3212: the end went out alone, naming a child only the held share section
+    # offered; the leader died and the child was never read.
+    c, sent, offset = _leader_finishing_p3_while_its_epoch_is_on_its_way()
+    ended = [p for s in _states(sent) for p in s.data if p.token == "p3"]
+    assert all(p.status != "finished" for p in ended), ended
+    # the epoch lands: the end and the offers go out together
+    published: list[TaskCommand] = []
+    queue = [cmd for cmd in sent if isinstance(cmd, Publish)]
+    while queue:
+        more = c.handle(SyncRead(offset, queue.pop(0).message), now=3_000_000)
+        offset += 1
+        published += more
+        queue += [cmd for cmd in more if isinstance(cmd, Publish)]
+    out = c.handle(TaskTick(), now=4_000_000)
+    published += out
+    read_back(c, out, offset, now=4_000_000)
+    together = [s for s in _states(published) if any(p.token == "p3" for p in s.data)]
+    assert together, published
+    assert all(s.share is not None for s in together), together
+    view = c.cim.view("a")
+    assert view.partitions["p3"].status == "finished"
+    offered = {t for t, s in view.share.items() if s.kind == "new"}
+    kept = {t for t in ("c1", "c2") if t in view.partitions}
+    assert offered | kept == {"c1", "c2"}
+    assert offered
+
+
+def test_without_the_rule_the_end_goes_out_alone() -> None:
+    """The control of the test above (the simulator's teeth test on seed 3212)."""
+    _, sent, _ = _leader_finishing_p3_while_its_epoch_is_on_its_way(Rules(release_with_offer=False))
+    alone = [
+        s for s in _states(sent) if any(p.token == "p3" and p.status == "finished" for p in s.data)
     ]
     assert alone
     assert all(s.share is None for s in alone)
