@@ -60,12 +60,6 @@ def ownerless(
     for task, view in cim.tasks.items():
         if task in live:
             owned.update(t for t, p in view.partitions.items() if p.status != "incoming")
-            # a move between two members is held: its offerer reads the partition until it
-            # releases it, then its target takes it over. A dead task's stale share of it (a
-            # move it released to the offerer long ago) must not deal it out beside them: the
-            # target, which had answered the move, gave it up to the plan, the offerer never
-            # picks up an offer of what it is handing away, and nobody read it (sim seed 5799)
-            owned.update(t for t, s in view.share.items() if s.kind == "move" and s.target in live)
     lost: dict[str, Partition] = {}
     adopt: dict[str, Partition] = {}
 
