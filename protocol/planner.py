@@ -51,15 +51,37 @@ class Plan(msgspec.Struct, frozen=True):
 
 
 def ownerless(
-    cim: Cim, members: tuple[str, ...], leader: str, reset: tuple[str, ...] = ()
+    cim: Cim,
+    members: tuple[str, ...],
+    leader: str,
+    reset: tuple[str, ...] = (),
+    hold_handoffs: bool = True,
 ) -> tuple[dict[str, Partition], dict[str, Partition]]:
     """(unfinished ownerless partitions, finished ones to adopt), by token. A ``reset``
-    member's state counts as a dead task's."""
+    member's state counts as a dead task's. ``hold_handoffs`` off (a teeth test) deals out a
+    hand-off in flight between two members when a dead task shows a stale share of it."""
     live = set(members) - set(reset)
     owned: set[str] = set()
     for task, view in cim.tasks.items():
         if task in live:
             owned.update(t for t, p in view.partitions.items() if p.status != "incoming")
+    # A hand-off in flight between two members is held: the offerer released it and the target,
+    # which answered the move, takes it over from that release. A dead task's stale share of the
+    # partition (a move it released long ago) must not deal it out beside them: the target gives
+    # up its take-over for the plan and the offerer never picks up an offer of what it hands
+    # away, so nobody reads it (sim seed 5799). Only an answered move is held: a released move
+    # to a target that came back under the same id (a fresh life that never answered it) is
+    # stale, and another member may have read on (sim seed 723). A finished copy still wins.
+    handing: set[str] = set()
+    for task, view in cim.tasks.items():
+        if task not in live or not hold_handoffs:
+            continue
+        for token, share in view.share.items():
+            if share.kind != "move" or not share.released or share.target not in live:
+                continue
+            got = cim.view(share.target).partitions.get(token)
+            if got is not None and got.status == "incoming" and got.source == task:
+                handing.add(token)
     lost: dict[str, Partition] = {}
     adopt: dict[str, Partition] = {}
 
@@ -68,6 +90,8 @@ def ownerless(
             return
         if part.status == "finished":
             adopt.setdefault(part.token, part)
+            return
+        if part.token in handing:
             return
         known = lost.get(part.token)
         if known is None or part.watermark > known.watermark:
@@ -111,9 +135,10 @@ def plan(
     roots: tuple[Partition, ...] = (),
     stream_start: int = -1,
     reset: tuple[str, ...] = (),
+    hold_handoffs: bool = True,
 ) -> Plan:
     reset = tuple(sorted(set(reset) & set(members) - {leader}))
-    lost, adopt = ownerless(cim, members, leader, reset)
+    lost, adopt = ownerless(cim, members, leader, reset, hold_handoffs)
     for root in roots:
         lost.setdefault(root.token, root)
     # a reset member takes nothing in this plan (it has not answered: handing its partitions

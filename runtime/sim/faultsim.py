@@ -49,6 +49,7 @@ answered), or from a broken one in the teeth tests (``lease_rules``).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import Counter, deque
@@ -199,6 +200,9 @@ class SimParams(msgspec.Struct, frozen=True):
     # ... and that of several 'new' offers of one partition only the newest is picked up
     newest_offer_only: bool = True
     reset_only_fresh: bool = True  # Rules.reset_only_fresh (off: a teeth test)
+    # the plan holds a hand-off in flight between two members (planner.ownerless; off: a
+    # teeth test, the plan deals it out for a dead task's stale share of it)
+    hold_handoffs: bool = True
     # a rejoined task reads on its answer, before its generation's epoch (Rules.resume_on_answer;
     # off: the histories the regression seeds were found in), safe by CIM rule 2a
     # (Rules.fence_superseded_epochs; off: a teeth test)
@@ -362,7 +366,13 @@ class Simulation:
             resume_on_answer=params.resume_on_answer,
             fence_superseded_epochs=params.fence_superseded_epochs,
         )
-        self.planner: Planner = plan_broken if params.broken_planner else plan
+        self.planner: Planner = (
+            plan_broken
+            if params.broken_planner
+            else plan
+            if params.hold_handoffs
+            else functools.partial(plan, hold_handoffs=False)
+        )
         self.sink_rng = Random(f"sink:{params.seed}")
         self.lag_rng = Random(f"lag:{params.seed}")
         # the sink's own durable record: each partition's position, moved atomically with

@@ -142,6 +142,40 @@ def test_a_live_tasks_move_it_has_not_released_is_not_dealt_out() -> None:
     assert plan(cim, ("L", "s"), "L", 2, now=9, cap=0, rng=Random(0)).offers == ()
 
 
+def _handoff_beside_a_stale_share(target_answered: bool) -> Cim:
+    """s released a move of x (read to 8) to t; dead d still shows a move of x (at 5) that it
+    released to s long ago. ``target_answered``: t's take-over of x from s is in the CIM."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s", "t", "d"))
+    stale = Share(partition=part("x", 5), target="s", kind="move", released=True)
+    cim.apply(2, _offers("d", stale))
+    handed = Share(partition=part("x", 8), target="t", kind="move", released=True)
+    cim.apply(3, _offers("s", handed))
+    if target_answered:
+        cim.apply(4, state("t", 4, part("x", 5, status="incoming", source="s")))
+    return cim
+
+
+def test_a_hand_off_between_members_is_held_whatever_a_dead_tasks_stale_share_says() -> None:
+    """Sim seed 5799: the hand-off s -> t is in flight (s released it, t answered it). Dealt out
+    for d's stale share, t gives its take-over up to the plan, s never picks up an offer of what
+    it hands away, and nobody reads x. The plan holds it; without the rule it deals x out."""
+    cim = _handoff_beside_a_stale_share(target_answered=True)
+    members = ("L", "s", "t")
+    assert plan(cim, members, "L", 2, now=9, cap=0, rng=Random(0)).offers == ()
+    broken = plan(cim, members, "L", 2, now=9, cap=0, rng=Random(0), hold_handoffs=False)
+    assert [s.token for s in broken.offers] == ["x"]
+
+
+def test_a_released_move_its_target_never_answered_is_not_held() -> None:
+    """Sim seed 723, the control: t is a fresh life under an old id that never answered s's
+    released move (stale, like d's: another member may have read on since). Only an answered
+    hand-off is held, so x is dealt out as before."""
+    cim = _handoff_beside_a_stale_share(target_answered=False)
+    result = plan(cim, ("L", "s", "t"), "L", 2, now=9, cap=0, rng=Random(0))
+    assert [s.token for s in result.offers] == ["x"]
+
+
 def test_orphans_left_from_an_earlier_epoch_are_dealt_out_or_adopted() -> None:
     """Cim rule 5c: what an earlier epoch dropped that nobody took since (the leader that
     should have offered it died first) is dealt out by the next plan, finished ones adopted."""

@@ -144,17 +144,19 @@ def test_a_finished_partitions_end_waits_for_its_child_offers() -> None:
     assert "p00037 is owned by []" in broken.violation, broken
 
 
-@pytest.mark.xfail(strict=True, reason="open liveness hole, sim seed 5799 (see docstring)")
 def test_a_move_between_live_members_is_not_dealt_out_for_a_dead_tasks_stale_share() -> None:
-    """OPEN. Seed 5799 (found by the sweep with heartbeats during rebalances): t03 released a
-    move of p00045 to t02, which had answered it; the leader's plan counted p00045 ownerless
-    because a dropped task still showed an old released move of it, and dealt it to t03. t02
-    gave its take-over up to the plan, t03 never picks up an offer of what it is handing away,
-    and the partition (and its merged child) was never read again. Counting a move between two
-    members as owned in ``planner.ownerless`` fixed this seed but made seed 723 fail safety (a
-    watermark went back), so it was reverted; the hole is open."""
-    _check(5799, **HELD_REBALANCES)  # passes in the old membership model's history
+    """Seed 5799 (found by the sweep with heartbeats during rebalances): t03 released a move of
+    p00045 to t02, which had answered it; the leader's plan counted p00045 ownerless because a
+    dropped task still showed an old released move of it, and dealt it to t03. t02 gave its
+    take-over up to the plan, t03 never picks up an offer of what it is handing away, and the
+    partition (and its merged child) was never read again. ``planner.ownerless`` holds an
+    answered hand-off between two members; with that rule off the seed fails again. (Holding
+    every move between members, answered or not, made seed 723 fail safety.)"""
     _check(5799)
+    _check(5799, **HELD_REBALANCES)  # passes in the old membership model's history
+    _check(723)
+    broken = run(SimParams(seed=5799, hold_handoffs=False))
+    assert "is owned by []" in broken.violation, broken
 
 
 def test_runs_are_deterministic() -> None:
