@@ -13,10 +13,11 @@ Given the CIM and the members of the new generation, the leader opens a new epoc
   never been started, the roots are ownerless.
 * A member the epoch *resets* (a task restarted under its id whose new life has never been a
   member of any generation, and which had not answered this generation when the leader asked
-  for the plan: ``protocol/task.py``, ``_reset_members``) counts as dead for what the CIM credits
-  to it: its new life has read nothing, and its earlier life is no member of this generation, so
-  that life's lease is bounded as a dead task's is. Its partitions are dealt out to the other
-  members (it gets none of them: it has not answered), and the epoch lists it in ``reset`` so
+  for the plan, or had while survivors are members: ``protocol/task.py``, ``_reset_members``)
+  counts as dead for what the CIM credits to it: its new life has read nothing, and its earlier
+  life is no member of this generation, so that life's lease is bounded as a dead task's is. Its
+  partitions are dealt out to the other members (it gets none of them), and the epoch lists it
+  in ``reset`` so
   every CIM drops its state (``protocol/cim.py``, rule 5d).
 * Ownerless partitions are offered, in token order, each to the member with the smallest load
   (ties by task id) whose load is below the per-task cap; when every member is at the cap the

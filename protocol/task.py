@@ -24,9 +24,9 @@ Rebalance
   own share section the ownerless partitions it offers. An epoch message whose append fails is
   sent again with the same plan while the generation lasts (without its epoch nobody shares, and
   a task that joined in it never reads). A member restarted under its id (a fresh life: the group
-  says so) that has not answered when the leader plans is *reset*: the plan deals out what the
-  CIM credits to it, and the task drops what it adopted when it reads the epoch
-  (``_reset_members``, ``_on_epoch``).
+  says so) that has not answered when the leader plans, or that has while survivors are members,
+  is *reset*: the plan deals out what the CIM credits to it, and the task drops what it adopted
+  when it reads the epoch (``_reset_members``, ``_on_epoch``).
 
 Incremental messages
   A task writes only its own state, as the difference between what it has and what its earlier
@@ -184,6 +184,11 @@ class Rules(msgspec.Struct, frozen=True):
     # task was away lands after its answer and hands its partitions to a second reader.
     resume_on_answer: bool = True
     fence_superseded_epochs: bool = True
+    # A fresh member is reset even when it has answered, as long as members that are no fresh
+    # lives are there to take its partitions (``_reset_members``): a task in a crash loop no
+    # longer keeps its partitions unread through every recovery. Off: it keeps what it adopted
+    # once it answered (the histories the regression seeds were found in).
+    reset_answered_fresh: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -573,9 +578,9 @@ class TaskCore:
             self._drop_claims()
             return
         if self.me in self.cim.reset:
-            # restarted under its id and planned before it answered: the epoch dealt out what
-            # its earlier life held (CIM rule 5d); it has read none of it (it never was a
-            # member of an epoch before this one), and it goes on with nothing
+            # restarted under its id (and planned before it answered, or beside survivors): the
+            # epoch dealt out what its earlier life held (CIM rule 5d); it has read none of it
+            # (it never was a member of an epoch before this one), and it goes on with nothing
             if self.mine or self.shares:
                 self.counters["reset"] += 1
             if self.reading:
@@ -924,13 +929,24 @@ class TaskCore:
         by the coordinator). Only a *fresh* member qualifies: every group member with its task
         id is a life that was never assigned a generation (it says so when it joins), so it has
         read nothing, and the life that held the partitions is no member of this generation,
-        its lease bounded as a dead task's. A member that answered keeps what it adopted."""
-        candidates = self.fresh if self.config.rules.reset_only_fresh else self.members
+        its lease bounded as a dead task's.
+
+        A fresh member that answered is reset too when members that are no fresh lives (the
+        survivors) are there to take its partitions (``Rules.reset_answered_fresh``): its
+        earlier life died without handing them over, and a task that dies again soon after
+        (a crash loop) would otherwise hold them unread through every recovery. The
+        survivors read them from the next epoch; balancing hands some back to it later. When
+        every member is fresh (the whole group restarted), each keeps what it adopted."""
+        rules = self.config.rules
+        candidates = self.fresh if rules.reset_only_fresh else self.members
+        survivors = rules.reset_answered_fresh and any(m not in self.fresh for m in self.members)
         out = []
         for member in candidates:
             view = self.cim.view(member)
-            if member == self.me or member not in self.members or view.epoch_seen >= gen:
+            if member == self.me or member not in self.members:
                 continue
+            if view.epoch_seen >= gen and not (survivors and member in self.fresh):
+                continue  # answered: keeps what it adopted
             if view.partitions or view.share:
                 out.append(member)
         return tuple(sorted(out))

@@ -200,6 +200,9 @@ class SimParams(msgspec.Struct, frozen=True):
     # ... and that of several 'new' offers of one partition only the newest is picked up
     newest_offer_only: bool = True
     reset_only_fresh: bool = True  # Rules.reset_only_fresh (off: a teeth test)
+    # a restarted task that answered is reset too while survivors are members
+    # (Rules.reset_answered_fresh; off: the histories the regression seeds were found in)
+    reset_answered_fresh: bool = True
     # the plan holds a hand-off in flight between two members (planner.ownerless; off: a
     # teeth test, the plan deals it out for a dead task's stale share of it)
     hold_handoffs: bool = True
@@ -363,6 +366,7 @@ class Simulation:
             keep_later_answers=params.keep_later_answers,
             newest_offer_only=params.newest_offer_only,
             reset_only_fresh=params.reset_only_fresh,
+            reset_answered_fresh=params.reset_answered_fresh,
             resume_on_answer=params.resume_on_answer,
             fence_superseded_epochs=params.fence_superseded_epochs,
         )

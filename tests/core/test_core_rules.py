@@ -1152,11 +1152,47 @@ def test_a_leader_resets_a_fresh_member_that_holds_partitions_and_has_not_answer
     assert c.counters["plan_without_all_answers"] == 1
 
 
-def test_a_fresh_member_that_answered_in_time_keeps_what_it_adopted() -> None:
+def test_a_fresh_member_that_answered_is_reset_too_while_survivors_are_members() -> None:
+    """b answered in time, but its earlier life died holding p7 and a and c are survivors (no
+    fresh lives): p7 goes to them, so a b that dies again soon (a crash loop) does not hold it
+    unread through another recovery. c, answered and not fresh, keeps p8."""
     _, _, out = _leading_restarts(answered=("b", "c", "d"))
+    assert [cmd for cmd in out if isinstance(cmd, RequestPlan)] == [
+        RequestPlan(1, ("a", "b", "c", "d"), need_roots=True, reset=("b",))
+    ]
+
+
+def test_without_the_rule_a_fresh_member_that_answered_keeps_what_it_adopted() -> None:
+    _, _, out = _leading_restarts(Rules(reset_answered_fresh=False), answered=("b", "c", "d"))
     assert [cmd for cmd in out if isinstance(cmd, RequestPlan)] == [
         RequestPlan(1, ("a", "b", "c", "d"), need_roots=True)
     ]
+
+
+def test_when_every_member_is_a_fresh_life_each_keeps_what_it_adopted() -> None:
+    """The whole group restarted (every member fresh, the leader too): nobody is a survivor to
+    hand the partitions to, so b keeps p7 once it has answered (and is still reset when it has
+    not: the leader takes p7 then)."""
+
+    def plan_of(answered: tuple[str, ...]) -> RequestPlan:
+        c = TaskCore(TaskConfig(task_id="a", cap=2), Random(0))
+        c.handle(SyncRead(0, epoch("x", 0, ("a", "b", "x"))), now=1)
+        c.handle(SyncRead(1, state("b", 1, part("p7", 70))), now=1)
+        c.handle(Lease(until=10**12), now=2)
+        (answer,) = c.handle(Joined(1, "a", ("a", "b"), fresh=("a", "b")), now=3)
+        assert isinstance(answer, Publish)
+        out = c.handle(SyncRead(2, answer.message), now=4)
+        for task in answered:
+            answer_of = StateMessage(
+                task_id=task, epoch=1, connector_state=(TaskState(task, 2 * 10**9 + 9),)
+            )
+            out += c.handle(SyncRead(3, answer_of), now=5)
+        out += c.handle(TaskTick(), now=4 + c.config.answer_timeout)
+        (request,) = [cmd for cmd in out if isinstance(cmd, RequestPlan)]
+        return request
+
+    assert plan_of(answered=("b",)).reset == ()
+    assert plan_of(answered=()).reset == ("b",)
 
 
 def test_without_the_rule_a_member_that_is_not_fresh_is_reset_too() -> None:

@@ -92,11 +92,13 @@ def test_seed_sweep(chunk: int) -> None:
 # What the seeds above were found with: every member's assignment arriving at once (followers
 # lag since 2026-11). Each regression seed runs both ways: the history it was found in, and
 # today's.
-# Nor did a rejoined task read before its generation's epoch then (resume_on_answer).
+# Nor did a rejoined task read before its generation's epoch then (resume_on_answer), nor was a
+# restarted task that answered reset (reset_answered_fresh).
 FOUND_WITH: dict[str, object] = {
     "follower_lag_us": (0, 0),
     "resume_on_answer": False,
     "heartbeat_while_rebalancing": False,
+    "reset_answered_fresh": False,
 }
 # Found with followers lagging and a 0.5 s answer wait (a leader planning before their answers).
 SHORT_WAIT: dict[str, object] = {"answer_timeout_us": 500_000}
@@ -109,9 +111,13 @@ def test_regression_seed(seed: int, found_with: bool) -> None:
     _check(seed, **(FOUND_WITH if found_with else {}))
 
 
-# the membership model before the adapter heartbeated during its rebalances (2026-11-27): the
-# seeds of some tests below were found in its histories, and run with it
-HELD_REBALANCES: dict[str, object] = {"heartbeat_while_rebalancing": False}
+# the membership model before the adapter heartbeated during its rebalances (2026-11-27), and
+# the plan before a restarted task that answered was reset (2026-11-28): the seeds of some tests
+# below were found in those histories, and run with them
+HELD_REBALANCES: dict[str, object] = {
+    "heartbeat_while_rebalancing": False,
+    "reset_answered_fresh": False,
+}
 # The histories the lag regressions were found in had no resets (protocol/planner.py): a seed
 # that resets now may miss the hole it found, so each also runs without the group reporting
 # fresh lives.
@@ -459,9 +465,10 @@ def test_teeth_resetting_a_member_that_is_not_fresh() -> None:
     included; a survivor still reading under its lease then shares its partition with the reader
     it was dealt to. The same seeds with the rule on are the control."""
     for seed in (0, 3):
-        broken = run(SimParams(seed=seed, reset_only_fresh=False)).violation
+        broken = run(SimParams(seed=seed, reset_only_fresh=False, **HELD_REBALANCES)).violation  # type: ignore[arg-type]
         assert "both read" in broken, (seed, broken)
         _check(seed)
+        _check(seed, **HELD_REBALANCES)
 
 
 def test_a_rejoined_task_reads_on_its_answer_and_teeth_without_the_superseded_epoch_fence() -> None:
