@@ -632,14 +632,21 @@ class KafkaMembership:
             self._probes += 1
             if life != self._life:
                 continue  # the membership it was sent for was lost meanwhile
-            if error in (_NONE, _REBALANCE_IN_PROGRESS):
+            if self._heartbeat_answered(int(sent * 1_000_000), error):
                 self._probes_counted += 1
-                self._facts = lease.heartbeat_answered(
-                    self._facts, int(sent * 1_000_000), rebalancing=error == _REBALANCE_IN_PROGRESS
-                )
-                self._heard = int(self._clock() * 1e6)
             else:
                 log.info("%r: heartbeat during the rebalance answered error %d", self, error)
+
+    def _heartbeat_answered(self, sent: int, error: int | None) -> bool:
+        """A heartbeat's answer, on aiokafka's connection or :meth:`_probe`'s: ``NONE`` or
+        ``REBALANCE_IN_PROGRESS`` answers it as this member's, a lease fact from its send time
+        (micros; protocol/lease.py K1). True when it counted."""
+        if error not in (_NONE, _REBALANCE_IN_PROGRESS):
+            return False
+        rebalancing = error == _REBALANCE_IN_PROGRESS
+        self._facts = lease.heartbeat_answered(self._facts, sent, rebalancing=rebalancing)
+        self._heard = int(self._clock() * 1e6)  # an answer as this member's came now
+        return True
 
     def _observe_heartbeats(self, consumer: AIOKafkaConsumer) -> None:
         """Learn the send time and answer of every group request (aiokafka has no public
@@ -657,12 +664,11 @@ class KafkaMembership:
 
         def answered(kind: str, sent_s: float, error: int | None) -> None:
             sent = int(sent_s * 1_000_000)
-            facts = self._facts
             if kind == "heartbeat":
-                if error in (_NONE, _REBALANCE_IN_PROGRESS):
-                    rebalancing = error == _REBALANCE_IN_PROGRESS
-                    facts = lease.heartbeat_answered(facts, sent, rebalancing=rebalancing)
-            elif kind == "join":
+                self._heartbeat_answered(sent, error)
+                return
+            facts = self._facts
+            if kind == "join":
                 if error is None:
                     facts = lease.join_sent(facts, sent)
                 elif error == _NONE:
@@ -671,8 +677,7 @@ class KafkaMembership:
                     facts = lease.join_failed(facts)
             elif error == _NONE:  # sync
                 facts = lease.sync_answered(facts, sent)
-            counted = error == _NONE or (kind == "heartbeat" and error == _REBALANCE_IN_PROGRESS)
-            if counted:
+            if error == _NONE:
                 self._heard = int(self._clock() * 1e6)  # an answer as this member's came now
             self._facts = facts
 
