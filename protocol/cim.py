@@ -33,9 +33,8 @@ task's CIM is the same at the same offset):
    (``protocol/planner.py``).
    5d. A member the epoch lists in ``reset`` (a task restarted under its id, which had not
    answered when the leader planned or had beside survivors: ``protocol/task.py``
-   ``_reset_members``) has its state dropped like a
-   dropped task's (rule 5c applies to it), keeping only its answer; it stays a member. Its
-   partitions were dealt out by the same epoch.
+   ``_reset_members``) has its state dropped like a dropped task's (rule 5c applies to it),
+   keeping only its answer; it stays a member. Its partitions were dealt out by the same epoch.
 6. A ``checkpoint`` seeds an empty CIM (a replay that starts at the checkpoint); a CIM that has
    already applied the checkpoint's ``as_of`` offset ignores it.
 7. ``marker`` messages change nothing.

@@ -17,8 +17,7 @@ Given the CIM and the members of the new generation, the leader opens a new epoc
   counts as dead for what the CIM credits to it: its new life has read nothing, and its earlier
   life is no member of this generation, so that life's lease is bounded as a dead task's is. Its
   partitions are dealt out to the other members (it gets none of them), and the epoch lists it
-  in ``reset`` so
-  every CIM drops its state (``protocol/cim.py``, rule 5d).
+  in ``reset`` so every CIM drops its state (``protocol/cim.py``, rule 5d).
 * Ownerless partitions are offered, in token order, each to the member with the smallest load
   (ties by task id) whose load is below the per-task cap; when every member is at the cap the
   partition is parked (offered to nobody) until a task has room.
@@ -74,8 +73,8 @@ def ownerless(
     # to a target that came back under the same id (a fresh life that never answered it) is
     # stale, and another member may have read on (sim seed 723). A finished copy still wins.
     handing: set[str] = set()
-    for task, view in cim.tasks.items():
-        if task not in live or not hold_handoffs:
+    for task, view in cim.tasks.items() if hold_handoffs else ():
+        if task not in live:
             continue
         for token, share in view.share.items():
             if share.kind != "move" or not share.released or share.target not in live:

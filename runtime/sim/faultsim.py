@@ -373,9 +373,7 @@ class Simulation:
         self.planner: Planner = (
             plan_broken
             if params.broken_planner
-            else plan
-            if params.hold_handoffs
-            else functools.partial(plan, hold_handoffs=False)
+            else functools.partial(plan, hold_handoffs=params.hold_handoffs)
         )
         self.sink_rng = Random(f"sink:{params.seed}")
         self.lag_rng = Random(f"lag:{params.seed}")
