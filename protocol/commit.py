@@ -3,13 +3,13 @@
 
 A sink that writes files commits a micro-batch in four steps, and this core says which:
 
-1. Its files are **staged** under ``_staging/<batch>/`` of the output, where no reader looks
-   (readers skip names starting with ``_``).
+1. Its files are **staged** under ``_staging/<connector>/<batch>/`` of the output, where no
+   reader looks (readers skip names starting with ``_``).
 2. The lease is checked, then the **manifest** is written atomically: the batch id, the moves
    (staged directory → final directory, one per table) and the new :class:`Position` of every
    partition in the batch. Writing it is the commit point.
 3. The manifest is **applied**: each move is one rename, then each partition's position is
-   written to its progress file (``_shoal/progress/<progress_name(token)>``), then the manifest
+   written to its progress file (``_shoal/<connector>/progress/<progress_name(token)>``), then the manifest
    is deleted. :func:`apply_plan` gives these operations; it is idempotent: a move whose source
    is gone and whose target exists is done, so a manifest can be applied again by whoever finds
    it after a crash.
@@ -20,6 +20,12 @@ A sink that writes files commits a micro-batch in four steps, and this core says
 
 A position only moves forward: a progress file is rewritten only with a newer position
 (:meth:`Position.newer`), so applying an old manifest late never moves a partition back.
+
+**Per connector.** Every connector keeps its own state under the output (:func:`state_dir`:
+manifests, progress files, its start and its completeness mark) and stages under its own
+:func:`staging_dir`; its batch identities include its name. Several connectors may write to
+one output (say, one per set of tables, or a reset under a new name): none resumes from, or
+recovers, another's state.
 
 The **batch identity** (:func:`batch_identity`) is computed from the batch's contents only: its
 partitions and, per partition, the number of records and the identities of the first and last
@@ -52,9 +58,9 @@ from protocol.dedup import Identity, PartitionTail, Position
 from protocol.records import DataChange
 
 __all__ = [
-    "COMMITS_DIR",
-    "PROGRESS_DIR",
+    "LEGACY_STATE",
     "STAGING_DIR",
+    "STATE_DIR",
     "CommitError",
     "CommitFences",
     "DeleteManifest",
@@ -65,23 +71,103 @@ __all__ = [
     "Op",
     "PartitionPosition",
     "Rename",
+    "StartRecord",
     "WriteProgress",
     "apply_plan",
     "batch_identity",
+    "commits_dir",
+    "completeness_path",
     "decode_manifest",
     "decode_position",
+    "decode_start",
     "encode_manifest",
     "encode_position",
+    "encode_start",
     "manifest_name",
     "next_position",
+    "progress_dir",
     "progress_name",
     "records_identity",
     "recovery_plan",
+    "staging_dir",
+    "start_conflict",
+    "start_path",
+    "state_dir",
 ]
 
-STAGING_DIR = "_staging"  # <output>/_staging/<batch>/...
-COMMITS_DIR = "_shoal/commits"  # <output>/_shoal/commits/<manifest_name(batch)>
-PROGRESS_DIR = "_shoal/progress"  # <output>/_shoal/progress/<progress_name(token)>
+STAGING_DIR = "_staging"  # <output>/_staging/<connector>/<batch>/...
+STATE_DIR = "_shoal"  # <output>/_shoal/<connector>/...: each connector's own output state
+LEGACY_STATE = ("_shoal/commits", "_shoal/progress")  # before the state was per connector
+
+
+def state_dir(connector: str) -> str:
+    """Connector ``connector``'s own state under the output (relative path): its manifests
+    (``commits/``), progress files (``progress/``), start record and completeness mark. Every
+    connector writing to one output keeps its own: one never resumes from another's progress
+    (docs/design.md#exactly-once-output, rule 5)."""
+    if not connector or "/" in connector or connector in (".", ".."):
+        raise ValueError(f"not a connector name: {connector!r}")
+    return f"{STATE_DIR}/{connector}"
+
+
+def commits_dir(connector: str) -> str:
+    """``<output>/<commits_dir>/<manifest_name(batch)>``: the connector's manifests."""
+    return f"{state_dir(connector)}/commits"
+
+
+def progress_dir(connector: str) -> str:
+    """``<output>/<progress_dir>/<progress_name(token)>``: the connector's progress files."""
+    return f"{state_dir(connector)}/progress"
+
+
+def start_path(connector: str) -> str:
+    """The connector's start record (:class:`StartRecord`), relative to the output."""
+    return f"{state_dir(connector)}/start.json"
+
+
+def completeness_path(connector: str) -> str:
+    """The connector's completeness mark (``protocol.completeness``), relative to the output."""
+    return f"{state_dir(connector)}/completeness.json"
+
+
+class StartRecord(msgspec.Struct, frozen=True):
+    """Where connector ``connector`` started reading, as the output itself remembers it (so a
+    restart that lost its sync topic — an embedded broker's is in memory — still knows it):
+    ``start_us`` in Unix microseconds, ``start`` the same as RFC 3339 text for people."""
+
+    connector: str
+    start_us: int
+    start: str
+
+
+_start_decoder = msgspec.json.Decoder(StartRecord)
+
+
+def encode_start(record: StartRecord) -> bytes:
+    return _manifest_encoder.encode(record) + b"\n"
+
+
+def decode_start(data: bytes) -> StartRecord:
+    """Raises ``msgspec.DecodeError``/``ValidationError`` on anything that is not a record."""
+    return _start_decoder.decode(data)
+
+
+def start_conflict(recorded: StartRecord | None, explicit: int | None) -> StartRecord | None:
+    """The recorded start an explicit start (``explicit``, None for "now") contradicts, if any:
+    a connector that already started somewhere resumes from its state, and reading from
+    another start would silently skip (or repeat) a window. Applied the same way to the sync
+    topic's record and to the output's, so every broker refuses it alike."""
+    if recorded is None or explicit is None or recorded.start_us == explicit:
+        return None
+    return recorded
+
+
+def staging_dir(connector: str) -> str:
+    """The connector's staging area (relative path); one batch's files under
+    ``<staging_dir>/<batch>/``. Per connector, so that one connector's recovery never deletes
+    what another one staged."""
+    state_dir(connector)  # checks the name
+    return f"{STAGING_DIR}/{connector}"
 
 
 class CommitError(RuntimeError):
@@ -133,12 +219,12 @@ def decode_position(data: bytes) -> Position:
 
 
 def manifest_name(batch: str) -> str:
-    """The manifest's file name under :data:`COMMITS_DIR`."""
+    """The manifest's file name under :func:`commits_dir`."""
     return f"{batch}.json"
 
 
 def progress_name(token: str) -> str:
-    """The progress file's name of partition ``token`` under :data:`PROGRESS_DIR`: a hash (a
+    """The progress file's name of partition ``token`` under :func:`progress_dir`: a hash (a
     token is long and may hold any character); collisions are impossible in practice."""
     return hashlib.blake2b(token.encode(), digest_size=16).hexdigest()
 
@@ -221,7 +307,7 @@ def recovery_plan(
 ) -> list[DeleteStaged]:
     """The staged directories to delete at recovery, after every manifest in ``manifests`` was
     applied (with :func:`apply_plan`, each in turn). ``staged``: each directory found under
-    :data:`STAGING_DIR` (relative to the output) with its modification time, on the clock of
+    :func:`staging_dir` (relative to the output) with its modification time, on the clock of
     ``now``. A directory a manifest names is the manifest's; any other one older than
     ``max_age_s`` was never committed (its process died before the commit point) and goes; a
     younger one may be a batch being staged right now, and stays."""
@@ -264,10 +350,13 @@ def next_position(
 # --- batch identity --------------------------------------------------------------------------
 
 
-def batch_identity(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> str:
+def batch_identity(entries: Iterable[tuple[str, Sequence[DataChange]]], connector: str = "") -> str:
     """The deterministic identity of a micro-batch (see the module docstring): ``b`` and 16 hex
     digits. ``entries``: (partition token, records) in the batch's order; several entries of
-    one partition count as one run of records. Partitions without records count by token."""
+    one partition count as one run of records. Partitions without records count by token.
+    ``connector``: the connector that wrote the batch (its identities never meet another
+    connector's in a shared output; "" for a batch handed to a user's callback, which knows
+    its connector)."""
     parts: dict[str, tuple[Identity | None, Identity | None, int]] = {}
     for token, records in entries:
         first, last, count = parts.get(token, (None, None, 0))
@@ -278,6 +367,9 @@ def batch_identity(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> str:
             count += len(records)
         parts[token] = (first, last, count)
     h = hashlib.blake2b(digest_size=8)
+    if connector:
+        h.update(msgspec.json.encode(("connector", connector)))
+        h.update(b"\n")
     for token in sorted(parts):
         first, last, count = parts[token]
         h.update(msgspec.json.encode((token, count, first, last)))

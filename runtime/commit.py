@@ -1,12 +1,15 @@
 """The file-system committer of the file sinks (docs/design.md#exactly-once-output): the shell
 around ``protocol.commit``, used by the parquet file sink and the Spark bridge's default output.
 
-Layout under the output directory ``root``::
+Layout under the output directory ``root``, for connector ``<c>``::
 
-    _staging/<batch>/...          files of a batch being written (readers skip ``_`` names)
-    _shoal/commits/<batch>.json   the manifest of a batch being applied (the commit point)
-    _shoal/progress/<hash>        one partition's committed Position (JSON)
-    <final paths>                 what readers see: each appeared by one rename
+    _staging/<c>/<batch>/...          files of a batch being written (readers skip ``_`` names)
+    _shoal/<c>/commits/<batch>.json   the manifest of a batch being applied (the commit point)
+    _shoal/<c>/progress/<hash>        one partition's committed Position (JSON)
+    <final paths>                     what readers see: each appeared by one rename
+
+Each connector has its own state (``protocol.commit.state_dir``): connectors sharing an output
+never read or recover each other's.
 
 A commit (:meth:`Committer.commit`, blocking: run it in a worker thread) checks ``permit()`` (the
 lease) right before the commit point, writes the manifest atomically (a temporary file, fsync,
@@ -15,6 +18,10 @@ file atomically and deletes the manifest. :meth:`recover` applies the manifests 
 process left and deletes staged directories no manifest names once they are older than
 ``garbage_age_s``; it runs at open and before :meth:`committed` answers. :meth:`committed` reads
 one progress file.
+
+**Corrupt state stops loudly**: a progress file or manifest that cannot be decoded (truncated,
+emptied, overwritten) raises :class:`CorruptState` (an ``Unrecoverable``: the run stops with exit
+1) naming the file and what to do, instead of a reader retrying the partition for ever.
 
 **Fences** (``protocol.commit.CommitFences``): a commit names the batches it holds by the sink's
 keys (``fence=``); :meth:`Committer.fence` (a reader stopping with batches in flight) answers
@@ -44,9 +51,7 @@ from pathlib import Path
 import msgspec
 
 from protocol.commit import (
-    COMMITS_DIR,
-    PROGRESS_DIR,
-    STAGING_DIR,
+    LEGACY_STATE,
     CommitFences,
     DeleteManifest,
     DeleteStaged,
@@ -58,6 +63,7 @@ from protocol.commit import (
     Rename,
     WriteProgress,
     apply_plan,
+    commits_dir,
     decode_manifest,
     decode_position,
     describe,
@@ -65,13 +71,23 @@ from protocol.commit import (
     encode_position,
     manifest_name,
     next_position,
+    progress_dir,
     progress_name,
     recovery_plan,
+    staging_dir,
 )
 from protocol.dedup import Position
 from protocol.records import DataChange
+from runtime.ports import Unrecoverable
 
-__all__ = ["CommitFenced", "CommitIncomplete", "CommitRefused", "Committer"]
+__all__ = [
+    "CommitFenced",
+    "CommitIncomplete",
+    "CommitRefused",
+    "Committer",
+    "CorruptState",
+    "write_atomically",
+]
 
 log = logging.getLogger("shoal.commit")
 
@@ -91,6 +107,29 @@ class CommitIncomplete(RuntimeError):
     when the output is opened next). The committer's user should stop committing."""
 
 
+def write_atomically(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Replace ``path`` with ``data`` in one step (a temporary file, fsync, ``os.replace``):
+    a reader sees the old content or the new, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class CorruptState(Unrecoverable):
+    """A file of the output's own state (a progress file or a manifest) cannot be read: the
+    message names it and what to do. Retrying cannot mend it, so the run stops."""
+
+
 class Committer:
     """Atomic micro-batch commits into ``root``; see the module docstring. Thread-safe: one
     commit or recovery at a time."""
@@ -99,12 +138,17 @@ class Committer:
         self,
         root: str | os.PathLike[str],
         *,
+        connector: str = "shoal",
         permit: Callable[[], bool] | None = None,
         garbage_age_s: float = 3600.0,
         fsync: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.root = Path(root)
+        self.connector = connector
+        self._staging = staging_dir(connector)
+        self._commits = commits_dir(connector)
+        self._progress = progress_dir(connector)
         self.permit = permit
         self.garbage_age_s = garbage_age_s
         self.fsync = fsync
@@ -117,33 +161,52 @@ class Committer:
         self._forgotten: deque[int] = deque()  # keys to forget at the next locked call
 
     def __repr__(self) -> str:
-        return f"Committer({str(self.root)!r})"
+        return f"Committer({str(self.root)!r}, connector={self.connector!r})"
 
     # --- paths ------------------------------------------------------------------------------
+
+    def staged(self, batch: str) -> str:
+        """The staging directory of ``batch``, relative to ``root`` (moves name paths under it)."""
+        return f"{self._staging}/{batch}"
 
     def staging(self, batch: str) -> Path:
         """The (fresh, empty) staging directory of ``batch``: whatever an earlier attempt left
         there is removed."""
-        path = self.root / STAGING_DIR / batch
+        path = self.root / self.staged(batch)
         if path.exists():
             shutil.rmtree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
     def _manifest_path(self, batch: str) -> Path:
-        return self.root / COMMITS_DIR / manifest_name(batch)
+        return self.root / self._commits / manifest_name(batch)
 
     def _progress_path(self, token: str) -> Path:
-        return self.root / PROGRESS_DIR / progress_name(token)
+        return self.root / self._progress / progress_name(token)
+
+    def legacy_state(self) -> list[str]:
+        """Output state of a version that did not keep it per connector (``_shoal/commits``,
+        ``_shoal/progress``): it is not read (nobody knows whose it is); the caller warns."""
+        return [d for d in LEGACY_STATE if (self.root / d).exists()]
 
     # --- reading ----------------------------------------------------------------------------
 
     def _read_position(self, token: str) -> Position | None:
+        path = self._progress_path(token)
         try:
-            data = self._progress_path(token).read_bytes()
+            data = path.read_bytes()
         except FileNotFoundError:
             return None
-        return decode_position(data)
+        try:
+            return decode_position(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CorruptState(
+                f"output state: progress file {path} (partition {token!r} of connector "
+                f"{self.connector!r}) cannot be read ({exc}; {len(data)} bytes). Nothing was "
+                "written past it. To re-read the partition from the sync topic's watermark, "
+                "delete the file and start again (rows after that watermark already in the "
+                "output may then appear twice); or restore it from a backup"
+            ) from exc
 
     def committed(self, token: str) -> Position | None:
         """Blocking: partition ``token``'s committed position by this output's own record, after
@@ -203,7 +266,7 @@ class Committer:
                 positions[token] = next_position(base, records, watermark)
             manifest = Manifest(
                 batch,
-                f"{STAGING_DIR}/{batch}",
+                self.staged(batch),
                 tuple(Move(s, f) for s, f in moves),
                 tuple(PartitionPosition(t, p) for t, p in positions.items()),
             )
@@ -247,19 +310,7 @@ class Committer:
         self._write_atomically(path, encode_manifest(manifest))
 
     def _write_atomically(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if self.fsync:
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        write_atomically(path, data, fsync=self.fsync)
 
     def _apply(self, manifest: Manifest, current: dict[str, Position | None] | None = None) -> None:
         """Apply ``manifest``; ``current``: the partitions' positions, if known (else each
@@ -303,27 +354,35 @@ class Committer:
             return self._recover()
 
     def _recover(self) -> int:
-        commits = self.root / COMMITS_DIR
+        commits = self.root / self._commits
         manifests: list[Manifest] = []
         with contextlib.suppress(FileNotFoundError):
             for path in sorted(commits.iterdir()):
                 if path.name.startswith("."):
                     continue  # a manifest never completed: its batch never committed
                 try:
-                    manifests.append(decode_manifest(path.read_bytes()))
+                    data = path.read_bytes()
                 except FileNotFoundError:
                     continue  # applied by its own process meanwhile
-                except msgspec.DecodeError:
-                    log.exception("%r: manifest %s is unreadable; left in place", self, path)
+                try:
+                    manifests.append(decode_manifest(data))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise CorruptState(
+                        f"output state: manifest {path} of connector {self.connector!r} cannot "
+                        f"be read ({exc}; {len(data)} bytes): a micro-batch passed its commit "
+                        "point and cannot be applied. Deleting the file drops that batch (its "
+                        "partitions are read again from their progress files; tables it had "
+                        "already moved into place then hold its rows twice)"
+                    ) from exc
         for manifest in manifests:
             log.warning("%r: applying batch %s left by a stopped process", self, manifest.batch)
             self._apply(manifest)
         self.recovered += len(manifests)
         staged: list[tuple[str, float]] = []
         with contextlib.suppress(FileNotFoundError):
-            for entry in (self.root / STAGING_DIR).iterdir():
+            for entry in (self.root / self._staging).iterdir():
                 with contextlib.suppress(FileNotFoundError):
-                    staged.append((f"{STAGING_DIR}/{entry.name}", entry.stat().st_mtime))
+                    staged.append((f"{self._staging}/{entry.name}", entry.stat().st_mtime))
         for op in recovery_plan(manifests, staged, self.clock(), self.garbage_age_s):
             log.info("%r: deleting uncommitted staged files %s", self, op.path)
             self._do(op)

@@ -24,7 +24,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from protocol.commit import STAGING_DIR
 from runtime.typed import METADATA
 
 __all__ = [
@@ -51,10 +50,11 @@ _WRITERS = 2  # threads encoding one micro-batch's table files
 
 
 def write_tables(
-    staging: Path, batch: str, tables: Mapping[str, pa.Table]
+    staging: Path, staged: str, batch: str, tables: Mapping[str, pa.Table]
 ) -> list[tuple[str, str]]:
-    """Write each table of a micro-batch under ``staging`` (``_staging/<batch>`` of the output)
-    and return the committer's moves (staged, final), relative to the output directory.
+    """Write each table of a micro-batch under ``staging`` (the batch's staging directory,
+    ``staged`` relative to the output) and return the committer's moves (staged, final),
+    relative to the output directory.
 
     Each table's directory is ``staging/<table>``, renamed as a whole to ``<table>/batch=<id>``:
     one directory created per table and none left to remove after the renames but ``staging``
@@ -80,7 +80,7 @@ def write_tables(
         with ThreadPoolExecutor(_WRITERS, thread_name_prefix="shoal-typed-write") as pool:
             for done in pool.map(write, tables):
                 assert done is None
-    return [(f"{STAGING_DIR}/{batch}/{name}", f"{name}/batch={batch}") for name in tables]
+    return [(f"{staged}/{name}", f"{name}/batch={batch}") for name in tables]
 
 
 def table_dirs(root: str | os.PathLike[str]) -> list[Path]:
@@ -164,3 +164,31 @@ def generic_rows(root: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             f"{micros}/{row['server_transaction_id']}/{row['record_sequence']}/{row['mod_index']}"
         )
         yield row
+
+
+def output_identities(root: str | os.PathLike[str]) -> set[tuple[int, str, str]]:
+    """The record identities (commit timestamp in microseconds, server transaction id, record
+    sequence) of every committed row of a typed or generic output under ``root`` (names
+    starting with ``_`` or ``.`` skipped: staged batches, the output's own state)."""
+    import pyarrow.dataset as ds
+
+    if is_typed_layout(root):
+        changes = read_changes(root)
+        ts = changes.column("_commit_ts").cast(pa.int64()).to_pylist()
+        txn = changes.column("_server_transaction_id").to_pylist()
+        seq = changes.column("_record_sequence").to_pylist()
+    else:
+        base = Path(root)
+        if not base.is_dir():
+            return set()
+        names = ["commit_ts", "server_transaction_id", "record_sequence"]
+        data = ds.dataset(
+            str(base), format="parquet", exclude_invalid_files=True, ignore_prefixes=[".", "_"]
+        )
+        if not data.files:
+            return set()
+        table = data.to_table(columns=names)
+        ts = table.column("commit_ts").cast(pa.int64()).to_pylist()
+        txn = table.column("server_transaction_id").to_pylist()
+        seq = table.column("record_sequence").to_pylist()
+    return set(zip(ts, txn, seq, strict=True))

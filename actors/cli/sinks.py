@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 import msgspec
 
-from protocol.commit import STAGING_DIR, batch_identity
+from protocol.commit import batch_identity
 from protocol.dedup import Position, Tails
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer
@@ -109,6 +109,7 @@ class FileSink:
         permit: Callable[[], bool] | None = None,
         fsync: bool = True,
         layout: Literal["typed", "generic"] = "typed",
+        connector: str = "shoal",
     ) -> None:
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
             raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
@@ -126,7 +127,7 @@ class FileSink:
         self._held: dict[int, tuple[int, SinkBatch]] = {}
         self._next_key = 0
         self._gaps: dict[str, int] = {}  # token -> first commit timestamp of a failed batch
-        self.committer = Committer(self.directory, permit=permit, fsync=fsync)
+        self.committer = Committer(self.directory, connector=connector, permit=permit, fsync=fsync)
         self._first_at: float | None = None
         self._buffered = 0
         self._room = asyncio.Condition()
@@ -147,6 +148,14 @@ class FileSink:
     async def __aenter__(self) -> Self:
         self.directory.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.committer.recover)
+        for legacy in self.committer.legacy_state():
+            log.warning(
+                "%r: %s holds output state of an earlier shoal version, not kept per connector; "
+                "it is not read (connector %r resumes from its own state and the sync topic)",
+                self,
+                self.directory / legacy,
+                self.committer.connector,
+            )
         self._writer = asyncio.create_task(self._write_loop(), name="file-sink")
         return self
 
@@ -389,7 +398,9 @@ class FileSink:
         keys: list[int],
     ) -> None:
         """In a worker thread: stage the micro-batch's files (if it has rows) and commit it."""
-        batch = batch_identity((token, records) for token, records, _ in entries)
+        batch = batch_identity(
+            ((token, records) for token, records, _ in entries), self.committer.connector
+        )
         moves = []
         if rows:
             staging = self.committer.staging(batch)
@@ -398,10 +409,13 @@ class FileSink:
                     from runtime.typed import typed_tables
                     from runtime.typed_files import write_tables
 
-                    moves = write_tables(staging, batch, typed_tables(fresh))
+                    staged = self.committer.staged(batch)
+                    moves = write_tables(staging, staged, batch, typed_tables(fresh))
                 else:
                     self._write_file(columns, staging / f"batch={batch}")
-                    moves.append((f"{STAGING_DIR}/{batch}/batch={batch}", f"batch={batch}"))
+                    moves.append(
+                        (f"{self.committer.staged(batch)}/batch={batch}", f"batch={batch}")
+                    )
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
@@ -512,6 +526,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "master": sc.master,
         "remote": sc.remote,
         "app_name": sc.app_name,
+        "connector": config.run.connector,
         "conf": dict(sc.conf),
         "output_dir": _absolute(config.run.output_dir, "data"),
         "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),

@@ -81,7 +81,7 @@ from typing import Any, Self
 
 import msgspec
 
-from protocol.commit import STAGING_DIR, batch_identity, records_identity
+from protocol.commit import batch_identity, records_identity
 from protocol.dedup import Position
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer
@@ -154,7 +154,7 @@ class SparkBridge:
             and config.atomic_commit
             and ":/" not in config.output_dir
         ):
-            self.committer = Committer(config.output_dir, permit=permit)
+            self.committer = Committer(config.output_dir, connector=config.connector, permit=permit)
         self.spark: Any = spark
         self._owns_spark = spark is None
         self.run_id = f"{time.time_ns():020d}"
@@ -164,6 +164,7 @@ class SparkBridge:
         self._next_fence_key = 0
         self._tails = Tails()  # what the cutter accepted (touched only by the cutter)
         self._committed = Tails()  # what Spark committed
+        self._seeded: set[str] = set()  # partitions whose tails came from their progress file
         self._gate = Tails()  # gaps left by failed batches (checked in put)
         self._generation = 0  # bumped by every failed micro-batch
         self._tails_generation = 0
@@ -243,7 +244,16 @@ class SparkBridge:
                 await asyncio.to_thread(self._warm_write, None)
             if self.committer is not None:
                 await asyncio.to_thread(self.committer.recover)
-            if self.foreach_batch is None and cfg.resume_dedupe:
+                for legacy in self.committer.legacy_state():
+                    log.warning(
+                        "%r: %s/%s holds output state of an earlier shoal version, not kept "
+                        "per connector; it is not read",
+                        self,
+                        cfg.output_dir,
+                        legacy,
+                    )
+            elif self.foreach_batch is None and cfg.resume_dedupe:
+                # no progress files to resume from: learn the tails from the output itself
                 await asyncio.to_thread(self._seed_tails)
             if cfg.path == "streaming":
                 from runtime.spark.streaming import StreamingBackend
@@ -523,6 +533,7 @@ class SparkBridge:
                 if self._tails_generation != generation:
                     self._tails.rewind(self._committed)
                     self._tails_generation = generation
+                await self._seed_from_progress(cut)
                 prepared = await asyncio.to_thread(self._prepare, cut)
                 await self._queue.put((cut, generation, *prepared))
         finally:
@@ -538,6 +549,22 @@ class SparkBridge:
             raise SparkStartError(f"Spark cannot write parquet: {exc}") from exc
         finally:
             shutil.rmtree(target, ignore_errors=True)
+
+    async def _seed_from_progress(self, cut: Cut) -> None:
+        """With atomic commits: the first time a partition is seen, learn what is committed of
+        it from its progress file (one small file, not the whole output), so records an earlier
+        run wrote and a re-reader hands in again are not written twice."""
+        committer = self.committer
+        if committer is None:
+            return
+        for token in dict.fromkeys(e.token for e in cut.entries):
+            if token in self._seeded:
+                continue
+            position = await asyncio.to_thread(committer.committed, token)
+            self._seeded.add(token)
+            if position is not None:
+                self._tails.resume(token, position)
+                self._committed.resume(token, position)
 
     def _seed_tails(self) -> None:
         """Blocking: learn, per partition token, the newest commit timestamp in the default
@@ -681,7 +708,7 @@ class SparkBridge:
         cfg = self.config
         error: Exception | None = None
         if identity is None:
-            identity = _cut_identity(cut)
+            identity = _cut_identity(cut, self.config.connector)
         if isinstance(self._broken, SparkLost):
             return self._broken
         attempt = 0
@@ -1177,7 +1204,7 @@ class SparkBridge:
                     "Spark Connect or on a cluster the output must be on a file system this "
                     "process shares with the executors (or set SparkConfig.atomic_commit=False)"
                 )
-            rel = f"{STAGING_DIR}/{identity}"
+            rel = committer.staged(identity)
             moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in tables]
         keys = [k for e in cut.entries if (k := self._fence_keys.get(id(e))) is not None]
         committer.commit(
@@ -1264,8 +1291,8 @@ def _layout(config: SparkConfig, has_foreach: bool) -> str:
     return config.output_layout or ("typed" if typed_ok else "generic")
 
 
-def _cut_identity(cut: Cut) -> str:
-    return batch_identity((e.token, e.records) for e in cut.entries)
+def _cut_identity(cut: Cut, connector: str) -> str:
+    return batch_identity(((e.token, e.records) for e in cut.entries), connector)
 
 
 def _takes_identity(foreach_batch: Callable[..., Any]) -> bool:

@@ -19,6 +19,9 @@ class SparkConfig(msgspec.Struct, frozen=True):
     master: str = "local[2]"
     remote: str | None = None  # Spark Connect URL sc://host:port (instead of master)
     app_name: str = "shoal"
+    # the connector writing the output: its own output state under <output_dir>/_shoal/<connector>
+    # (docs/design.md#exactly-once-output, rule 5) and its batch identities
+    connector: str = "shoal"
     conf: dict[str, str] = {}
     output_dir: str = "shoal-output"
     checkpoint_dir: str | None = None  # streaming: default <output_dir>/_checkpoint
@@ -41,7 +44,9 @@ class SparkConfig(msgspec.Struct, frozen=True):
     spool_dir: str | None = None  # streaming: default <output_dir>/_spool
     trigger_interval_s: float = 1.0  # streaming: the query's processing-time trigger
     ack_poll_s: float = 0.1  # streaming: how often Spark's checkpoint is read for commits
-    resume_dedupe: bool = True  # on start, learn each partition's tail from the output
+    # without atomic commits (no progress files): on start, learn each partition's tail from the
+    # output (reads all of it); with them, each partition's tail comes from its progress file
+    resume_dedupe: bool = True
     # embedded default output: commit each micro-batch atomically with its partitions'
     # positions (docs/design.md#exactly-once-output); needs the output on a file system this
     # process shares with Spark (always on local Spark; over Spark Connect, a shared one)

@@ -145,6 +145,10 @@ class Tails:
     def accept_identity(self, token: str, identity: tuple[Micros, str, str]) -> None:
         self._tails.accept(token, identity)
 
+    def resume(self, token: str, position: dedup.Position) -> None:
+        """Start ``token``'s tail at a committed ``position`` unless it already has one."""
+        self._tails.resume(token, position)
+
     def fresh(self, token: str, records: Iterable[DataChange]) -> list[DataChange]:
         """The records not seen before, which are then accepted."""
         return self._tails.fresh(token, records)

@@ -53,7 +53,7 @@ class TypedBatch:
             return []
         staging = committer.staging(identity)
         try:
-            return write_tables(staging, identity, self.tables)
+            return write_tables(staging, committer.staged(identity), identity, self.tables)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -68,7 +68,7 @@ class TypedBatch:
         staging = root / STAGING_DIR / name
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            for staged, final in write_tables(staging, name, self.tables):
+            for staged, final in write_tables(staging, f"{STAGING_DIR}/{name}", name, self.tables):
                 target = root / final
                 if target.exists():
                     shutil.rmtree(target)

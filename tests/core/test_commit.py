@@ -179,3 +179,32 @@ def test_forgotten_keys_leave_no_trace() -> None:
     assert (fences.passed_keys, fences.fenced_keys) == (set(), set())
     # a key forgotten after it passed is answered fenced: the shell's future says committed
     assert fences.fence({1}) == FenceOutcome(frozenset(), frozenset({1}))
+
+
+def test_each_connector_has_its_own_state_and_identities() -> None:
+    from protocol.commit import commits_dir, progress_dir, staging_dir, state_dir
+
+    assert state_dir("ca") == "_shoal/ca" != state_dir("cb")
+    assert commits_dir("ca") == "_shoal/ca/commits"
+    assert progress_dir("ca") == "_shoal/ca/progress"
+    assert staging_dir("ca") == "_staging/ca"
+    for bad in ("", ".", "..", "a/b"):
+        with pytest.raises(ValueError, match="connector"):
+            state_dir(bad)
+    entries = [("p", [rec(1), rec(2)])]
+    assert batch_identity(entries, "ca") != batch_identity(entries, "cb")
+    assert batch_identity(entries, "ca") == batch_identity(entries, "ca")
+    assert batch_identity(entries) != batch_identity(entries, "ca")
+
+
+def test_an_explicit_start_that_differs_from_the_recorded_one_conflicts() -> None:
+    from protocol.commit import StartRecord, decode_start, encode_start, start_conflict
+
+    recorded = StartRecord("ca", 1_000, "1970-01-01T00:00:00.001Z")
+    assert decode_start(encode_start(recorded)) == recorded
+    assert start_conflict(recorded, 2_000) == recorded
+    assert start_conflict(recorded, 1_000) is None  # the same start resumes
+    assert start_conflict(recorded, None) is None  # "now": resume
+    assert start_conflict(None, 2_000) is None  # never started: nothing to contradict
+    with pytest.raises(msgspec.DecodeError):
+        decode_start(b'{"connector": "ca", "sta')

@@ -9,6 +9,7 @@ it, and the batch's futures fail."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,10 +129,10 @@ async def test_killed_after_the_manifest_the_next_sink_finishes_the_commit(
     tmp_path: Path, step: str, arm: Callable[[pytest.MonkeyPatch], None]
 ) -> None:
     await killed_during_commit(tmp_path, arm)
-    assert list((tmp_path / "_shoal" / "commits").glob("*.json")), step
+    assert list((tmp_path / "_shoal" / "shoal" / "commits").glob("*.json")), step
     async with FileSink(tmp_path, max_age_s=0.01) as sink:  # recovers at open
         assert sink.committer.recovered == 1
-        assert not list((tmp_path / "_shoal" / "commits").glob("*.json"))
+        assert not list((tmp_path / "_shoal" / "shoal" / "commits").glob("*.json"))
         assert await sink_committed(sink, "p") == P_POSITION
         assert await sink_committed(sink, "q") == Q_POSITION
         assert rows(tmp_path) == EXPECTED
@@ -141,7 +142,7 @@ async def test_killed_after_the_manifest_the_next_sink_finishes_the_commit(
         for future in await put_both(sink):
             await future
     assert rows(tmp_path) == EXPECTED
-    assert not (tmp_path / STAGING_DIR).exists() or not any((tmp_path / STAGING_DIR).iterdir())
+    assert not any(p.is_file() for p in (tmp_path / STAGING_DIR).rglob("*"))
 
 
 @pytest.mark.asyncio
@@ -171,7 +172,7 @@ async def test_a_lapsed_lease_commits_nothing(tmp_path: Path) -> None:
         await (await sink.put(SinkBatch("p", P_RECORDS[1:], 20)))
         assert await sink.durable_position("p") == P_POSITION
     assert rows(tmp_path) == [("p", 10, "0"), ("p", 20, "0"), ("p", 20, "1")]
-    assert not any((tmp_path / STAGING_DIR).iterdir())
+    assert not any(p.is_file() for p in (tmp_path / STAGING_DIR).rglob("*"))
 
 
 def test_half_way_through_the_moves_recovery_moves_the_rest(tmp_path: Path) -> None:
@@ -182,7 +183,7 @@ def test_half_way_through_the_moves_recovery_moves_the_rest(tmp_path: Path) -> N
         d = staging / f"table={table}" / "batch=b1"
         d.mkdir(parents=True)
         (d / "part-0.parquet").write_bytes(b"x")
-    moves = [(f"{STAGING_DIR}/b1/table={t}/batch=b1", f"table={t}/batch=b1") for t in "AB"]
+    moves = [(f"{committer.staged('b1')}/table={t}/batch=b1", f"table={t}/batch=b1") for t in "AB"]
     with pytest.MonkeyPatch.context() as mp:
         kill_at_op(Rename, nth=2)(mp)
         with pytest.raises(CommitIncomplete):
@@ -192,7 +193,7 @@ def test_half_way_through_the_moves_recovery_moves_the_rest(tmp_path: Path) -> N
     fresh = Committer(tmp_path, fsync=False)
     assert fresh.committed("p") == P_POSITION
     assert (tmp_path / "table=B/batch=b1/part-0.parquet").exists()
-    assert not (tmp_path / STAGING_DIR / "b1").exists()
+    assert not (tmp_path / committer.staged("b1")).exists()
 
 
 def test_old_staged_left_overs_are_deleted_young_ones_kept(tmp_path: Path) -> None:
@@ -200,13 +201,54 @@ def test_old_staged_left_overs_are_deleted_young_ones_kept(tmp_path: Path) -> No
     committer = Committer(tmp_path, garbage_age_s=60.0, clock=lambda: now[0])
     (committer.staging("old") / "f").mkdir(parents=True)
     now[0] = 2e12  # far later than the directory's mtime
-    (tmp_path / STAGING_DIR / "young").mkdir()
-    young_mtime = (tmp_path / STAGING_DIR / "young").stat().st_mtime
+    staging = tmp_path / committer.staged("")
+    (staging / "young").mkdir()
+    young_mtime = (staging / "young").stat().st_mtime
     now[0] = young_mtime + 1
     committer2 = Committer(tmp_path, garbage_age_s=60.0, clock=lambda: young_mtime + 1e6)
     assert committer2.recover() == 0
-    assert not (tmp_path / STAGING_DIR / "old").exists()
-    assert not (tmp_path / STAGING_DIR / "young").exists()
-    (tmp_path / STAGING_DIR / "young").mkdir()
+    assert not (staging / "old").exists()
+    assert not (staging / "young").exists()
+    (staging / "young").mkdir()
     assert committer.recover() == 0  # its clock says the directory is 1 s old
-    assert (tmp_path / STAGING_DIR / "young").exists()
+    assert (staging / "young").exists()
+
+
+def test_connectors_sharing_an_output_never_see_each_others_state(tmp_path: Path) -> None:
+    """Progress, manifests and staged files are the connector's own: a second connector over
+    the same output reads no position of the first (its partitions start from scratch), and its
+    recovery leaves the first one's staged batch alone (docs/design.md, exactly-once rule 5)."""
+    a = Committer(tmp_path, connector="ca", fsync=False)
+    a.commit("b1", [], [("p", P_RECORDS, 20)])
+    assert a.committed("p") == P_POSITION
+    b = Committer(tmp_path, connector="cb", fsync=False, garbage_age_s=0.0, clock=lambda: 1e12)
+    assert b.committed("p") is None  # keyed by token only, it would resume at a's position
+    (a.staging("b2") / "f").mkdir(parents=True)  # a batch ca is staging right now
+    assert b.recover() == 0
+    assert (tmp_path / a.staged("b2") / "f").exists()
+    assert Committer(tmp_path, connector="ca", fsync=False).committed("p") == P_POSITION
+
+
+@pytest.mark.parametrize("content", [b"", b'{"ts": 20, "i'])
+def test_an_unreadable_progress_file_stops_loudly_naming_it(tmp_path: Path, content: bytes) -> None:
+    from runtime.commit import CorruptState
+    from runtime.ports import Unrecoverable
+
+    committer = Committer(tmp_path, connector="ca", fsync=False)
+    committer.commit("b1", [], [("p", P_RECORDS, 20)])
+    (progress,) = (tmp_path / "_shoal" / "ca" / "progress").iterdir()
+    progress.write_bytes(content)
+    with pytest.raises(CorruptState, match=re.escape(str(progress))) as caught:
+        Committer(tmp_path, connector="ca", fsync=False).committed("p")
+    assert isinstance(caught.value, Unrecoverable)  # the run stops (exit 1), no retry loop
+    assert "delete the file" in str(caught.value)
+
+
+def test_an_unreadable_manifest_stops_recovery_naming_it(tmp_path: Path) -> None:
+    from runtime.commit import CorruptState
+
+    commits = tmp_path / "_shoal" / "ca" / "commits"
+    commits.mkdir(parents=True)
+    (commits / "b1.json").write_bytes(b'{"kind": "commit-v1", "batch": "b1", "stag')
+    with pytest.raises(CorruptState, match=r"b1\.json"):
+        Committer(tmp_path, connector="ca", fsync=False).recover()
