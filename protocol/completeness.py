@@ -15,16 +15,49 @@ task publishes a partition's position only after the sink committed everything b
 
 T is the minimum of those bounds over every partition of every task. Every task computes the
 same T from the same log, so any of them may export it.
+
+With an end (``--end-at``), once nothing is left to read (``protocol.bounds.nothing_left``: every
+partition's query ended at the end or before, and every partition finished) T is the end
+itself, although the finished partitions may already be gone from the CIM: a bounded run that
+ends leaves a mark at its end.
 """
 
 from __future__ import annotations
 
+import msgspec
+
+from protocol.bounds import nothing_left
 from protocol.cim import Cim
 from protocol.messages import Partition
 
+MARK_INTERVAL_S = 1.0  # the mark is rewritten at most this often while a run goes on
 
-def low_watermark(cim: Cim) -> int | None:
-    """The completeness watermark of the connector whose consolidated state is ``cim``."""
+
+class Mark(msgspec.Struct, frozen=True):
+    """The completeness mark a file or Spark output keeps per connector
+    (``protocol.commit.completeness_path``): one JSON line a downstream job reads."""
+
+    connector: str
+    low_watermark: str  # RFC 3339, microseconds
+    low_watermark_us: int
+    written_at: str
+
+
+def mark_due(low: int, written: int, written_at: float, now: float, *, final: bool) -> bool:
+    """Whether to write the mark ``low`` now: only when it advanced past the one ``written``
+    (at ``written_at``, seconds on the clock of ``now``); while the run goes on at most once
+    every :data:`MARK_INTERVAL_S`; at the run's end (``final``) always, so a bounded run that
+    ends leaves its last mark — at or past its end — and not one up to a second older."""
+    if low < 0 or low <= written:
+        return False
+    return final or now - written_at >= MARK_INTERVAL_S
+
+
+def low_watermark(cim: Cim, end: int | None = None) -> int | None:
+    """The completeness watermark of the connector whose consolidated state is ``cim``;
+    ``end``: the connector's end, if it has one (see the module docstring)."""
+    if end is not None and nothing_left(cim):
+        return end
     parts: dict[str, Partition] = {}
     for view in cim.tasks.values():
         candidates = list(view.partitions.values())

@@ -45,7 +45,8 @@ from actors.node import NodeConfig, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
-from protocol.completeness import low_watermark
+from protocol.commit import StartRecord, start_conflict
+from protocol.completeness import Mark, low_watermark, mark_due
 from protocol.dedup import Position
 from protocol.records import ChangeRecord
 from protocol.retry import may_drive
@@ -64,6 +65,7 @@ from runtime.config import (
 )
 from runtime.logs import mask
 from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
+from runtime.output_state import OutputState
 from runtime.ports import (
     ChangeStreamSource,
     Membership,
@@ -106,7 +108,11 @@ class Ledger:
         await prepare_sink(self.inner, token)
 
     async def durable_position(self, token: str) -> Position | None:
-        return await sink_committed(self.inner, token)
+        try:
+            return await sink_committed(self.inner, token)
+        except Unrecoverable as exc:  # e.g. an unreadable progress file: the run stops
+            self.fatal = self.fatal or exc
+            raise
 
     async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
         return await fence_sink(self.inner, batches)
@@ -251,6 +257,9 @@ class Pipeline:
         self.output_dir = Path(config.run.output_dir)
         self._completeness_written = -1  # the completeness watermark last written (micros)
         self._completeness_at = -1.0  # when (monotonic seconds)
+        # the connector's own records beside a file or Spark output (runtime/output_state.py)
+        self._state: OutputState | None = None
+        self._start_recorded: StartRecord | None = None
 
     # -- the sample every observer reads ---------------------------------------------------------
     def sample(self) -> Sample:
@@ -307,7 +316,7 @@ class Pipeline:
         complete = -1
         for t in self.tasks:
             if t.node.task is not None and t.node.ready.is_set():
-                found = low_watermark(t.node.task.core.cim)
+                found = low_watermark(t.node.task.core.cim, self._end_at)
                 complete = -1 if found is None else found
                 break
         return Sample(
@@ -371,6 +380,7 @@ class Pipeline:
                 lambda: KafkaSyncLog(kafka, cfg.run.connector),
                 f"Kafka at {kafka.bootstrap_servers}",
             )
+            await self._check_output_start()  # before Spark: a refused start fails at once
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
             source = self._source = WatchedSource(
                 self._bound_and_filter(await self._start_source(stack))
@@ -403,7 +413,7 @@ class Pipeline:
                 try:
                     async with asyncio.timeout(cfg.run.drain_timeout):
                         if reason == "end-at":
-                            caught_up = self._window_complete()
+                            caught_up = await self._window_complete()
                         elif self._bounded and reason != "signal" and self._alone():
                             caught_up = await self._catch_up()
                         self.stopping = True
@@ -420,6 +430,7 @@ class Pipeline:
                         "stopping anyway (a restart resumes from the last published state)"
                     )
                 final = self.sample()
+                self._record_completeness(final.low_watermark_us, final=True)
                 partitions = self._partitions()
                 self._draining.set()
                 for t, node in zip(self.tasks, nodes, strict=True):
@@ -592,7 +603,10 @@ class Pipeline:
         match cfg.run.sink:
             case "files":
                 self._file_sink = FileSink(
-                    self.output_dir / "data", permit=self._leased, layout=cfg.run.output_layout
+                    self.output_dir / "data",
+                    permit=self._leased,
+                    layout=cfg.run.output_layout,
+                    connector=cfg.run.connector,
                 )
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
@@ -666,6 +680,11 @@ class Pipeline:
 
         if self._start_at is not None:
             stream_start = self._start_at
+        elif self._start_recorded is not None:
+            # the output remembers where this connector first started: a sync topic that is new
+            # (an embedded broker's, after a restart) starts there too, and each partition
+            # resumes from its progress file, rather than at "now" with a gap before it
+            stream_start = self._start_recorded.start_us
         else:
             stream_start = self._stream_start if self._stream_start is not None else -1
         t = cfg.task
@@ -724,14 +743,35 @@ class Pipeline:
         except StartConflict as exc:
             raise ConfigError(self._conflict(exc)) from exc
 
-    def _conflict(self, exc: StartConflict) -> str:
+    def _conflict(self, exc: StartConflict, where: str = "its sync topic") -> str:
         run = self.config.run
         return (
             f"start_at {run.start_at}: connector {run.connector!r} already started at "
-            f"{_rfc3339(exc.recorded)} (its sync topic records it) and resumes from its "
+            f"{_rfc3339(exc.recorded)} ({where} records it) and resumes from its "
             "watermarks; give that start or leave start_at unset to resume, or reset the "
             "connector (see docs/operations.md, Resetting a connector)"
         )
+
+    async def _check_output_start(self) -> None:
+        """A file or Spark output remembers where its connector first started
+        (``runtime/output_state.py``): a different explicit start is refused (exit 2) as the
+        sync topic's record is, on any broker; the first start is recorded."""
+        if self._given_sink is not None or self.config.run.sink == "kafka":
+            return
+        data = self._sink_dir()
+        if "://" in data:
+            return  # an output on the Spark side only (a URL): nothing to keep here
+        state = self._state = OutputState(data, self.config.run.connector)
+        recorded = await asyncio.to_thread(state.read_start)
+        conflict = start_conflict(recorded, self._start_at)
+        if conflict is not None:
+            where = f"its output's {state.start_file}"
+            raise ConfigError(self._conflict(StartConflict(conflict.start_us, -1), where))
+        self._start_recorded = recorded
+        if recorded is None and self._start_at is not None:
+            self._start_recorded = await asyncio.to_thread(
+                state.record_start, self._start_at, _rfc3339(self._start_at)
+            )
 
     async def _run_node(self, t: _Task) -> None:
         async with t.node:
@@ -814,7 +854,7 @@ class Pipeline:
             for t in self.tasks
         )
 
-    def _window_complete(self) -> bool | None:
+    async def _window_complete(self) -> bool | None:
         """After an ``end-at`` ending of a simulated stream read by this process alone:
         whether the sink holds every record of ``[start, end_at]`` the filter keeps, as the
         stream model alone says. None where that is not known (other sources, shared runs)."""
@@ -827,7 +867,31 @@ class Pipeline:
         self._expected_records = len(window)
         self._expected_rows = sum(len(r.mods) for r in window)
         self._cap = end
-        return {r.identity for r in window} <= ledger.ids
+        return await self._in_output({r.identity for r in window})
+
+    async def _in_output(self, expected: set[tuple[int, str, str]]) -> bool:
+        """Whether the output holds every record of ``expected``: those this process delivered
+        (the ledger), and the rest looked up in the output itself — an earlier run of the same
+        connector may have written them (a re-run of a finished bounded run, a restart after a
+        stop)."""
+        missing = expected - cast(Ledger, self._ledger).ids
+        if not missing:
+            return True
+        return missing <= await asyncio.to_thread(self._read_output_ids)
+
+    def _read_output_ids(self) -> set[tuple[int, str, str]]:
+        """The identities of the records in the file or Spark output (empty for other sinks).
+        Reads the whole output: for the simulated stream's self-check only."""
+        if self._given_sink is not None or self.config.run.sink == "kafka":
+            return set()
+        from runtime.typed_files import output_identities
+
+        try:
+            return output_identities(self._sink_dir())
+        except (OSError, ValueError) as exc:
+            self.count_error("output_read")
+            log.warning("could not read the output at %s back: %r", self._sink_dir(), exc)
+            return set()
 
     def _alone(self) -> bool:
         """Only this process reads the stream (embedded broker): it can wait for all of it.
@@ -854,9 +918,15 @@ class Pipeline:
             self._expected_rows = sum(len(r.mods) for r in produced)
             self._expected_records = len(expected)
             self._say(f"shoal: stream closed; catching up on {len(expected)} records")
+            look_at, look_every = time.monotonic() + 2.0, 2.0
             while not expected <= ledger.ids:
                 if self.stop.is_set():
                     return False
+                if time.monotonic() >= look_at:  # perhaps an earlier run wrote the rest
+                    if await self._in_output(expected):
+                        return True
+                    look_every *= 2  # the output is read whole: ever more rarely
+                    look_at = time.monotonic() + look_every
                 await asyncio.sleep(0.1)
             return True
         if self._loadgen is not None:
@@ -900,37 +970,51 @@ class Pipeline:
             sample = self.sample()
             self._track_rebalances(sample)
             self._record_completeness(sample.low_watermark_us)
+            if self._state is not None and self._start_recorded is None:
+                await self._record_start()
             if self.progress is not None and time.monotonic() >= next_draw:
                 self.progress.update(sample)
                 next_draw += interval
             await asyncio.sleep(0.1)
 
-    def _record_completeness(self, low_watermark_us: int) -> None:
-        """Write the completeness watermark beside the output when it advanced (at most once a
-        second): ``<data>/_shoal/completeness.json``, one JSON line a downstream job reads with
-        ``spark.read.json`` (docs/operations.md, Reading the output). Readers of the data skip
-        ``_shoal``. A file or Spark sink only: Kafka consumers read the metric or ``status``."""
-        if self.config.run.sink == "kafka" or low_watermark_us <= self._completeness_written:
-            return
+    async def _record_start(self) -> None:
+        """Record the connector's start in the output once the sync topic has one (a start of
+        "now" is fixed by the first leader)."""
+        state = self._state
+        assert state is not None
+        for t in self.tasks:
+            task = t.node.task
+            if task is not None and t.node.ready.is_set() and task.core.cim.stream_start >= 0:
+                start = task.core.cim.stream_start
+                self._start_recorded = await asyncio.to_thread(
+                    state.record_start, start, _rfc3339(start)
+                )
+                return
+
+    def _record_completeness(self, low_watermark_us: int, *, final: bool = False) -> None:
+        """Write the connector's completeness mark beside the output when it advanced
+        (``protocol.completeness.mark_due``: at most once a second, and once more at the end):
+        ``<data>/_shoal/<connector>/completeness.json``, one JSON line a downstream job reads
+        with ``spark.read.json`` (docs/reading-output.md). Readers of the data skip ``_shoal``.
+        A file or Spark sink only: Kafka consumers read the metric or ``status``."""
+        state = self._state
         now = time.monotonic()
-        if now - self._completeness_at < 1.0:
+        if state is None or not mark_due(
+            low_watermark_us, self._completeness_written, self._completeness_at, now, final=final
+        ):
             return
         self._completeness_at = now
-        record = {
-            "connector": self.config.run.connector,
-            "low_watermark": _rfc3339(low_watermark_us),
-            "low_watermark_us": low_watermark_us,
-            "written_at": _rfc3339(wall_micros()),
-        }
-        target = Path(self._sink_dir()) / "_shoal" / "completeness.json"
+        mark = Mark(
+            connector=self.config.run.connector,
+            low_watermark=_rfc3339(low_watermark_us),
+            low_watermark_us=low_watermark_us,
+            written_at=_rfc3339(wall_micros()),
+        )
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".completeness.{os.getpid()}.tmp")
-            tmp.write_bytes(msgspec.json.encode(record) + b"\n")
-            os.replace(tmp, target)
+            state.write_mark(mark)
         except OSError as exc:
             self.count_error("completeness_write")
-            log.warning("could not write the completeness watermark to %s: %r", target, exc)
+            log.warning("could not write the completeness mark to %s: %r", state.mark_file, exc)
             return
         self._completeness_written = low_watermark_us
 

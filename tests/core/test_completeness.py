@@ -88,3 +88,35 @@ def test_everything_finished_is_complete_up_to_the_last_watermark() -> None:
         state("a", 1, _p("p", 100, 499, status="finished"), _p("q", 100, 699, status="finished")),
     )
     assert low_watermark(cim) == 699
+
+
+def _started(*log: SyncMessage) -> Cim:
+    from protocol.messages import EpochMessage
+
+    return _fold(
+        EpochMessage(task_id="a", epoch=1, sync_epoch="e1", members=("a",), stream_start=100),
+        *log,
+    )
+
+
+def test_with_an_end_nothing_left_means_complete_up_to_the_end() -> None:
+    """Finished partitions may be gone from the CIM by the end: the end itself is the mark."""
+    done = _started(state("a", 1, _p("p", 100, 900, status="finished")))
+    assert low_watermark(done, end=1000) == 1000
+    assert low_watermark(_started(), end=1000) == 1000  # every partition finished and forgotten
+    # control: one partition still reading bounds it as without an end
+    reading = _started(state("a", 1, _p("p", 100, 900, status="finished"), _p("q", 100, 700)))
+    assert low_watermark(reading, end=1000) == 699
+    assert low_watermark(done) == 900  # without an end: the finished partitions' newest watermark
+    assert low_watermark(Cim(), end=1000) is None  # not started: nothing is known
+
+
+def test_the_mark_is_written_when_it_advances_at_most_once_a_second_and_at_the_end() -> None:
+    from protocol.completeness import MARK_INTERVAL_S, mark_due
+
+    assert mark_due(10, -1, -1.0, 0.0, final=False)  # the first
+    assert not mark_due(11, 10, 5.0, 5.0 + MARK_INTERVAL_S / 2, final=False)  # too soon
+    assert mark_due(11, 10, 5.0, 5.0 + MARK_INTERVAL_S / 2, final=True)  # the last: at once
+    assert mark_due(11, 10, 5.0, 5.0 + MARK_INTERVAL_S, final=False)
+    assert not mark_due(10, 10, 5.0, 99.0, final=True)  # not advanced
+    assert not mark_due(-1, -1, -1.0, 99.0, final=True)  # no watermark yet

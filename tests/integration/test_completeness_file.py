@@ -1,6 +1,6 @@
 """The completeness watermark written beside the output (docs/design.md#completeness-watermark):
 a bounded run of the command line with the parquet file sink leaves
-``<data>/_shoal/completeness.json``, and every change the stream model committed at or before
+``<data>/_shoal/<connector>/completeness.json``, and every change the stream model committed at or before
 that time is in the output: the claim is checked against the model alone."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_a_bounded_run_writes_a_completeness_watermark_the_output_honours(tmp_pa
     )
     code = _finish(proc, tmp_path, "run", 200)
     assert code == 0, _logs(tmp_path, "run")
-    marker = out / "data" / "_shoal" / "completeness.json"
+    marker = out / "data" / "_shoal" / "shoal" / "completeness.json"
     record = json.loads(marker.read_text())
     t = record["low_watermark_us"]
     assert start <= t, record

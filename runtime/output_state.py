@@ -1,0 +1,107 @@
+"""A connector's own records beside a file or Spark output, apart from its commits
+(``runtime.commit``): where it started (``protocol.commit.StartRecord``) and how far the output
+is complete (``protocol.completeness.Mark``), both under ``<output>/_shoal/<connector>/``.
+
+The start record lets every broker refuse a different explicit start alike: a persistent
+Kafka's sync topic records the start, an embedded broker's is gone after a restart, and the
+output's progress files would then let the new start skip a window silently. It also gives a
+restart that lost its sync topic the connector's first start, so the partitions are found again
+from there and each resumes from its progress file.
+
+A file that cannot be decoded raises ``runtime.commit.CorruptState`` naming it (the run stops,
+exit 1); nothing here is retried silently.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from protocol.commit import (
+    StartRecord,
+    completeness_path,
+    decode_start,
+    encode_start,
+    start_path,
+)
+from protocol.completeness import Mark
+from runtime.commit import CorruptState, write_atomically
+
+__all__ = ["OutputState"]
+
+_mark_decoder = msgspec.json.Decoder(Mark)
+
+
+class OutputState:
+    """Connector ``connector``'s start record and completeness mark under output ``root``.
+    Blocking file I/O: call it from a worker thread on a running loop."""
+
+    def __init__(self, root: str | os.PathLike[str], connector: str) -> None:
+        self.root = Path(root)
+        self.connector = connector
+        self.start_file = self.root / start_path(connector)
+        self.mark_file = self.root / completeness_path(connector)
+
+    def __repr__(self) -> str:
+        return f"OutputState({str(self.root)!r}, {self.connector!r})"
+
+    def read_start(self) -> StartRecord | None:
+        """The recorded start, or None when the connector never started on this output."""
+        try:
+            data = self.start_file.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return decode_start(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CorruptState(
+                f"output state: start record {self.start_file} of connector "
+                f"{self.connector!r} cannot be read ({exc}; {len(data)} bytes); write it again "
+                'as {"connector": ..., "start_us": <micros>, "start": "<RFC 3339>"} with the '
+                "connector's first start, or delete it if the connector never ran on this output"
+            ) from exc
+
+    def record_start(self, start_us: int, text: str) -> StartRecord:
+        """Record the start once: the record already there (another process's, or an earlier
+        run's) wins and is returned."""
+        found = self.read_start()
+        if found is not None:
+            return found
+        record = StartRecord(self.connector, start_us, text)
+        self.start_file.parent.mkdir(parents=True, exist_ok=True)
+        # complete in a temporary file, then linked into place: create-if-absent and atomic, so
+        # two processes starting together agree on the first, and a crash leaves no half record
+        tmp = self.start_file.with_name(f".start.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(encode_start(record))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, self.start_file)
+        except FileExistsError:
+            found = self.read_start()
+            assert found is not None
+            return found
+        finally:
+            tmp.unlink(missing_ok=True)
+        return record
+
+    def read_mark(self) -> Mark | None:
+        try:
+            data = self.mark_file.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return _mark_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CorruptState(
+                f"output state: completeness mark {self.mark_file} cannot be read ({exc}); "
+                "delete it (the next run writes it again)"
+            ) from exc
+
+    def write_mark(self, mark: Mark) -> None:
+        """Replace the mark atomically (readers see the old one or the new one)."""
+        self.mark_file.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.mark_file, msgspec.json.encode(mark) + b"\n", fsync=False)
