@@ -20,7 +20,7 @@ from bench.chaos import read_output
 from bench.output import read_changes, typed_tables
 from protocol.records import ColumnType, DataChange, Mod
 from runtime.ports import SinkBatch
-from runtime.spanner.emulator import EmulatorUnavailable, find_emulator
+from tests.parts import require_emulator
 
 # (commit_ts, table, mod type, Id): a load of five changes; the window is [20, 40]
 LOAD = Counter({(10, "T", "INSERT", 1): 1, (20, "T", "INSERT", 2): 1, (30, "U", "UPDATE", 3): 1})
@@ -106,11 +106,7 @@ def test_the_rfc3339_bounds_keep_every_microsecond() -> None:
 def test_a_bounded_backfill_exits_by_itself_with_exactly_its_window(
     capsys: pytest.CaptureFixture[str], kill: bool
 ) -> None:
-    try:
-        find_emulator()
-    except EmulatorUnavailable as exc:
-        print(f"SKIP bench backfill: {exc}")
-        pytest.skip(f"Cloud Spanner emulator unavailable: {exc}")
+    require_emulator()
     options = ["--load-s", "10", "--rate", "15", "--churn-s", "2", "--timeout-s", "180"]
     code = backfill.main([*options, *(["--kill-mid-read"] if kill else [])])
     out = capsys.readouterr().out

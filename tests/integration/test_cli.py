@@ -42,6 +42,7 @@ from tests.helpers import (
     stream_rows,
     wait_until,
 )
+from tests.parts import require_emulator
 
 __all__ = ["kafka_broker"]
 
@@ -579,12 +580,7 @@ def test_config_command_prints_effective_options_without_secrets() -> None:
 def test_emulator_source_bounded_run(tmp_path: Path) -> None:
     """--source emulator: the Cloud Spanner emulator with a write load; the output holds every
     row the load wrote."""
-    from runtime.spanner.emulator import EmulatorUnavailable, find_emulator
-
-    try:
-        find_emulator()
-    except EmulatorUnavailable as exc:
-        pytest.skip(str(exc))
+    require_emulator()
     proc = _cli(
         [
             *FILES,

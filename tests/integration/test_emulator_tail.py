@@ -11,6 +11,7 @@ import pytest
 
 from bench import emutail
 from runtime.spanner.emulator import EmulatorUnavailable
+from tests.parts import require_part
 
 pytestmark = [pytest.mark.spanner, pytest.mark.slow, pytest.mark.asyncio]
 
@@ -23,7 +24,7 @@ async def test_a_trailing_reader_gets_every_commit_under_fast_writes() -> None:
     try:
         out = await emutail.run(args)
     except EmulatorUnavailable as exc:
-        pytest.skip(f"Cloud Spanner emulator unavailable: {exc}")
+        require_part("the Cloud Spanner emulator", str(exc))
     assert out["commits"] > 300, out
     assert out["trailing_lost"] == 0, out
     assert out["trailing_extra"] == 0, out

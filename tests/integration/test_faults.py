@@ -28,7 +28,6 @@ from runtime.spanner.emulator import SpannerEmulator
 from runtime.spanner.reader import FATAL_CODES, ChangeStreamUnreadable, SpannerSource
 from runtime.spark import SparkBridge, SparkConfig, read_output
 from runtime.spark.output import streaming_sink_files
-from runtime.spark.session import java_executable
 from runtime.spark.supervisor import SparkLost
 from tests.fixtures.spanner import churn_emulator
 from tests.fixtures.spark import expected_rows, output_rows
@@ -51,6 +50,7 @@ from tests.integration.test_cli import (
     _now_us,
     _summary,
 )
+from tests.parts import require_emulator, require_java
 
 __all__ = ["churn_emulator", "connect_mode"]  # module-scoped fixtures
 
@@ -458,12 +458,7 @@ def test_emulator_paused_past_the_stall_timeout_heals_and_loses_nothing(tmp_path
     """The Spanner emulator is frozen (SIGSTOP) for longer than the readers' stall timeout
     (30 s), then continued: the silent queries are restarted from their committed positions and
     the bounded run exits 0 with every row the write load committed, none twice."""
-    from runtime.spanner.emulator import EmulatorUnavailable, find_emulator
-
-    try:
-        find_emulator()
-    except EmulatorUnavailable as exc:
-        pytest.skip(str(exc))
+    require_emulator()
     out = tmp_path / "out"
     proc = _cli(
         [
@@ -507,8 +502,7 @@ async def test_spark_whose_restarts_fail_breaks_the_bridge_naming_spark(
     SPARK_HOME points at an empty directory): after ``restarts`` failed starts the batch fails
     with ``SparkLost`` naming Spark, the JVM and the last error, and later puts are refused
     with it. Bounded: the restarts' backoff and each start's failure, not a retry loop."""
-    if java_executable() is None:
-        pytest.skip("local Spark needs Java (JAVA_HOME or java on PATH)")
+    require_java()
     model = StreamModel(StreamParams(seed=32, roots=1, records_per_s=60, split_p=0.0))
     token = model.root_record().children[0].token
     start = model.params.start_ts
@@ -588,8 +582,7 @@ async def test_connect_server_restart_is_survived_by_reconnecting(tmp_path: Path
     """The Spark Connect server is killed (its whole process group) after a committed batch and
     started again on the same port: the next batch finds its session gone, the bridge connects
     again with a new session and commits it; the output is exactly the rows put, once."""
-    if java_executable() is None:
-        pytest.skip("the Spark Connect server needs Java (JAVA_HOME or java on PATH)")
+    require_java("the Spark Connect server")
     port = connect_free_port()
     server = start_connect_server(tmp_path / "first", port=port)
     out = tmp_path / "out"

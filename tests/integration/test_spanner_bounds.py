@@ -27,9 +27,7 @@ from runtime.kafka import KafkaConfig
 from runtime.ports import SinkBatch
 from runtime.spanner.emulator import (
     EMULATOR_ENV,
-    EmulatorUnavailable,
     SpannerEmulator,
-    find_emulator,
 )
 from runtime.spanner.loadgen import LoadGenerator, expected_from_records
 from runtime.spanner.reader import SpannerSource
@@ -43,6 +41,7 @@ from tests.fixtures.spanner import (
     row_value,
 )
 from tests.helpers import REPO
+from tests.parts import require_emulator
 
 __all__ = ["churn_emulator", "kafka_broker", "kafka_config", "mock_spanner"]
 
@@ -123,11 +122,7 @@ async def test_a_window_inside_a_committed_load_gives_exactly_its_commits(
 @pytest.mark.kafka
 @pytest.mark.timeout(120)
 def test_a_start_before_the_earliest_read_timestamp_is_a_bad_option(tmp_path: Path) -> None:
-    try:
-        find_emulator()
-    except EmulatorUnavailable as exc:
-        print(f"SKIP spanner emulator tests: {exc}")
-        pytest.skip(f"Cloud Spanner emulator unavailable: {exc}")
+    require_emulator()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") or k == EMULATOR_ENV}
     env["PYTHONPATH"] = str(REPO)
     result = subprocess.run(

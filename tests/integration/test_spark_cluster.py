@@ -15,20 +15,21 @@ import pytest
 
 from bench.cluster import REPO, params, run_cli, sim_args
 from runtime.sim.stream import StreamModel
-from runtime.spark.session import java_executable
 from runtime.spark.standalone import StandaloneCluster
 from tests.helpers import stream_rows, wait_until
 from tests.integration.test_cli import _ids
+from tests.parts import require_java
 
 pytestmark = [
     pytest.mark.spark,
     pytest.mark.kafka,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        java_executable() is None,
-        reason="a standalone Spark cluster needs Java 17+ (JAVA_HOME or java on PATH)",
-    ),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _java() -> None:
+    require_java("a standalone Spark cluster")
 
 
 @pytest.mark.timeout(600)

@@ -18,15 +18,19 @@ from protocol.records import DataChange
 from runtime.ports import SinkBatch, Unrecoverable
 from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig
-from runtime.spark.session import java_executable
 from runtime.spark.supervisor import SparkLost
+from tests.parts import require_java
 
 pytestmark = [
     pytest.mark.spark,
     pytest.mark.slow,
     pytest.mark.asyncio,
-    pytest.mark.skipif(java_executable() is None, reason="local Spark needs Java 17+"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _java() -> None:
+    require_java()
 
 
 def _records() -> tuple[str, tuple[DataChange, ...]]:

@@ -32,6 +32,7 @@ from runtime.spanner.loadgen import LoadGenerator
 from runtime.spanner.reader import SpannerSource, walk_stream
 from runtime.typed_files import read_table
 from tests.fixtures.spark import spark
+from tests.parts import require_part
 
 __all__ = ["spark"]  # fixture, imported for pytest
 
@@ -190,7 +191,7 @@ def written() -> Iterator[Written]:
         emulator = SpannerEmulator(tables=("T0",))
     except EmulatorUnavailable as exc:
         print(f"SKIP typed changelog emulator tests: {exc}")
-        pytest.skip(f"Cloud Spanner emulator unavailable: {exc}")
+        require_part("the Cloud Spanner emulator", str(exc))
     emulator.start()
     with tempfile.TemporaryDirectory(prefix="shoal-typed-") as tmp:
         try:
