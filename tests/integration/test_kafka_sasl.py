@@ -1,18 +1,14 @@
-"""The SASL settings reach every Kafka client shoal builds, as documented: mechanism, user name
-and password, on the producers, consumers and admin clients of the sync log, the group, the
-topics and the Kafka output sink with its retry queue.
+"""SASL against a broker that checks it: every Kafka client shoal builds (the producers,
+consumers and admin clients of the sync log, the group, the topics and the Kafka output sink with
+its retry queue) logs in with the configured mechanism, user name and password, and a wrong
+password or no SASL at all is refused.
 
-The embedded broker cannot authenticate (this build's SASL does not work; see
-``runtime/kafka/broker.py``), so two things are checked:
-
-* the real handshake: with ``SASL_PLAINTEXT`` a client does start a SASL handshake with the
-  configured mechanism, which the broker refuses (``UnsupportedSaslMechanismError``), and the
-  start fails;
-* a whole run (``Pipeline``, ``--sink kafka``): every aiokafka client the adapters construct is
-  recorded with the security settings it was given and the SASL settings its connection client
-  holds, then connected in plaintext, the only way this broker can serve it, so the run's every
-  client gets built (a client built only after an earlier one connected would otherwise never
-  be seen).
+The embedded broker cannot authenticate itself (its SASL does not work; see
+``runtime/kafka/broker.py``), so it sits behind :class:`tests.fixtures.sasl.SaslProxy`, a
+Kafka-protocol proxy that does the server side of ``PLAIN`` and ``SCRAM-SHA-256/512`` (RFC 5802:
+the client's proof is checked against the password, the server's signature is checked by the
+client) and lets no other request through before a login; the broker advertises the proxy, so
+every connection of a client, bootstrap and the rest, goes through it.
 """
 
 from __future__ import annotations
@@ -32,16 +28,14 @@ from aiokafka.admin import AIOKafkaAdminClient
 from actors.cli.run import Pipeline
 from runtime import config as options
 from runtime.kafka import KafkaConfig, KafkaSyncLog, SyncLogError
-from runtime.kafka.broker import EmbeddedBroker
-from tests.fixtures.kafka import kafka_broker
+from runtime.kafka.config import SaslMechanism
+from tests.fixtures.sasl import PASSWORD, USER, Login, SaslProxy, sasl_proxy
 
-__all__ = ["kafka_broker"]
+__all__ = ["sasl_proxy"]
 
 pytestmark = [pytest.mark.kafka]
 
-USER = "shoal-user"
-PASSWORD = "sasl-pw-Xy7-SECRET"
-MECHANISM = "SCRAM-SHA-512"
+MECHANISM: SaslMechanism = "SCRAM-SHA-512"
 
 
 class Built(msgspec.Struct, frozen=True):
@@ -55,28 +49,26 @@ class Built(msgspec.Struct, frozen=True):
 
 @pytest.fixture
 def built(monkeypatch: pytest.MonkeyPatch) -> list[Built]:
-    """Every aiokafka producer, consumer and admin client constructed during the test."""
+    """Every aiokafka producer, consumer and admin client constructed during the test, with the
+    settings it was given (the clients are otherwise untouched: they log in through the proxy)."""
     seen: list[Built] = []
 
     def record(cls: type[Any], kind: str, attribute: str) -> None:
         original = cls.__init__
 
         def init(self: Any, *args: Any, **kwargs: Any) -> None:
-            asked = kwargs.get("security_protocol", "PLAINTEXT")
             original(self, *args, **kwargs)
             client = getattr(self, attribute)
             seen.append(
                 Built(
                     kind=kind,
-                    client_id=str(kwargs.get("client_id")),
-                    security_protocol=asked,
+                    client_id=client._client_id,
+                    security_protocol=kwargs.get("security_protocol", "PLAINTEXT"),
                     mechanism=client._sasl_mechanism,
                     username=client._sasl_plain_username,
                     password=client._sasl_plain_password,
                 )
             )
-            # The broker cannot authenticate: connect this client in plaintext.
-            client._security_protocol = "PLAINTEXT"
 
         monkeypatch.setattr(cls, "__init__", init)
 
@@ -86,36 +78,92 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[Built]:
     return seen
 
 
-def _sasl(bootstrap: str) -> KafkaConfig:
+def _sasl(
+    bootstrap: str, mechanism: SaslMechanism = MECHANISM, password: str = PASSWORD
+) -> KafkaConfig:
     return msgspec.structs.replace(
         KafkaConfig.embedded(bootstrap),
         security_protocol="SASL_PLAINTEXT",
-        sasl_mechanism=MECHANISM,
+        sasl_mechanism=mechanism,
         sasl_username=USER,
-        sasl_password=PASSWORD,
+        sasl_password=password,
     )
+
+
+def _since(proxy: SaslProxy, before: int) -> list[Login]:
+    return proxy.logins()[before:]
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-async def test_a_sasl_client_starts_the_handshake_with_its_mechanism(
-    kafka_broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+async def test_a_client_with_the_password_logs_in_and_uses_the_log(
+    sasl_proxy: SaslProxy, mechanism: SaslMechanism
 ) -> None:
-    caplog.set_level(logging.DEBUG)
+    before = len(sasl_proxy.logins())
+    async with KafkaSyncLog(
+        _sasl(sasl_proxy.bootstrap, mechanism), f"sasl-{uuid.uuid4().hex[:8]}"
+    ) as log:
+        offset = await log.append(b"through SASL")
+        async with asyncio.timeout(20):
+            async for got in log.read(offset):
+                assert got == (offset, b"through SASL")
+                break
+    logins = _since(sasl_proxy, before)
+    assert logins, "no connection went through the proxy"
+    assert all(x.ok and x.mechanism == mechanism and x.user == USER for x in logins), logins
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-512"])
+async def test_a_wrong_password_is_refused_and_not_shown(
+    sasl_proxy: SaslProxy, caplog: pytest.LogCaptureFixture, mechanism: SaslMechanism
+) -> None:
+    """The control of the test above: the proxy does check the password. The logs are taken at
+    INFO: shoal keeps aiokafka's logger at WARNING or above (``runtime/logs.py``), and aiokafka's
+    own DEBUG lines show a PLAIN login's token, password included."""
+    caplog.set_level(logging.INFO)
+    wrong = "not-the-password-SECRET"
+    before = len(sasl_proxy.logins())
     with pytest.raises(SyncLogError) as failed:
-        async with KafkaSyncLog(_sasl(kafka_broker.bootstrap), f"sasl-{uuid.uuid4().hex[:8]}"):
+        async with KafkaSyncLog(
+            _sasl(sasl_proxy.bootstrap, mechanism, wrong), f"sasl-{uuid.uuid4().hex[:8]}"
+        ):
             pass
-    assert "UnsupportedSaslMechanismError" in caplog.text  # the broker refused the mechanism
-    assert PASSWORD not in str(failed.value)
-    assert PASSWORD not in caplog.text
+    logins = _since(sasl_proxy, before)
+    assert logins, "no connection went through the proxy"
+    assert not any(x.ok for x in logins), logins
+    assert all(x.reason == f"wrong password for {USER!r}" for x in logins), logins
+    assert "SaslAuthenticationFailed" in caplog.text, caplog.text[-2000:]
+    for secret in (wrong, PASSWORD):
+        assert secret not in str(failed.value)
+        assert secret not in caplog.text
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_client_without_sasl_is_refused(sasl_proxy: SaslProxy) -> None:
+    before = len(sasl_proxy.logins())
+    with pytest.raises(SyncLogError):
+        async with KafkaSyncLog(
+            KafkaConfig.embedded(sasl_proxy.bootstrap), f"sasl-{uuid.uuid4().hex[:8]}"
+        ):
+            pass
+    logins = _since(sasl_proxy, before)
+    assert logins, "no connection went through the proxy"
+    assert all(not x.ok and "before a login" in x.reason for x in logins), logins
 
 
 @pytest.mark.asyncio
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-async def test_every_client_of_a_run_gets_the_sasl_settings(
-    tmp_path: Path, kafka_broker: EmbeddedBroker, built: list[Built]
+async def test_every_client_of_a_run_logs_in(
+    tmp_path: Path, sasl_proxy: SaslProxy, built: list[Built]
 ) -> None:
+    """A whole run (``Pipeline``, ``--sink kafka``, two tasks) through the proxy: every client
+    it builds is given the SASL settings and logs in with them; no connection is refused."""
+    before = len(sasl_proxy.logins())
     config = options.load(
         {
             "run__output_dir": str(tmp_path),
@@ -124,7 +172,7 @@ async def test_every_client_of_a_run_gets_the_sasl_settings(
             "run__tasks": "2",
             "run__duration": "6",
             "run__progress": "off",
-            "kafka__bootstrap_servers": kafka_broker.bootstrap,
+            "kafka__bootstrap_servers": sasl_proxy.bootstrap,
             "kafka__security_protocol": "SASL_PLAINTEXT",
             "kafka__sasl_mechanism": MECHANISM,
             "kafka__sasl_username": USER,
@@ -147,4 +195,10 @@ async def test_every_client_of_a_run_gets_the_sasl_settings(
         != ("SASL_PLAINTEXT", MECHANISM, USER, PASSWORD)
     ]
     assert not wrong, f"clients built without the SASL settings: {wrong}"
+    logins = _since(sasl_proxy, before)
+    refused = [x for x in logins if not x.ok]
+    assert not refused, f"connections the proxy refused: {refused}"
+    assert all(x.mechanism == MECHANISM and x.user == USER for x in logins), logins
+    unseen = {b.client_id for b in built} - {x.client_id for x in logins}
+    assert not unseen, f"clients that never logged in: {unseen}; logins: {logins}"
     assert PASSWORD not in out.getvalue()
