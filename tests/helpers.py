@@ -1,12 +1,16 @@
 """What the tests share: the repository root, small constructors of protocol messages for the
-core tests, waiting for a condition with a generous bound, and what the seeded stream model says
-a run's output must hold (computed from the model alone, never from what the run reports)."""
+core tests, waiting for a condition with a generous bound, what the seeded stream model says
+a run's output must hold (computed from the model alone, never from what the run reports), and
+the exactly-once checks: raw rows counted, never de-duplicated first, with :func:`doubled`
+for their controls (the same rows with one written twice must fail the check)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from typing import TypeVar
 from pathlib import Path
 
 from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
@@ -29,6 +33,8 @@ def state(task: str, ts: int, *parts: Partition, epoch: int = 1, full: bool = Tr
 def epoch(leader: str, n: int, *members: str) -> EpochMessage:
     return EpochMessage(task_id=leader, epoch=n, sync_epoch=f"e{n}", members=members)
 
+
+T = TypeVar("T", bound=Hashable)
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root (subprocesses of the tests run from there)."""
@@ -84,13 +90,39 @@ def stream_rows(model: StreamModel, until_ts: int) -> dict[str, int]:
     }
 
 
+def assert_no_row_twice(written: Iterable[T], what: str = "rows") -> Counter[T]:
+    """Every row of ``written`` (raw: as read back, nothing de-duplicated) is there once.
+    Returns the rows counted."""
+    counts = Counter(written)
+    twice = [row for row, n in counts.items() if n > 1]
+    assert not twice, f"{len(twice)} {what} written more than once: {twice[:3]}"
+    return counts
+
+
+def doubled(rows: Sequence[T]) -> list[T]:
+    """``rows`` with one of them (the middle one) written a second time: the input of the
+    control that shows an exactly-once check fails on a duplicate."""
+    assert rows, "no rows to double: the control would prove nothing"
+    return [*rows, rows[len(rows) // 2]]
+
+
+def assert_catches_a_double(check: Callable[[list[T]], object], rows: Sequence[T]) -> None:
+    """The control of an exactly-once check: ``check`` passed ``rows``; it must fail (raise
+    ``AssertionError``) on the same rows with one of them twice."""
+    try:
+        check(doubled(rows))
+    except AssertionError:
+        return
+    raise AssertionError("the exactly-once check passed rows with one of them written twice")
+
+
 def assert_one_cut(model: StreamModel, written: Collection[str], earliest: int, latest: int) -> int:
-    """A bounded run closes the stream at one instant and writes all of it: ``written`` is
-    exactly (no row missing, no row extra) the stream's rows up to one instant ``cut``, and that
-    instant is in ``[earliest, latest]`` (bounds the test measured with its own clock).
-    Returns ``cut`` (the newest commit timestamp written)."""
+    """A bounded run closes the stream at one instant and writes all of it: ``written`` (raw
+    rows) is exactly (no row missing, no row extra, no row twice) the stream's rows up to one
+    instant ``cut``, and that instant is in ``[earliest, latest]`` (bounds the test measured
+    with its own clock). Returns ``cut`` (the newest commit timestamp written)."""
     rows = stream_rows(model, latest)
-    ids = set(written)
+    ids = set(assert_no_row_twice(written))
     extra = ids - rows.keys()
     assert not extra, (
         f"{len(extra)} rows the stream never produced by {latest}: {sorted(extra)[:3]}"
@@ -108,8 +140,10 @@ def assert_one_cut(model: StreamModel, written: Collection[str], earliest: int, 
 def assert_read_without_gaps(
     model: StreamModel, written: Collection[str], floor: int, latest: int
 ) -> dict[str, int]:
-    """A run that stopped while reading (a drain, no catch-up) wrote, from the model's view:
+    """A run that stopped while reading (a drain, no catch-up) wrote, from the model's view
+    (``written``: raw rows):
 
+    * no row twice;
     * no row the stream did not produce by ``latest`` (no extra);
     * per partition, a prefix of its rows: everything up to the newest row written (no gap);
     * for a partition with any row written, every row of each of its parents (a child is read
@@ -118,7 +152,7 @@ def assert_read_without_gaps(
 
     Returns, per partition with rows written, the commit timestamp of its newest row."""
     per = partition_rows(model, latest)
-    ids = set(written)
+    ids = set(assert_no_row_twice(written))
     known = {i for rows in per.values() for i in rows}
     extra = ids - known
     assert not extra, (

@@ -1,6 +1,6 @@
 """Three task nodes read the Cloud Spanner emulator's churning change stream while the load
-generator writes: every committed mutation is delivered exactly once after dropping duplicates,
-and a child partition (a merge's included) is first read only after all its parents finished.
+generator writes: every committed mutation is delivered exactly once (the records handed to the
+sink, counted raw: a record delivered twice is an extra mod), and a child partition (a merge's included) is first read only after all its parents finished.
 
 The coordination runs over the in-memory group and sync log (the Kafka path has its own tests);
 the change stream is the real emulator through the project's reader. Skipped, with the reason,
@@ -28,6 +28,15 @@ from runtime.spanner.reader import SpannerSource
 from tests.fixtures.spanner import churn_emulator
 
 __all__ = ["churn_emulator"]  # the fixture, imported for pytest
+
+Mods = Counter[tuple[int, str, str, int]]
+
+
+def _compare(expected: Mods, delivered: Sequence[Any]) -> tuple[Mods, Mods]:
+    """What was committed and never delivered, and what was delivered beyond what was committed
+    (never committed, or delivered more often): every delivered record counts, duplicates too."""
+    got = expected_from_records(delivered)
+    return expected - got, got - expected
 
 
 class LedgerSource:
@@ -92,10 +101,9 @@ async def test_three_tasks_read_the_churning_emulator_exactly_once(churn_emulato
             expected = loader.expected_mods()
             deadline = time.monotonic() + 60
             while True:
-                batches = list(sink.batches)
-                unique = {r.identity: r for b in batches for r in b.records}
-                got = expected_from_records(list(unique.values()))
-                if got == expected or time.monotonic() > deadline:
+                delivered = [r for b in list(sink.batches) for r in b.records]
+                missing, extra = _compare(expected, delivered)
+                if not missing or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.5)
             statuses = [n.status() for n in nodes]
@@ -104,10 +112,12 @@ async def test_three_tasks_read_the_churning_emulator_exactly_once(churn_emulato
         await loader.close()
 
     assert expected, "the load generator committed nothing"
-    missing = expected - got
-    extra = got - expected
     assert not missing, f"{sum(missing.values())} committed mods never delivered"
-    assert not extra, f"{sum(extra.values())} mods delivered that were never committed"
+    assert not extra, f"{sum(extra.values())} mods delivered twice or never committed: {extra}"
+    assert max(sink.rows.values()) == 1, "a record committed to the sink twice"
+    # The control: the same delivery with one record handed over twice fails the check.
+    doubled = [*delivered, delivered[len(delivered) // 2]]
+    assert _compare(expected, doubled)[1], "a doubled record went unnoticed"
     # the partitions churned and the tasks shared them
     children = {t: p for t, p in ledger.parents.items() if t in ledger.first_start}
     assert children, "no child partition was read: the stream did not churn"

@@ -1,28 +1,60 @@
 """Several task nodes (the real actors around the real cores) over the in-memory ports: the
-partitions spread, every record reaches the sink, a node that leaves hands its partitions over."""
+partitions spread, every record reaches the sink exactly once (``MemorySink.rows`` counts every
+commit of a record: a record committed twice fails), a node that leaves hands its partitions
+over. Each exactly-once check has its control: the same check fails when one record is in the
+sink twice (a doubled record in the read-back, and a sink that really commits one twice)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 
+import msgspec
 import pytest
 
 from actors.node import NodeConfig, TaskNode
 from protocol.records import ChangeRecord, DataChange, Heartbeat
 from protocol.task import TaskConfig
-from runtime.ports import Membership
+from runtime.ports import Membership, SinkBatch
 from runtime.sim.memory import MemoryGroup, MemoryMembership, MemorySink, MemorySyncLog
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
+from tests.helpers import assert_catches_a_double
+
+Identity = tuple[int, str, str]
 
 
 async def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.05)
+
+
+def _exactly_once(committed: Collection[Identity], expected: Collection[Identity]) -> None:
+    """``committed`` (every record the sink committed, one entry per commit) holds each of
+    ``expected`` and no record twice."""
+    counts = Counter(committed)
+    twice = [identity for identity, n in counts.items() if n > 1]
+    assert not twice, f"{len(twice)} records committed twice: {twice[:3]}"
+    missing = set(expected) - counts.keys()
+    assert not missing, f"{len(missing)} records never committed: {sorted(missing)[:3]}"
+
+
+class DoublingSink(MemorySink):
+    """A sink that commits the first record of its first batch twice: the control's fault."""
+
+    def __init__(self, commit_delay: float) -> None:
+        super().__init__(commit_delay=commit_delay)
+        self.doubled = False
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        if not self.doubled and batch.records:
+            self.doubled = True
+            batch = msgspec.structs.replace(batch, records=(batch.records[0], *batch.records))
+        return await super().put(batch)
 
 
 @pytest.mark.asyncio
@@ -81,7 +113,8 @@ async def test_three_nodes_share_and_hand_over() -> None:
         )
         await asyncio.sleep(1.0)
         horizon = source.now() - 2_000_000
-        await _wait_for(lambda: {r.identity for r in model.expected(horizon)} <= set(sink.rows), 20)
+        expected = {r.identity for r in model.expected(horizon)}
+        await _wait_for(lambda: expected <= sink.rows.keys(), 20)
         owners: dict[str, str] = {}
         for n in survivors:
             assert n.task is not None
@@ -102,17 +135,27 @@ async def test_three_nodes_share_and_hand_over() -> None:
         await asyncio.sleep(0.3)
         assert nodes[1].status().out_of_group_s >= first + 0.3
         await _wait_for(lambda: nodes[2].status().out_of_group_s == 0.0, 5)
+    # Once stopped, every record the sink committed (hand-overs, a leave and an expel included):
+    committed = list(sink.rows.elements())
+    _exactly_once(committed, expected)
+    assert_catches_a_double(lambda rows: _exactly_once(rows, expected), committed)
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-async def test_drain_stops_reading_for_good_and_publishes_the_final_watermarks() -> None:
+@pytest.mark.parametrize("doubling", [False, True], ids=["exact", "control-sink-doubles-a-record"])
+async def test_drain_stops_reading_for_good_and_publishes_the_final_watermarks(
+    doubling: bool,
+) -> None:
+    """Drained, the node reads nothing more and its final watermarks are in the log; every
+    record below them was committed once. The control runs the same with a sink that commits
+    one record twice: the exactly-once check fails."""
     params = StreamParams(seed=3, roots=4, split_p=0.0, merge_p=0.0, move_p=0.0, records_per_s=20)
     model = StreamModel(params)
     source = SimulatedSource(model, speedup=4.0, heartbeat_ms=250)
     log = MemorySyncLog()
     group = MemoryGroup(rebalance_delay=0.1, session_timeout=2.0)
-    sink = MemorySink(commit_delay=0.01)
+    sink = DoublingSink(commit_delay=0.01) if doubling else MemorySink(commit_delay=0.01)
 
     async def join(task_id: str) -> Membership:
         return group.join(task_id)
@@ -132,11 +175,19 @@ async def test_drain_stops_reading_for_good_and_publishes_the_final_watermarks()
         await asyncio.sleep(0.5)
         assert core.reading == {}  # nothing restarted
         assert core.cim.view("solo").partitions == core.mine  # the final state is in the log
-    delivered = set(sink.rows)
-    for token, watermark in final.items():
-        records = model.records(token, params.start_ts, watermark - 1)
-        expected = {r.identity for r in records if isinstance(r, DataChange)}
-        assert expected <= delivered, token
+    expected = {
+        r.identity
+        for token, watermark in final.items()
+        for r in model.records(token, params.start_ts, watermark - 1)
+        if isinstance(r, DataChange)
+    }
+    assert expected, "nothing was read"
+    committed = list(sink.rows.elements())
+    if doubling:
+        with pytest.raises(AssertionError, match="1 records committed twice"):
+            _exactly_once(committed, expected)
+    else:
+        _exactly_once(committed, expected)
 
 
 @pytest.mark.asyncio

@@ -1,7 +1,7 @@
 """The checks the command-line tests build from the stream model alone (``tests/helpers.py``)
 have teeth: on one seeded model, the exact output passes (the control), and an output with a
-row missing, a row extra, a gap inside a partition or a child read before its parent's rows
-fails."""
+row missing, a row extra, a row written twice, a gap inside a partition or a child read before
+its parent's rows fails."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pytest
 
 from runtime.sim.stream import StreamModel, StreamParams
 from tests.helpers import (
+    assert_catches_a_double,
+    assert_no_row_twice,
     assert_one_cut,
     assert_read_without_gaps,
     partition_rows,
@@ -54,6 +56,21 @@ def test_one_cut_catches_a_missing_row() -> None:
 def test_one_cut_catches_an_extra_row() -> None:
     with pytest.raises(AssertionError, match="never produced"):
         assert_one_cut(_model(), [*_rows_to(CUT), "1/x/0/0"], earliest=START, latest=LATEST)
+
+
+def test_one_cut_catches_a_row_written_twice() -> None:
+    rows = _rows_to(CUT)
+    with pytest.raises(AssertionError, match="1 rows written more than once"):
+        assert_one_cut(_model(), [*rows, rows[3]], earliest=START, latest=LATEST)
+
+
+def test_no_row_twice_counts_raw_rows_and_its_control_helper_bites() -> None:
+    assert assert_no_row_twice(["a", "b"]) == {"a": 1, "b": 1}
+    with pytest.raises(AssertionError, match="1 rows written more than once: \\['b'\\]"):
+        assert_no_row_twice(["a", "b", "b"])
+    assert_catches_a_double(assert_no_row_twice, ["a", "b", "c"])
+    with pytest.raises(AssertionError, match="passed rows with one of them written twice"):
+        assert_catches_a_double(lambda rows: set(rows) == {"a", "b", "c"}, ["a", "b", "c"])
 
 
 def test_one_cut_catches_a_cut_before_the_earliest_instant() -> None:
@@ -114,6 +131,13 @@ def test_without_gaps_catches_a_lagging_partition() -> None:
     model, written = _per_partition_prefix()
     with pytest.raises(AssertionError, match=r"before .* \(the lag bound\) missing"):
         assert_read_without_gaps(model, written, floor=CUT + 2_000_000, latest=LATEST)
+
+
+def test_without_gaps_catches_a_row_written_twice() -> None:
+    model, written = _per_partition_prefix()
+    rows = sorted(written)
+    with pytest.raises(AssertionError, match="1 rows written more than once"):
+        assert_read_without_gaps(model, [*rows, rows[0]], floor=START, latest=LATEST)
 
 
 def test_without_gaps_catches_an_extra_row() -> None:
