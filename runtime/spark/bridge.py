@@ -708,7 +708,10 @@ class SparkBridge:
         cfg = self.config
         error: Exception | None = None
         if identity is None:
-            identity = _cut_identity(cut, self.config.connector)
+            # the default output's directories are shared by connectors: salted by this one;
+            # a user's foreach_batch gets the contents' identity (docs/design.md)
+            salt = self.config.connector if self.committer is not None else ""
+            identity = _cut_identity(cut, salt)
         if isinstance(self._broken, SparkLost):
             return self._broken
         attempt = 0
