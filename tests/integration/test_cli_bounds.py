@@ -57,11 +57,17 @@ def _params(start: int) -> StreamParams:
 
 
 def _kept(
-    record: DataChange, exclude: tuple[str, ...] = (), mod_types: tuple[str, ...] = ()
+    record: DataChange,
+    exclude: tuple[str, ...] = (),
+    mod_types: tuple[str, ...] = (),
+    tables: tuple[str, ...] = (),
 ) -> bool:
-    """``--exclude-tables`` (plain names, matched case-insensitively) and ``--mod-types``, as
-    docs/operations.md states them."""
-    if record.table.lower() in {name.lower() for name in exclude}:
+    """``--tables``, ``--exclude-tables`` (plain names, matched case-insensitively; exclusion
+    wins) and ``--mod-types``, as docs/operations.md states them."""
+    table = record.table.lower()
+    if tables and table not in {name.lower() for name in tables}:
+        return False
+    if table in {name.lower() for name in exclude}:
         return False
     return not mod_types or record.mod_type in mod_types
 
@@ -81,14 +87,18 @@ def _window(ago_s: float, length_s: float) -> tuple[int, int]:
 
 
 def _expected(
-    start: int, end: int, exclude: tuple[str, ...] = (), mod_types: tuple[str, ...] = ()
+    start: int,
+    end: int,
+    exclude: tuple[str, ...] = (),
+    mod_types: tuple[str, ...] = (),
+    tables: tuple[str, ...] = (),
 ) -> list[str]:
     """Row ids of the window ``[start, end]`` the filters keep, from the stream model alone."""
     model = StreamModel(_params(start))
     return sorted(
         f"{r.commit_ts}/{r.server_transaction_id}/{r.record_sequence}/{i}"
         for r in model.expected(end)
-        if r.commit_ts >= start and _kept(r, exclude, mod_types)
+        if r.commit_ts >= start and _kept(r, exclude, mod_types, tables)
         for i in range(len(r.mods))
     )
 

@@ -441,7 +441,8 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
     churn_emulator: Any, window: float | None
 ) -> None:
     """Also with query windows shorter than a partition's life: each partition is then read
-    by several queries, one after the other, and still every mutation arrives once."""
+    by several queries, one after the other, and still every mutation arrives once (every
+    record read counts: one read twice is an extra mod; the control doubles one)."""
     config = msgspec.structs.replace(churn_emulator.config, query_window_s=window)
     # a seed of its own: the emulator is the module's, and rows of another seed may be there
     seed = 42 if window is None else 43
@@ -464,8 +465,10 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
     assert loader.committed
     late = [c.commit_ts - end for c in loader.committed if c.commit_ts > end]
     assert not late, f"{len(late)} commits after the read's end (by up to {max(late)} us)"
-    unique = {r.identity: r for r in result.data}
-    assert expected_from_records(list(unique.values())) == loader.expected_mods()
+    expected = loader.expected_mods()
+    assert expected_from_records(result.data) == expected
+    doubled = [*result.data, result.data[len(result.data) // 2]]
+    assert expected_from_records(doubled) != expected, "the control: a record read twice"
     # partitions churned: children (splits / moves / merges) were read
     assert any(parents for _, parents in result.partitions.values())
     # every partition read once; a child only after all its parents finished
@@ -485,6 +488,10 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
 @pytest.mark.spanner
 @pytest.mark.asyncio
 async def test_restart_from_watermark_loses_nothing(churn_emulator: Any) -> None:
+    """A partition's query stopped after its first batch and started again from its watermark
+    (the last commit timestamp read) re-delivers the records at that timestamp — the restart is
+    inclusive, which is why ``first`` and ``rest`` are merged by identity here (the reader drops
+    those at its watermark) — and loses nothing; the whole walk is exactly the load."""
     config = churn_emulator.config
     loader = await LoadGenerator.connect(config, churn_emulator.tables, seed=7)
     source = await SpannerSource.connect(config, max_batch=25)
@@ -529,9 +536,8 @@ async def test_restart_from_watermark_loses_nothing(churn_emulator: Any) -> None
     merged = {r.identity: r for r in [*first, *rest]}
     assert first[-1].identity in {r.identity for r in rest}  # the watermark is inclusive
     assert sorted(merged) == sorted({r.identity for r in whole})
-    # and the whole range is exactly what was committed
-    unique = {r.identity: r for r in full.data}
-    assert expected_from_records(list(unique.values())) == loader.expected_mods()
+    # and the whole range is exactly what was committed, every record read counted
+    assert expected_from_records(full.data) == loader.expected_mods()
 
 
 @pytest.mark.spanner
