@@ -171,6 +171,18 @@ async def test_killed_member_is_removed_after_session_timeout(
         await process.wait()
 
 
+async def settled(group: Sequence[tuple[KafkaMembership, object]], within_s: float = 15) -> None:
+    """Every member of ``group`` had a heartbeat sent from now on answered with no rebalance
+    (its lease proven in the generation it is in): the group has settled, and a watch running
+    meanwhile saw at least one heartbeat interval of it."""
+    since = int(time.monotonic() * 1_000_000)
+    await wait_for(
+        lambda: all((m.lease_facts.stable or 0) > since for m, _ in group),
+        within_s,
+        "a heartbeat of every member answered with no rebalance",
+    )
+
+
 class LeaseWatch:
     """Samples members' leases and lease facts every 10 ms."""
 
@@ -210,12 +222,12 @@ async def test_survivors_keep_their_lease_through_a_rebalance(
                 watcher = tasks.create_task(watch.run())
                 async with members(kafka_config, connector, ["task-c"]):
                     assert_agree(await all_see(group, everyone | {"task-c"}))
-                    await asyncio.sleep(1.0)  # task-c leaves on exit
+                    await settled(group)  # task-c leaves on exit
                 assert_agree(await all_see(group, everyone))
-                await asyncio.sleep(1.0)
+                await settled(group)
                 process.send_signal(signal.SIGKILL)
                 assert_agree(await all_see(group, {"task-a", "task-b"}))
-                await asyncio.sleep(1.0)
+                await settled(group)
                 watcher.cancel()
             # Heartbeats during a rebalance are answered REBALANCE_IN_PROGRESS ...
             assert watch.told_rebalancing == {"task-a", "task-b"}
@@ -330,11 +342,11 @@ async def test_a_rebalance_held_for_a_dead_leader_keeps_the_lease_of_a_heartbeat
             watch = LeaseWatch([m for m, _ in group])
             async with asyncio.TaskGroup() as tasks:
                 watcher = tasks.create_task(watch.run())
-                await asyncio.sleep(1.0)
+                await settled(group)
                 process.send_signal(signal.SIGKILL)
                 async with members(kafka_config, connector, ["task-c"]):
                     assert_agree(await all_see(group, {"task-a", "task-b", "task-c"}))
-                    await asyncio.sleep(1.0)
+                    await settled(group)
                     watcher.cancel()
             stats = [m.statistics() for m, _ in group]
             if heartbeat_while_rebalancing:

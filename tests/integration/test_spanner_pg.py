@@ -11,7 +11,6 @@ infinities arrive as JSON null; timestamptz values arrive truncated to whole sec
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime as dt
 import json
@@ -36,7 +35,7 @@ from runtime.spanner.reader import (
 )
 from runtime.typed import typed_tables
 from runtime.typed_files import read_table
-from tests.fixtures.spanner import churn_emulator
+from tests.fixtures.spanner import churn_emulator, until_past
 from tests.helpers import REPO
 
 __all__ = ["churn_emulator"]  # fixture, imported for pytest
@@ -168,8 +167,9 @@ async def test_postgresql_change_stream_reads_what_was_committed(
     async with await SpannerSource.connect(pg_config) as source:
         assert await source.detect_dialect(DB) == POSTGRESQL
         assert 'spanner."read_json_pgstream"' in source._sql  # the stored (folded) name
-        await asyncio.sleep(1.5)  # let the end of the range become readable
-        result = await walk_stream(source, committed.start, committed.end + 1_000_000)
+        end = committed.end + 1_000_000
+        await until_past(end)  # a query over the past is answered complete
+        result = await walk_stream(source, committed.start, end)
     # partition churn happened while the commits went on: children with parents were read
     assert any(parents for _, parents in result.partitions.values()), result.partitions
     assert result.child_records > 1

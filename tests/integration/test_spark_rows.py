@@ -21,6 +21,7 @@ from runtime.spark import (
 )
 from runtime.spark.rows import COLUMNS, Batcher, Tails, row_key, to_arrow, to_columns
 from runtime.spark.session import start_session
+from tests.helpers import wait_for
 
 COLS = (ColumnType("Id", '{"code":"INT64"}', True, 1),)
 
@@ -199,11 +200,17 @@ async def test_backpressure_bounds_what_is_in_flight(tmp_path: Path) -> None:
     )
     async with SparkBridge(config, foreach_batch=slow, spark=_FakeSpark()) as bridge:
         first = await bridge.put(SinkBatch("p", (change(1, mods=2),), 1))  # cut, in flight
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: seen == [0], 5, "the first batch in foreach_batch")
         second = await bridge.put(SinkBatch("p", (change(2, mods=2),), 2))  # fills the buffer
         third = asyncio.ensure_future(bridge.put(SinkBatch("p", (change(3, mods=2),), 3)))
-        await asyncio.sleep(0.3)
-        assert not third.done(), "put must wait while the buffer is full and a batch in flight"
+        await wait_for(
+            lambda: bridge.stats().inflight == 1 and bridge.stats().buffered_rows == 2,
+            5,
+            "the buffer full and a batch in flight",
+        )
+        # the third put waits (here for 0.3 s: a put that did not wait would be done at once)
+        done, _ = await asyncio.wait({third}, timeout=0.3)
+        assert not done, "put must wait while the buffer is full and a batch in flight"
         assert bridge.stats().inflight == 1
         assert bridge.stats().buffered_rows == 2
         release.set()

@@ -31,6 +31,7 @@ from runtime.spanner.emulator import EmulatorUnavailable, SpannerEmulator, sync_
 from runtime.spanner.loadgen import LoadGenerator
 from runtime.spanner.reader import SpannerSource, walk_stream
 from runtime.typed_files import read_table
+from tests.fixtures.spanner import until_past
 from tests.fixtures.spark import spark
 from tests.parts import require_part
 
@@ -157,7 +158,7 @@ async def _write_and_read(emulator: SpannerEmulator, out: Path) -> Written:
     finally:
         await loader.close()
     end = int(time.time() * 1e6) + 1_000_000
-    await asyncio.sleep(1.5)
+    await until_past(end)  # a query over the past is answered complete
     batches: list[tuple[str, list[ChangeRecord]]] = []
     source = await SpannerSource.connect(config)
     try:

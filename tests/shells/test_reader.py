@@ -14,6 +14,7 @@ from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
 from protocol.task import ReaderFailed, ReaderStopped, StopReason, TaskEvent
 from runtime.ports import ChangeStreamSource, SinkBatch
 from runtime.sim.memory import MemorySink
+from tests.helpers import wait_for
 
 T0 = 1_700_000_000_000_000
 
@@ -62,22 +63,24 @@ class SlowFailingSink:
 @pytest.mark.asyncio
 async def test_a_drain_whose_batch_the_sink_fails_stops_at_the_committed_watermark() -> None:
     events: list[TaskEvent] = []
+    sink = SlowFailingSink()
     async with Supervisor("test") as sup:
         reader = PartitionReader(
             "p1",
             T0,
             source=SteadySource(),
-            sink=SlowFailingSink(),
+            sink=sink,
             report=events.append,
             permit=lambda: True,
             drain_timeout=2.0,
         )
         await sup.spawn(reader)
-        await asyncio.sleep(0.1)
+        # two batches committed, the third in the sink (to fail): then the drain is asked for
+        await wait_for(lambda: sink.puts >= 3, 5, "the third batch handed to the sink")
         reader.request_stop("handoff", drain=True)
-        async with asyncio.timeout(5):
-            while not any(isinstance(e, ReaderStopped) for e in events):
-                await asyncio.sleep(0.02)
+        await wait_for(
+            lambda: any(isinstance(e, ReaderStopped) for e in events), 5, "the reader's stop"
+        )
     stopped = [e for e in events if isinstance(e, ReaderStopped)]
     assert len(stopped) == 1
     # the two committed batches, and nothing the sink failed
@@ -121,12 +124,13 @@ async def test_a_lapsed_lease_and_a_stop_together_report_one_stop_once_the_reade
             permit=permit,
         )
         await sup.spawn(reader)
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: reader.committed > T0, 5, "a batch committed")
         permitted[0] = False
-        async with asyncio.timeout(5):
-            while reader.alive:
-                await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: not reader.alive, 5, "the reader ended")
+        await wait_for(
+            lambda: any(isinstance(e, ReaderStopped) for e, _ in events), 5, "its stop reported"
+        )
+    # the supervisor has ended: the reader can report nothing more
     stops = [(e, alive) for e, alive in events if isinstance(e, ReaderStopped)]
     assert len(stops) == 1, stops
     assert stops[0][1] is False  # reported once dead
@@ -235,8 +239,8 @@ async def test_a_reader_resumes_from_the_sinks_newer_position() -> None:
     assert position.ts >= first
     before = dict(sink.rows)
     await _read_until_committed(sink, T0, position.ts + 2000)
-    assert all(count == 1 for count in sink.rows.values())
-    assert set(before) < set(sink.rows)
+    assert all(count == 1 for count in sink.rows.values())  # raw commits: none twice
+    assert before.keys() < sink.rows.keys()  # and the second reader wrote new rows
 
 
 async def _read_until_committed(sink: MemorySink, start: int, until: int) -> int:
