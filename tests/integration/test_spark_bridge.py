@@ -1,6 +1,16 @@
 """The Spark bridge against local Spark: three task nodes read a simulated stream into the
-default parquet sink; the output equals the stream exactly, also when a task is killed and when
-Spark fails micro-batches (retried, or failed back to the readers, which re-read)."""
+default parquet sink; the output equals the stream exactly, also when a task is expelled and
+stops without draining and when Spark fails micro-batches (retried, or failed back to the
+readers, which re-read).
+
+"Exactly" is checked on the raw output (``read_output(..., dedupe=False)``, counted as a
+multiset), with a control in every check (the same rows with one doubled fail it), and with the
+bridge's own defence against re-reads idle (``rows_deduplicated == 0``): the three nodes share
+one bridge, which would otherwise drop a re-read the hand-off should never have caused. The one
+test that replays on purpose (a restart over records the last run wrote) says so.
+
+A real kill -9 of a task process is tested with the file sink (test_exactly_once_kill.py), and
+of Spark's JVM in test_faults.py."""
 
 from __future__ import annotations
 
@@ -18,7 +28,8 @@ from runtime.ports import SinkBatch
 from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import SparkBridge, SparkConfig, read_output
 from runtime.spark.output import write_default
-from tests.fixtures.spark import Cluster, output_rows, spark, wait_for
+from tests.fixtures.spark import Cluster, Row, output_rows, spark, wait_for
+from tests.helpers import assert_catches_a_double
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 __all__ = ["spark"]  # the module-scoped session fixture
@@ -40,16 +51,30 @@ async def _run_to_end(cluster: Cluster, bridge: SparkBridge, timeout: float = 60
     )
 
 
-def _assert_exact(out: Path, cluster: Cluster) -> None:
-    rows = output_rows(read_output(str(out), dedupe=False))
-    duplicated = [k for k, n in Counter(rows).items() if n > 1]
+def _exact(rows: list[Row], expected: list[Row]) -> None:
+    """``rows`` (raw) are ``expected``, each as often (once: the stream has no row twice)."""
+    got, want = Counter(rows), Counter(expected)
+    assert max(want.values()) == 1
+    duplicated = [k for k, n in got.items() if n > 1]
     assert not duplicated, f"{len(duplicated)} rows written twice, e.g. {duplicated[:2]}"
-    expected = cluster.expected()
-    assert len(set(expected)) == len(expected)
-    missing = set(expected) - set(rows)
-    extra = set(rows) - set(expected)
+    missing = want - got
+    extra = got - want
     assert not missing, f"{len(missing)} rows missing, e.g. {sorted(missing)[:2]}"
     assert not extra, f"{len(extra)} unexpected rows, e.g. {sorted(extra)[:2]}"
+
+
+def _assert_exact(
+    out: Path, cluster: Cluster, bridge: SparkBridge, *, rereads_dropped: bool = False
+) -> None:
+    """The raw output is the stream, each row once (with its control); unless the test says why
+    (``rereads_dropped``), the bridge dropped no re-read: none came, so nothing was masked."""
+    rows = output_rows(read_output(str(out), dedupe=False))
+    expected = cluster.expected()
+    _exact(rows, expected)
+    assert_catches_a_double(lambda doubled: _exact(doubled, expected), rows)
+    dropped = bridge.stats().rows_deduplicated
+    if not rereads_dropped:
+        assert dropped == 0, f"the bridge dropped {dropped} re-read rows"
 
 
 @pytest.mark.asyncio
@@ -65,7 +90,7 @@ async def test_three_tasks_output_equals_the_stream(spark: Any, tmp_path: Path) 
     assert stats.batches_failed == 0
     assert stats.inflight == 0
     assert stats.rows_committed == len(cluster.expected())
-    _assert_exact(out, cluster)
+    _assert_exact(out, cluster, bridge)
     # Spark reads the same output, partitioned by table.
     df = read_output(spark, str(out))
     assert df.count() == len(cluster.expected())
@@ -76,9 +101,19 @@ async def test_three_tasks_output_equals_the_stream(spark: Any, tmp_path: Path) 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
-async def test_killed_task_loses_nothing_and_writes_nothing_twice(
+async def test_expelled_task_stopped_without_draining_loses_nothing_and_writes_nothing_twice(
     spark: Any, tmp_path: Path
 ) -> None:
+    """n0 is expelled from the group (its session timed out) and stopped at once, without a
+    drain, while it reads: the others take its partitions over and the raw output is still the
+    stream, each row once.
+
+    Allowed here, and why: the bridge drops re-reads (``rows_deduplicated > 0``; 4,247 of
+    22,333 rows in one run). The three nodes share one bridge, and n0's batches still in flight
+    in it commit after its partitions were taken over, so the new owners re-read them from the
+    older position they found; the bridge's drop at a partition's watermark is what keeps the
+    output exact in this case (docs/operations.md, "Output and duplicates", calls it a defence).
+    So this test checks that defence end to end, not an exact hand-off position."""
     out = tmp_path / "out"
     async with SparkBridge(_config(out), spark=spark) as bridge:
         cluster = Cluster(bridge, seed=12)
@@ -98,7 +133,7 @@ async def test_killed_task_loses_nothing_and_writes_nothing_twice(
     survivors = cluster.nodes[1:]
     assert any(n.status().counters.get("picked_up", 0) for n in survivors)
     assert stats.batches_failed == 0
-    _assert_exact(out, cluster)
+    _assert_exact(out, cluster, bridge, rereads_dropped=True)
 
 
 @pytest.mark.asyncio
@@ -139,7 +174,7 @@ async def test_failed_micro_batch_is_retried_and_watermarks_wait(
     assert attempts[fail_id] == 2
     assert stats.attempts_failed == 1
     assert stats.batches_failed == 0
-    _assert_exact(out, cluster)
+    _assert_exact(out, cluster, bridge)
 
 
 @pytest.mark.asyncio
@@ -171,7 +206,7 @@ async def test_micro_batch_failing_every_attempt_is_re_read(spark: Any, tmp_path
     assert attempts[failed[0]] == 2
     assert stats.batches_failed == 1
     assert stats.puts_failed > 0
-    _assert_exact(out, cluster)
+    _assert_exact(out, cluster, bridge)
 
 
 def _first_record_ts(bridge: SparkBridge, batch_id: int) -> dict[str, int]:
@@ -201,13 +236,14 @@ async def test_restart_does_not_write_what_the_last_run_wrote(spark: Any, tmp_pa
         async with SparkBridge(_config(out), spark=spark) as bridge:
             future = await bridge.put(SinkBatch(token, tuple(part), part[-1].commit_ts))
             await asyncio.wait_for(future, 60)
-    expected = {
+    expected = [
         (r.commit_ts, r.server_transaction_id, r.record_sequence, i)
         for r in records
         for i in range(len(r.mods))
-    }
+    ]
     rows = output_rows(read_output(str(out), dedupe=False))
     keys = [row[:4] for row in rows]
-    assert len(keys) == len(set(keys)), "a re-read record was written twice"
-    assert set(keys) == expected
+    _exact(keys, expected)  # a re-read record written twice fails (the control below)
+    assert_catches_a_double(lambda doubled: _exact(doubled, expected), keys)
+    # The replay is on purpose here: this is the bridge's defence at work, not a hand-off.
     assert bridge.stats().rows_deduplicated == sum(len(r.mods) for r in records[20:30])
