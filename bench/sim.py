@@ -37,11 +37,13 @@ def _init_worker(memory_bytes: int) -> None:
     signal.signal(signal.SIGALRM, _on_alarm)
 
 
-def run_guarded(seed: int, seconds: int = SEED_SECONDS, append_fail_p: float = 0.0) -> SimResult:
+def run_guarded(
+    seed: int, seconds: int = SEED_SECONDS, append_fail_p: float = 0.0, sink_fail_p: float = 0.0
+) -> SimResult:
     """One seed under a wall-time budget (and the worker's memory limit)."""
     signal.alarm(seconds)
     try:
-        return run(SimParams(seed=seed, append_fail_p=append_fail_p))
+        return run(SimParams(seed=seed, append_fail_p=append_fail_p, sink_fail_p=sink_fail_p))
     except _SeedTimeout:
         return SimResult(seed=seed, passed=False, violation=f"seed ran over {seconds} s")
     except MemoryError:
@@ -50,9 +52,12 @@ def run_guarded(seed: int, seconds: int = SEED_SECONDS, append_fail_p: float = 0
         signal.alarm(0)
 
 
-def _run_range(args: tuple[int, int, float]) -> list[SimResult]:
-    start, stop, append_fail_p = args
-    return [run_guarded(seed, append_fail_p=append_fail_p) for seed in range(start, stop)]
+def _run_range(args: tuple[int, int, float, float]) -> list[SimResult]:
+    start, stop, append_fail_p, sink_fail_p = args
+    return [
+        run_guarded(seed, append_fail_p=append_fail_p, sink_fail_p=sink_fail_p)
+        for seed in range(start, stop)
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -69,6 +74,12 @@ def main(argv: list[str]) -> int:
         help="chance that a sync append is reported failed (half of those are lost; default 0)",
     )
     parser.add_argument(
+        "--sink-fail-p",
+        type=float,
+        default=0.0,
+        help="chance that the simulated sink fails a batch (the reader re-reads; default 0)",
+    )
+    parser.add_argument(
         "--memory-gb",
         type=float,
         default=WORKER_MEMORY_BYTES / (1 << 30),
@@ -76,14 +87,18 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     if args.seed is not None:
-        result = run(SimParams(seed=args.seed, append_fail_p=args.append_fail_p))
+        result = run(
+            SimParams(
+                seed=args.seed, append_fail_p=args.append_fail_p, sink_fail_p=args.sink_fail_p
+            )
+        )
         print(result)
         print(json.dumps({"scenario": "sim", "seeds": 1, "passed": int(result.passed)}))
         return 0 if result.passed else 1
     seeds = 50 if args.quick else args.seeds
     chunk = max(1, min(50, seeds // (args.jobs * 4) or 1))
     ranges = [
-        (s, min(s + chunk, args.first + seeds), args.append_fail_p)
+        (s, min(s + chunk, args.first + seeds), args.append_fail_p, args.sink_fail_p)
         for s in range(args.first, args.first + seeds, chunk)
     ]
     started = time.perf_counter()
@@ -120,6 +135,8 @@ def main(argv: list[str]) -> int:
                 "failed_seeds": [r.seed for r in results if not r.passed][:50],
                 "append_fail_p": args.append_fail_p,
                 "append_failures": sum(r.append_failures for r in results),
+                "sink_fail_p": args.sink_fail_p,
+                "sink_failures": sum(r.sink_failures for r in results),
                 # how often the rules of docs/design.md that only some histories need ran
                 "resets": sum(r.resets for r in results),
                 "read_on_answer": sum(r.read_on_answer for r in results),

@@ -20,8 +20,10 @@ At the end, after a quiet period without faults and without partition churn:
 
 * every live partition is owned by exactly one live task and is being read;
 * owned counts are within one of each other across live tasks (when no cap binds);
-* **exactly once**: every data record committed up to the horizon reached the sink exactly
-  once (a record counts when the sink commits its batch), and nothing else did.
+* **exactly once**: every data record committed up to the horizon (5 s before the end) reached
+  the sink; no record the sink committed, at any time, is one the stream never committed; and
+  no record reached the sink twice, at any time (a record counts when the sink commits its
+  batch).
 
 Each simulated reader runs the real reader core (``protocol/reader.py``) against the model as
 its source and a simulated sink that commits each batch after a delay, in order, or fails it
@@ -90,7 +92,7 @@ from protocol.reader import (
     StartQuery,
     StopRequested,
 )
-from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
+from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat, Mod
 from protocol.task import (
     ANSWER_TIMEOUT,
     Alert,
@@ -228,6 +230,11 @@ class SimParams(msgspec.Struct, frozen=True):
     # the teeth test's sink cannot fence (exactly-once rule 4): a stopped reader's batches in
     # flight still commit when due, after the partition may have been released
     sink_fences: bool = True
+    # the teeth tests of the final exactly-once checks themselves (-1: off): from this long
+    # after the start, the source invents one record the stream never committed (in the first
+    # chunk a reader reads), or the sink commits one record of its next batch twice
+    invent_record_at_us: int = -1
+    double_record_at_us: int = -1
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -246,6 +253,7 @@ class SimResult(msgspec.Struct, frozen=True):
     # restarted members planned as reset (their earlier lives' partitions dealt out)
     resets: int = 0
     read_on_answer: int = 0  # readers a rejoined task started before its generation's epoch
+    sink_failures: int = 0  # batches the simulated sink failed (sink_fail_p, or a lapsed lease)
 
 
 class _Reader:
@@ -849,6 +857,8 @@ class Simulation:
                     )
                 reader.committed_ids.add(identity)
                 self.delivered[identity] += 1
+            if records and self._fault_due("double_record_at_us"):
+                self.delivered[records[0].identity] += 1  # the teeth: a row written twice
             durable = self.sink_tails.setdefault(reader.token, PartitionTail())
             durable.commit(watermark, records)
             self.reader_do(node, reader, reader.core.handle(BatchCommitted(batch), self.now()))
@@ -872,6 +882,8 @@ class Simulation:
                     chunk.append(record)
                     ended = ended or isinstance(record, ChildPartitions)
                 if not ended:
+                    if self._fault_due("invent_record_at_us"):
+                        chunk.append(_invented(now))  # the teeth: never committed
                     chunk.append(Heartbeat(now))
                 reader.pos = now + 1
                 self.reader_do(node, reader, reader.core.handle(Chunk(query, tuple(chunk)), now))
@@ -879,6 +891,15 @@ class Simulation:
                     reader.query = -1
                     self.reader_do(node, reader, reader.core.handle(QueryEnded(query), now))
             self.reader_do(node, reader, reader.core.handle(ReaderTick(), now))
+
+    def _fault_due(self, name: str) -> bool:
+        """Whether the one-off teeth fault ``name`` (a ``SimParams`` field: when, after the
+        start) is due now and has not happened yet; it happens once."""
+        at: int = getattr(self.p, name)
+        if at < 0 or self.now() < self.t0 + at or self.stats[name]:
+            return False
+        self.stats[name] += 1
+        return True
 
     # -- faults -----------------------------------------------------------------------------------
     def faults(self) -> None:
@@ -1039,6 +1060,7 @@ class Simulation:
             append_failures=self.stats["append_failures"],
             resets=self.stats["resets"],
             read_on_answer=self.stats["read_on_answer"],
+            sink_failures=self.stats["sink_failures"],
         )
 
     def final_checks(self) -> None:
@@ -1064,15 +1086,34 @@ class Simulation:
         missing = expected - set(self.delivered)
         if missing:
             raise Violation(f"{len(missing)} records never reached the sink, e.g. {min(missing)}")
-        extra = {i for i in self.delivered if i[0] <= horizon} - expected
+        # every record the sink committed, to the last step: the stream committed it
+        committed = {r.identity for r in self.model.expected(now)}
+        extra = set(self.delivered) - committed
         if extra:
-            raise Violation(f"{len(extra)} records reached the sink that were never committed")
-        twice = sorted(i for i in expected if self.delivered[i] > 1)
+            raise Violation(
+                f"{len(extra)} records reached the sink that were never committed, e.g. "
+                f"{min(extra)}"
+            )
+        twice = sorted(i for i, n in self.delivered.items() if n > 1)
         if twice:
             raise Violation(
                 f"not exactly once: {len(twice)} records reached the sink more than once, e.g. "
                 f"{twice[0]} {self.delivered[twice[0]]} times"
             )
+
+
+def _invented(ts: int) -> DataChange:
+    """A record no simulated stream commits (its transaction id is not of the model's form)."""
+    return DataChange(
+        commit_ts=ts,
+        record_sequence="00000000",
+        server_transaction_id="invented",
+        is_last_record_in_transaction_in_partition=True,
+        table="Invented",
+        column_types=(),
+        mods=(Mod('{"Id":"0"}', "{}", "{}"),),
+        mod_type="INSERT",
+    )
 
 
 def _first_parent(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:
