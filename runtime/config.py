@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import fnmatch
 import os
 import re
 import tomllib
@@ -58,6 +59,7 @@ __all__ = [
     "load",
     "options",
     "reference_markdown",
+    "secret_setting",
 ]
 
 
@@ -430,7 +432,21 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "that lost its master and executors; 0: no limit. Embedded path.",
         ),
     ] = 300.0
-    conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
+    conf: Annotated[
+        dict[str, str],
+        _d(
+            "Extra Spark settings (TOML table [spark.conf]); local Spark gets them in a "
+            "private file, never on a command line."
+        ),
+    ] = {}
+    secret_conf: Annotated[
+        str | None,
+        _d(
+            "More [spark.conf] settings whose values are secrets, beyond those named like one "
+            "(docs/operations.md, Logs): comma-separated names or glob patterns "
+            "(spark.hadoop.fs.myfs.*.auth), case-insensitive; shown as *** and masked in logs."
+        ),
+    ] = None
 
 
 class SimOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -934,9 +950,28 @@ def kafka_config(config: ShoalConfig, bootstrap: str) -> KafkaConfig:
     )
 
 
-# Extra Spark settings whose name says they hold a secret (spark.hadoop.fs.s3a.secret.key,
-# spark.ssl.keyPassword, spark.authenticate.secret, ...): shown as *** like the secret options.
-_SECRET_CONF: Final = re.compile(r"secret|passw|token|credential|private|key$", re.IGNORECASE)
+# Words that make a part of a Spark setting's name (between dots) say it holds a secret.
+_SECRET_WORDS: Final = ("secret", "passw", "token", "credential", "private")
+
+
+def secret_setting(key: str, extra: str | None = None) -> bool:
+    """Whether the Spark setting ``key`` holds a secret, by its name: a part of it between dots
+    contains ``secret``, ``passw``, ``token``, ``credential`` or ``private``, or is ``sas``, or
+    ends in ``key`` or ``keys`` (``fs.s3a.secret.key``, ``fs.s3a.access.key``,
+    ``fs.azure.account.key.<account>.dfs.core.windows.net``, ``fs.azure.sas.<container>...``,
+    ``spark.ssl.keyPassword``, ``spark.authenticate.secret``, ``<catalog>.token``,
+    ``s3.secret-access-key``, ``accountKey``), or it matches one of the comma-separated names or
+    glob patterns of ``extra`` (``spark.secret_conf``). Case-insensitive. Such settings are
+    shown as ``***`` and masked in logs; every setting, secret or not, reaches local Spark in a
+    private file (``runtime.spark.session``)."""
+    name = key.lower()
+    for part in name.split("."):
+        if any(word in part for word in _SECRET_WORDS):
+            return True
+        if part == "sas" or part.endswith(("key", "keys")):
+            return True
+    patterns = [p.strip().lower() for p in (extra or "").split(",") if p.strip()]
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def redacted(config: ShoalConfig) -> dict[str, Any]:
@@ -948,7 +983,7 @@ def redacted(config: ShoalConfig) -> dict[str, Any]:
                 section[name] = "***"
     conf = data["spark"]["conf"]
     for key in conf:
-        if _SECRET_CONF.search(key):
+        if secret_setting(key, config.spark.secret_conf):
             conf[key] = "***"
     return data
 
@@ -962,7 +997,9 @@ def secret_values(config: ShoalConfig) -> tuple[str, ...]:
         for name in _SECRET_FIELDS
         if getattr(section, name, None)
     ]
-    values += [v for k, v in config.spark.conf.items() if v and _SECRET_CONF.search(k)]
+    values += [
+        v for k, v in config.spark.conf.items() if v and secret_setting(k, config.spark.secret_conf)
+    ]
     return tuple(values)
 
 
