@@ -768,6 +768,11 @@ class Pipeline:
             where = f"its output's {state.start_file}"
             raise ConfigError(self._conflict(StartConflict(conflict.start_us, -1), where))
         self._start_recorded = recorded
+        mark = await asyncio.to_thread(state.read_mark)
+        if mark is not None:
+            # never write a mark below one a reader may have seen: a restart whose sync topic is
+            # new computes a low one until its partitions have caught up with their progress
+            self._completeness_written = mark.low_watermark_us
         if recorded is None and self._start_at is not None:
             self._start_recorded = await asyncio.to_thread(
                 state.record_start, self._start_at, _rfc3339(self._start_at)
