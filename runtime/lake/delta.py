@@ -86,7 +86,9 @@ from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
+from protocol.commit import DataFile, delta_app_id
 from runtime.lake.store import Store, StoreError
+from runtime.ports import Unrecoverable
 
 __all__ = [
     "CommitResult",
@@ -94,7 +96,9 @@ __all__ = [
     "DeltaCommitFailed",
     "DeltaCommitter",
     "SchemaConflict",
+    "add_action",
     "app_id",
+    "delta_schema",
     "new_writer_id",
     "parquet_stats",
     "write_data_file",
@@ -111,22 +115,14 @@ class DeltaCommitFailed(RuntimeError):
     of it is visible."""
 
 
-class SchemaConflict(ValueError):
-    """A micro-batch's column has a type that differs from the table's column of that name."""
+class SchemaConflict(Unrecoverable):
+    """A micro-batch's column has a type that differs from the table's column of that name:
+    retrying cannot mend it (the run stops with the message)."""
 
 
-class DataFile(msgspec.Struct, frozen=True):
-    """A parquet file written into a table's directory, not yet committed: what an executor
-    returns to the driver, and what a manifest records."""
-
-    path: str  # relative to the table's root, '/'-separated
-    size: int  # bytes
-    num_records: int
-    modification_time_ms: int
-    stats: str  # the Delta statistics JSON of the add action
-
-    def add_action(self) -> AddAction:
-        return AddAction(self.path, self.size, {}, self.modification_time_ms, True, self.stats)
+def add_action(f: DataFile) -> AddAction:
+    """The Delta add action of a data file (unpartitioned, a data change)."""
+    return AddAction(f.path, f.size, {}, f.modification_time_ms, True, f.stats)
 
 
 class CommitResult(msgspec.Struct, frozen=True):
@@ -140,9 +136,7 @@ class CommitResult(msgspec.Struct, frozen=True):
     attempts: int
 
 
-def app_id(connector: str, writer: str) -> str:
-    """The Delta application id of one committing instance of ``connector``."""
-    return f"shoal/{connector}/{writer}"
+app_id = delta_app_id
 
 
 def new_writer_id() -> str:
@@ -302,8 +296,14 @@ def _parse_interval(text: str | None) -> float | None:
     return int(m.group(1)) * _UNIT_S[m.group(2).lower()]
 
 
-def _nullable_schema(schema: pa.Schema) -> pa.Schema:
-    return pa.schema([f.with_nullable(True) for f in schema], metadata=schema.metadata)
+def delta_schema(schema: pa.Schema | DeltaSchema) -> DeltaSchema:
+    """``schema`` as a Delta schema with every top-level column nullable (a table's files
+    written before a column existed hold nulls in it)."""
+    if isinstance(schema, pa.Schema):
+        schema = DeltaSchema.from_arrow(pa.schema([f.with_nullable(True) for f in schema]))
+    return DeltaSchema(
+        [Field(f.name, f.type, nullable=True, metadata=f.metadata) for f in schema.fields]
+    )
 
 
 def _type_json(field: Any) -> str:
@@ -439,7 +439,7 @@ class DeltaCommitter:
         self,
         table: str,
         files: Sequence[DataFile],
-        schema: pa.Schema,
+        schema: pa.Schema | DeltaSchema,
         *,
         app: str,
         version: int | None,
@@ -455,13 +455,13 @@ class DeltaCommitter:
         ``first_attempt_ms``: when this batch first reached its commit point (epoch ms), for
         retries much later than that (see the module docstring). Raises
         :class:`DeltaCommitFailed` after ``retries`` lost attempts, :class:`SchemaConflict`."""
-        schema = _nullable_schema(schema)
+        columns = delta_schema(schema)
         custom: dict[str, Any] = dict(metadata or {})
         custom["shoal.app_id"] = app
         custom["shoal.commit"] = uuid.uuid4().hex  # this call's, to find its version after
         if version is not None:
             custom["shoal.txn_version"] = version
-        adds = [f.add_action() for f in files]
+        adds = [add_action(f) for f in files]
         with self._table_lock(table):
             last: BaseException | None = None
             for attempt in range(1, self.retries + 1):
@@ -471,7 +471,7 @@ class DeltaCommitter:
                     self._backoff(attempt)
                 try:
                     result = self._attempt(
-                        table, adds, schema, app, version, custom, attempt, first_attempt_ms
+                        table, adds, columns, app, version, custom, attempt, first_attempt_ms
                     )
                 except (CommitFailedError, OSError) as exc:
                     # a concurrent writer won (metadata change, same app_id) or the store
@@ -500,7 +500,7 @@ class DeltaCommitter:
         self,
         table: str,
         adds: list[AddAction],
-        schema: pa.Schema,
+        schema: DeltaSchema,
         app: str,
         version: int | None,
         custom: dict[str, Any],
@@ -566,7 +566,7 @@ class DeltaCommitter:
         self,
         table: str,
         adds: list[AddAction],
-        schema: pa.Schema,
+        schema: DeltaSchema,
         app: str,
         version: int | None,
         custom: dict[str, Any],
@@ -579,7 +579,7 @@ class DeltaCommitter:
         try:
             create_table_with_add_actions(
                 uri,
-                DeltaSchema.from_arrow(schema),
+                schema,
                 adds,
                 mode="error",
                 configuration=configuration,
@@ -597,21 +597,10 @@ class DeltaCommitter:
         return CommitResult(table, 0, False, True, (), attempt)
 
     def _merge_schema(
-        self, dt: DeltaTable, table: str, schema: pa.Schema, custom: dict[str, Any]
+        self, dt: DeltaTable, table: str, schema: DeltaSchema, custom: dict[str, Any]
     ) -> tuple[str, ...]:
         """Commit the columns of ``schema`` the table lacks (a metadata-only commit)."""
-        current = {f.name: f for f in dt.schema().fields}
-        incoming = DeltaSchema.from_arrow(schema).fields
-        missing = []
-        for f in incoming:
-            have = current.get(f.name)
-            if have is None:
-                missing.append(f)
-            elif _type_json(have) != _type_json(f):
-                raise SchemaConflict(
-                    f"table {table}: column {f.name} has type {_type_json(f)} in the new files "
-                    f"but {_type_json(have)} in the table"
-                )
+        missing = self._missing_columns(dt, table, schema)
         if not missing:
             return ()
         names = tuple(f.name for f in missing)
@@ -624,6 +613,35 @@ class DeltaCommitter:
         )
         dt.update_incremental()
         return names
+
+    def _missing_columns(self, dt: DeltaTable, table: str, schema: DeltaSchema) -> list[Any]:
+        """The fields of ``schema`` the table lacks; :class:`SchemaConflict` for a column whose
+        type differs from the table's."""
+        current = {f.name: f for f in dt.schema().fields}
+        missing = []
+        for f in schema.fields:
+            have = current.get(f.name)
+            if have is None:
+                missing.append(f)
+            elif _type_json(have) != _type_json(f):
+                raise SchemaConflict(
+                    f"{self.store.option} ({self.store.describe()}): Delta table {table}: "
+                    f"column {f.name} has type {_type_json(f)} in the new data files but "
+                    f"{_type_json(have)} in the table; nothing of the batch was committed. "
+                    "Alter the table's column, or write to a new output"
+                )
+        return missing
+
+    def check_schema(self, table: str, schema: pa.Schema | DeltaSchema) -> None:
+        """Blocking: raise :class:`SchemaConflict` now if ``schema`` cannot merge into the
+        table (as last seen by this committer; loaded once if never seen), so a batch is
+        refused before its commit point rather than after."""
+        with self._table_lock(table):
+            dt = self._tables.get(table)
+            if dt is None:
+                dt = self._load(table)
+            if dt is not None:
+                self._missing_columns(dt, table, delta_schema(schema))
 
     def discard(self, table: str, files: Sequence[DataFile]) -> None:
         """Delete data files that were never committed (a batch found already committed, or

@@ -346,6 +346,37 @@ class Store:
             if info.type == pafs.FileType.Directory
         )
 
+    def dir_mtimes(self, rel: str = "") -> list[tuple[str, float]]:
+        """The directories right under ``rel`` with their modification times, sorted by name:
+        locally the directory's own; on an object store (no directories) that of the newest
+        file under it."""
+        if self.kind == "file":
+            out = []
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(self.path(rel)):
+                    with contextlib.suppress(FileNotFoundError):
+                        if entry.is_dir():
+                            out.append((entry.name, entry.stat().st_mtime))
+            return sorted(out)
+        newest: dict[str, float] = {}
+        prefix = rel.strip("/")
+        for e in self.list_files(rel):
+            name, _, below = e.path[len(prefix) :].lstrip("/").partition("/")
+            if below:
+                newest[name] = max(newest.get(name, 0.0), e.mtime or 0.0)
+        return sorted(newest.items())
+
+    def copy_tree(self, src: str, dst: str) -> int:
+        """Copy every file under ``src`` to the same relative path under ``dst``, replacing
+        what is there (server-side on an object store); the number of files."""
+        files = self.list_files(src)
+        root = src.strip("/")
+        for e in files:
+            target = f"{dst.strip('/')}/{e.path[len(root) :].lstrip('/')}"
+            self._makedirs(target)
+            self.fs.copy_file(self.path(e.path), self.path(target))
+        return len(files)
+
     def open_input_file(self, rel: str) -> Any:
         """A random-access ``pyarrow.NativeFile`` of ``rel`` (for reading parquet)."""
         return self.fs.open_input_file(self.path(rel))

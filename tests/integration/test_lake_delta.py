@@ -27,6 +27,7 @@ from runtime.lake.delta import (
     DeltaCommitFailed,
     DeltaCommitter,
     SchemaConflict,
+    add_action,
     app_id,
     new_writer_id,
     write_data_file,
@@ -170,7 +171,7 @@ def test_delta_rs_append_alone_drops_a_new_column(tmp_path: Path) -> None:
     new = batch_table(2, 2, 0, "price")
     f = write_data_file(store, "t", new)
     dt = DeltaTable(store.uri_for("t"))
-    dt.create_write_transaction([f.add_action()], "append", new.schema)
+    dt.create_write_transaction([add_action(f)], "append", new.schema)
     assert "price" not in DeltaTable(store.uri_for("t")).schema().to_arrow().names
 
 
