@@ -219,7 +219,8 @@ class Committer:
         if self._delta is None:
             from runtime.lake.delta import DeltaCommitter
 
-            self._delta = DeltaCommitter(self.store)
+            # the version each commit got is not needed here: two requests per table saved
+            self._delta = DeltaCommitter(self.store, find_versions=False)
         return self._delta
 
     # --- paths ------------------------------------------------------------------------------

@@ -196,7 +196,9 @@ class Store:
             self.fs = pafs.LocalFileSystem()
         elif kind == "s3":
             self.uri = f"s3://{self.base}"
-            kwargs: dict[str, Any] = {}
+            # delayed open: a small object is one PUT at close instead of a multipart upload
+            # (three requests); either way it appears whole or not at all
+            kwargs: dict[str, Any] = {"allow_delayed_open": True}
             if endpoint is not None:
                 ep = urlsplit(endpoint)
                 kwargs["endpoint_override"] = ep.netloc

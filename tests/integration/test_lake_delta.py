@@ -105,6 +105,7 @@ def test_commits_create_append_and_carry_identity_metadata_and_stats(lake: Lake)
     assert dt.version() == 1
     assert dt.transaction_version(app) == 2
     assert dt.metadata().configuration[RETENTION_KEY] == "interval 30 days"
+    assert dt.metadata().configuration["delta.checkpointInterval"] == "10"
     assert lake.ids("orders") == ids_of(range(1, 3))
     history = sorted(dt.history(), key=lambda h: h["version"])
     assert [h.get("shoal.batch") for h in history] == ["b1", "b2"]
