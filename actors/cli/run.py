@@ -360,7 +360,7 @@ class Pipeline:
         drained = False
         partitions: tuple[PartitionEnd, ...] = ()
         final: Sample | None = None
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_output_dir(self.output_dir)  # a bad --output-dir: before the broker and Spark
         async with AsyncExitStack() as stack:
             bootstrap = self._bootstrap = await self._start_kafka(stack)
             kafka = kafka_config(cfg, bootstrap)
@@ -1046,6 +1046,32 @@ class _StartChecked:
             detail = str(exc.__cause__ or exc).splitlines()[0]
             raise ConfigError(
                 f"start_at {self.start_at}: the change stream refused this start: {detail}"
+            ) from exc
+
+
+def check_output_dir(path: Path) -> None:
+    """Create ``run.output_dir`` if needed and make sure this process can write there (and in
+    its ``data`` directory, if there is one), or raise :class:`ConfigError` naming the option:
+    found at start, not by the broker's log, the sink or Spark later. Writing is tried, not
+    judged from the permission bits (which do not hold for root or a read-only mount)."""
+    where = f"output_dir {str(path)!r} (--output-dir)"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{where} is a file, not a directory: give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create it ({exc.strerror or exc})") from exc
+    data = path / "data"
+    if data.exists() and not data.is_dir():
+        raise ConfigError(f"{where}: {str(data)!r} is a file; the output goes in that directory")
+    for directory in (path, data) if data.exists() else (path,):
+        probe = directory / f".shoal-write-probe.{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"{where}: cannot write in {str(directory)!r} ({exc.strerror or exc})"
             ) from exc
 
 
