@@ -280,3 +280,40 @@ def test_a_duration_run_with_a_start_and_a_filter_catches_up_on_what_it_reads(
     assert summary.stream_end is not None
     rule = RecordFilter.parse(None, None, "INSERT")
     assert _ids(tmp_path / "out" / "data") == _expected(start, summary.stream_end, rule)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_interrupted_bounded_run_resumes_its_child_partitions(
+    tmp_path: Path, kafka_broker: EmbeddedBroker
+) -> None:
+    """On a broker that outlives the process, a bounded simulated run stopped half-way (by
+    ``--max-records``) and started again resumes: the new process's simulated stream serves the
+    child partitions the sync topic names (it used to fail them for ever, ``KeyError: unknown
+    partition token``, and never reach the end), and the two runs wrote the window."""
+    start, end = _window(ago_s=60, length_s=30)
+    common = [
+        *SIM,
+        *("--sink", "files", "--progress", "off", "--connector", "bounded-resume-children"),
+        *("--kafka-bootstrap-servers", kafka_broker.bootstrap),
+        *("--kafka-session-timeout-ms", "3000", "--kafka-heartbeat-interval-ms", "1000"),
+        *("--start-at", _rfc3339(start), "--end-at", _rfc3339(end), "--tasks", "1"),
+        *("--output-dir", str(tmp_path / "out"), "--summary-json", str(tmp_path / "s.json")),
+    ]
+    code, out, err = _run([*common, "--max-records", "3000"], tmp_path, "first", timeout=120)
+    assert code == 0, out + err
+    first = msgspec.json.decode((tmp_path / "s.json").read_bytes(), type=RunSummary)
+    assert first.reason == "max-records", out
+    roots = set(StreamModel(stream_params(SIM_OPTIONS, start)).roots)
+    live_children = [p for p in first.partitions if p.status != "finished" and p.token not in roots]
+    assert live_children, f"the first run left no child partition to resume: {first.partitions}"
+
+    code, out, err = _run(common, tmp_path, "second", timeout=150)
+    assert code == 0, out + err
+    second = msgspec.json.decode((tmp_path / "s.json").read_bytes(), type=RunSummary)
+    assert second.reason == "end-at", out
+    assert "unknown partition token" not in err
+    assert "reader_failed" not in second.errors, second.errors
+    assert second.records_delivered > 0
+    assert set(_ids(tmp_path / "out" / "data")) == set(_expected(start, end, RecordFilter()))
