@@ -70,8 +70,20 @@ async def _admin(config: KafkaConfig, doing: str) -> AsyncIterator[AIOKafkaAdmin
 
 async def topic_exists(config: KafkaConfig, topic: str) -> bool:
     """Whether ``topic`` exists (asking creates nothing)."""
+    return topic in await list_topics(config)
+
+
+async def list_topics(config: KafkaConfig) -> list[str]:
+    """Every topic's name (a metadata request for all topics: it creates nothing, even on a
+    Kafka that creates a topic a client asks about, ``auto.create.topics.enable``)."""
     async with _admin(config, "list the topics") as admin:
-        return topic in await admin.list_topics()
+        return list(await admin.list_topics())
+
+
+def connectors_of(topics: list[str]) -> list[str]:
+    """The connectors whose sync topics are among ``topics``."""
+    suffix = sync_topic("")
+    return sorted(t.removesuffix(suffix) for t in topics if t.endswith(suffix) and t != suffix)
 
 
 async def ensure_topic(
