@@ -707,6 +707,9 @@ class Pipeline:
                 tls = _tls_error(exc)
                 if tls is not None:  # an untrusted certificate: retrying cannot help
                     raise RunFailed(str(tls)) from exc
+                unusable = _sync_topic_unusable(exc)
+                if unusable is not None:  # a sync topic of several partitions: a bad setup
+                    raise ConfigError(str(unusable)) from exc
                 if not _transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
@@ -1089,6 +1092,18 @@ def _tls_error(exc: BaseException) -> BaseException | None:
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, KafkaTlsError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _sync_topic_unusable(exc: BaseException) -> BaseException | None:
+    """The :class:`runtime.kafka.synclog.SyncTopicUnusable` behind ``exc``, if any."""
+    from runtime.kafka.synclog import SyncTopicUnusable
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, SyncTopicUnusable):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None

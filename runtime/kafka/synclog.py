@@ -29,6 +29,7 @@ from protocol import fragments
 from protocol.messages import MarkerMessage, encode
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import (
+    TopicSettingsError,
     check_connector,
     checkpoint_group,
     connectors_of,
@@ -48,6 +49,12 @@ class SyncLogError(KafkaAdapterError):
 class NoSuchConnector(SyncLogError, Unrecoverable):
     """A reader that must not create anything (``create=False``, e.g. ``status``) found no sync
     topic for its connector: a mistyped name, or a connector that never ran on this Kafka."""
+
+
+class SyncTopicUnusable(SyncLogError):
+    """The connector's sync topic exists with more than one partition: it has no total order,
+    so the tasks' states could be read out of order. Refused at start; a bad setup, not a
+    failure to retry (the CLI exits 2). The message names the topic and what to do."""
 
 
 class SyncTopicLost(SyncLogError, Unrecoverable):
@@ -182,7 +189,10 @@ class KafkaSyncLog:
                     "retention.ms": str(self._retention_ms),
                     "cleanup.policy": "delete",
                 },
+                exact_partitions=True,
             )
+        except TopicSettingsError as exc:
+            raise self._unusable(str(exc)) from exc
         except KafkaAdapterError as exc:
             raise SyncLogError(str(exc)) from exc
         try:
@@ -236,10 +246,15 @@ class KafkaSyncLog:
 
     def _check_partitions(self, partitions: set[int]) -> None:
         if partitions != {0}:
-            raise SyncLogError(
-                f"sync topic {self.topic!r} has partitions {sorted(partitions)}; it must "
-                "have exactly one (the sync log is totally ordered): delete and recreate it"
-            )
+            raise self._unusable(f"sync topic {self.topic!r} has partitions {sorted(partitions)}")
+
+    def _unusable(self, found: str) -> SyncTopicUnusable:
+        return SyncTopicUnusable(
+            f"{found}: the sync topic of connector {self.connector!r} (connector, --connector) "
+            "needs exactly one partition (the sync log is totally ordered); nothing was "
+            "read: delete the topic if it holds no state of this connector, or use another "
+            "connector name"
+        )
 
     async def close(self) -> None:
         """Disconnect the producer and the checkpoint client. Each reader has its own
