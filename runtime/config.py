@@ -827,9 +827,15 @@ def check(config: ShoalConfig) -> None:
         _check_embedded_kafka(kafka)
     else:
         try:
-            kafka_config(config, kafka.bootstrap_servers)
+            settings = kafka_config(config, kafka.bootstrap_servers)
         except ValueError as exc:
             raise ConfigError(f"kafka: {exc}") from exc
+        from runtime.kafka.config import KafkaSettingError
+
+        try:  # the TLS files: readable, certificates and a key the password opens
+            settings.ssl_context()
+        except KafkaSettingError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 # The settings of a real Kafka's authentication and TLS: the embedded broker takes none of them.

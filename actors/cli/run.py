@@ -704,12 +704,12 @@ class Pipeline:
                 return await stack.enter_async_context(make())
             except Exception as exc:
                 left = deadline - time.monotonic()
-                tls = _tls_error(exc)
-                if tls is not None:  # an untrusted certificate: retrying cannot help
-                    raise RunFailed(str(tls)) from exc
-                unusable = _sync_topic_unusable(exc)
-                if unusable is not None:  # a sync topic of several partitions: a bad setup
-                    raise ConfigError(str(unusable)) from exc
+                refused = _refused(exc)
+                if refused is not None:  # a certificate, a listener, a login: retrying cannot help
+                    raise RunFailed(str(refused)) from exc
+                bad = _bad_setting(exc)
+                if bad is not None:  # a TLS file, a sync topic of several partitions
+                    raise ConfigError(str(bad)) from exc
                 if not _transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
@@ -1085,28 +1085,31 @@ def _rfc3339(micros: int) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
-def _tls_error(exc: BaseException) -> BaseException | None:
-    """The :class:`runtime.kafka.tls.KafkaTlsError` behind ``exc``, if any."""
-    from runtime.kafka.tls import KafkaTlsError
-
+def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` in ``exc``'s chain of causes, if any."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, KafkaTlsError):
+        if isinstance(seen, kinds):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
 
 
-def _sync_topic_unusable(exc: BaseException) -> BaseException | None:
-    """The :class:`runtime.kafka.synclog.SyncTopicUnusable` behind ``exc``, if any."""
+def _refused(exc: BaseException) -> BaseException | None:
+    """The :class:`runtime.kafka.config.KafkaRefused` behind ``exc`` (an untrusted certificate,
+    a plaintext listener for TLS, a SASL mechanism or login refused), if any."""
+    from runtime.kafka.config import KafkaRefused
+
+    return _cause(exc, (KafkaRefused,))
+
+
+def _bad_setting(exc: BaseException) -> BaseException | None:
+    """A setting found wrong on the way to Kafka (a TLS file, a sync topic of several
+    partitions) behind ``exc``, if any: a bad option (exit 2), not a failure to retry."""
+    from runtime.kafka.config import KafkaSettingError
     from runtime.kafka.synclog import SyncTopicUnusable
 
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, SyncTopicUnusable):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+    return _cause(exc, (KafkaSettingError, SyncTopicUnusable))
 
 
 def _transient(exc: BaseException) -> bool:

@@ -18,7 +18,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError, for_code
 
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
-from runtime.kafka.tls import diagnose
+from runtime.kafka.sasl import diagnose as sasl_diagnose
+from runtime.kafka.tls import diagnose as tls_diagnose
+from runtime.kafka.tls import preflight
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +55,21 @@ def heartbeat_topic(connector: str) -> str:
 @contextlib.asynccontextmanager
 async def _admin(config: KafkaConfig, doing: str) -> AsyncIterator[AIOKafkaAdminClient]:
     """A started admin client; a Kafka error in the block (``doing`` says what failed) becomes
-    the TLS diagnosis when the connection failed on it, else a ``KafkaAdapterError``."""
+    the TLS or SASL diagnosis when the connection failed on it, else a ``KafkaAdapterError``.
+    A TLS client's listeners are checked first (:func:`runtime.kafka.tls.preflight`): a
+    plaintext listener would hold the client's handshake for its whole request timeout."""
+    await preflight(config)
     admin = AIOKafkaAdminClient(**config.client_kwargs())
     try:
         await admin.start()
         yield admin
     except KafkaError as exc:
-        tls = await diagnose(config) if isinstance(exc, KafkaConnectionError) else None
-        if tls is not None:
-            # caused by the ssl error, so no caller takes it for a transient connection error
-            raise tls from tls.__cause__
+        if isinstance(exc, KafkaConnectionError):
+            refused = await tls_diagnose(config) or await sasl_diagnose(config)
+            if refused is not None:
+                # caused by the ssl or SASL error, so no caller takes it for a transient
+                # connection error
+                raise refused from refused.__cause__
         raise KafkaAdapterError(f"cannot {doing} on {config.bootstrap_servers}: {exc!r}") from exc
     finally:
         await admin.close()
