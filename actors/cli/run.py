@@ -41,7 +41,7 @@ from actors.cli.embed import GatedSource, drain_node
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
-from actors.node import NodeConfig, StartConflict, TaskNode
+from actors.node import EmptyWindow, NodeConfig, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
@@ -224,6 +224,7 @@ class Pipeline:
         self.tasks: list[_Task] = []
         self.metrics: MetricsServer | None = None
         self.errors: dict[str, int] = {}
+        self.warnings: dict[str, int] = {}  # runs that will produce nothing, and the like
         self.failed: str | None = None
         self.stopping = False
         self.started_at = time.monotonic()
@@ -352,6 +353,11 @@ class Pipeline:
     def count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
+    def warn(self, kind: str, text: str) -> None:
+        """One warning line in the log, counted in the summary's warnings by ``kind``."""
+        self.warnings[kind] = self.warnings.get(kind, 0) + 1
+        log.warning("%s", text)
+
     # -- the run ---------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
         cfg = self.config
@@ -375,6 +381,7 @@ class Pipeline:
             source = self._source = WatchedSource(
                 self._bound_and_filter(await self._start_source(stack))
             )
+            self._warn_empty()
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(
@@ -477,6 +484,51 @@ class Pipeline:
         if not self._filter.keeps_everything:
             source = self._filtered = FilteredSource(source, self._filter)
         return source
+
+    def _warn_empty(self) -> None:
+        """Warn (one line each, counted) about what makes this run read nothing, or less than
+        asked, where it is known at start: ``tables``/``exclude_tables`` patterns that match no
+        table of the stream (the simulator's tables, the emulator's), a ``start_at`` still in
+        the future. (A first start after ``end_at`` is refused: :class:`EmptyWindow`.)"""
+        run = self.config.run
+        tables = self._stream_tables()
+        if tables is not None and (run.tables is not None or run.exclude_tables is not None):
+            include, exclude = self._filter.unmatched(tables)
+            named = [f"{p!r} (--tables)" for p in include]
+            named += [f"{p!r} (--exclude-tables)" for p in exclude]
+            stream = f"the stream's tables: {', '.join(tables)}"
+            said = []
+            if named:
+                verb = "matches" if len(named) == 1 else "match"
+                said.append(f"{', '.join(named)} {verb} no table ({stream})")
+            if self._filter.keeps_no_table(tables):
+                said.append(
+                    "the filters keep no table"
+                    + ("" if named else f" ({stream})")
+                    + ": this run writes nothing"
+                )
+            if said:
+                self.warn("filter_matches_no_table", "tables/exclude_tables: " + "; ".join(said))
+        now = self._now()
+        if self._start_at is not None and self._start_at > now:
+            self.warn(
+                "start_in_future",
+                f"start_at {run.start_at} is {(self._start_at - now) / 1e6:.0f}s in the future "
+                "(of the stream's clock): nothing is read until then",
+            )
+
+    def _stream_tables(self) -> tuple[str, ...] | None:
+        """The tables the stream carries, where cheaply known: the simulator's, the emulator's
+        (its write load's); None for another source."""
+        if self._given_source is not None:
+            return None
+        if self._model is not None:
+            return tuple(self._model.params.tables)
+        if self.config.run.source == "emulator":
+            from runtime.spanner.emulator import DEFAULT_TABLES
+
+            return DEFAULT_TABLES
+        return None
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
         cfg = self.config
@@ -681,6 +733,7 @@ class Pipeline:
                     task=t.task_config(task_id),
                     stream_start=stream_start,
                     require_start=-1 if self._start_at is None else self._start_at,
+                    end_at=-1 if self._end_at is None else self._end_at,
                     stuck_after=cfg.run.stuck_after_s,
                     trace_dir=cfg.run.trace_dir,
                     debug_validate=cfg.run.debug_validate,
@@ -726,6 +779,14 @@ class Pipeline:
             await self._run_node(t)
         except StartConflict as exc:
             raise ConfigError(self._conflict(exc)) from exc
+        except EmptyWindow as exc:
+            run = self.config.run
+            start = "now" if self._start_at is None else run.start_at
+            raise ConfigError(
+                f"end_at {run.end_at}: connector {run.connector!r} has not started yet and "
+                f"would start at {_rfc3339(exc.stream_start)} (start_at {start}), after its end: "
+                "nothing to read; give a start_at before end_at, or a later end_at"
+            ) from exc
 
     def _conflict(self, exc: StartConflict) -> str:
         run = self.config.run
@@ -1020,6 +1081,7 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
             records_filtered=final.records_filtered,
+            warnings=dict(self.warnings),
         )
 
 
