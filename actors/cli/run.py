@@ -378,10 +378,9 @@ class Pipeline:
                 f"Kafka at {kafka.bootstrap_servers}",
             )
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
-            source = self._source = WatchedSource(
-                self._bound_and_filter(await self._start_source(stack))
-            )
-            self._warn_empty()
+            raw_source = await self._start_source(stack)
+            source = self._source = WatchedSource(self._bound_and_filter(raw_source))
+            await self._warn_empty(raw_source)
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(
@@ -485,18 +484,21 @@ class Pipeline:
             source = self._filtered = FilteredSource(source, self._filter)
         return source
 
-    def _warn_empty(self) -> None:
+    async def _warn_empty(self, source: ChangeStreamSource) -> None:
         """Warn (one line each, counted) about what makes this run read nothing, or less than
         asked, where it is known at start: ``tables``/``exclude_tables`` patterns that match no
-        table of the stream (the simulator's tables, the emulator's), a ``start_at`` still in
-        the future. (A first start after ``end_at`` is refused: :class:`EmptyWindow`.)"""
+        table of the stream (where the source says which tables it watches: the simulator, a
+        GoogleSQL change stream), a ``start_at`` still in the future. (A first start after
+        ``end_at`` is refused: :class:`EmptyWindow`.)"""
         run = self.config.run
-        tables = self._stream_tables()
-        if tables is not None and (run.tables is not None or run.exclude_tables is not None):
+        tables = None
+        if run.tables is not None or run.exclude_tables is not None:
+            tables = await _watched_tables(source)
+        if tables is not None:
             include, exclude = self._filter.unmatched(tables)
             named = [f"{p!r} (--tables)" for p in include]
             named += [f"{p!r} (--exclude-tables)" for p in exclude]
-            stream = f"the stream's tables: {', '.join(tables)}"
+            stream = f"the stream's tables: {', '.join(tables) or 'none'}"
             said = []
             if named:
                 verb = "matches" if len(named) == 1 else "match"
@@ -516,19 +518,6 @@ class Pipeline:
                 f"start_at {run.start_at} is {(self._start_at - now) / 1e6:.0f}s in the future "
                 "(of the stream's clock): nothing is read until then",
             )
-
-    def _stream_tables(self) -> tuple[str, ...] | None:
-        """The tables the stream carries, where cheaply known: the simulator's, the emulator's
-        (its write load's); None for another source."""
-        if self._given_source is not None:
-            return None
-        if self._model is not None:
-            return tuple(self._model.params.tables)
-        if self.config.run.source == "emulator":
-            from runtime.spanner.emulator import DEFAULT_TABLES
-
-            return DEFAULT_TABLES
-        return None
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
         cfg = self.config
@@ -1145,6 +1134,21 @@ def _rfc3339(micros: int) -> str:
         microseconds=micros
     )
     return moment.isoformat().replace("+00:00", "Z")
+
+
+async def _watched_tables(source: ChangeStreamSource) -> tuple[str, ...] | None:
+    """The tables ``source`` says its stream carries (an optional ``watched_tables()`` of the
+    simulator and the Spanner reader, asked with a bound), or None where it cannot say."""
+    ask = getattr(source, "watched_tables", None)
+    if ask is None:
+        return None
+    try:
+        async with asyncio.timeout(10):
+            tables = await ask()
+    except TimeoutError:
+        log.info("the source did not say which tables it watches within 10s")
+        return None
+    return None if tables is None else tuple(tables)
 
 
 def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:

@@ -94,6 +94,10 @@ class SimulatedSource:
         """The current model time (micros)."""
         return self._clock()
 
+    async def watched_tables(self) -> tuple[str, ...]:
+        """The tables the simulated stream's records belong to."""
+        return tuple(self.model.params.tables)
+
     def statistics(self) -> SimSourceStats:
         return SimSourceStats(
             self._started, self._active, self._batches, self._records, self._heartbeats
