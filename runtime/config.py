@@ -839,11 +839,52 @@ def check(config: ShoalConfig) -> None:
         raise ConfigError(str(exc)) from exc
     if config.spark.dead_letter and config.spark.path != "embedded":
         raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
-    if kafka.bootstrap_servers is not None:
+    if kafka.bootstrap_servers is None:
+        _check_embedded_kafka(kafka)
+    else:
         try:
-            kafka_config(config, kafka.bootstrap_servers)
+            settings = kafka_config(config, kafka.bootstrap_servers)
         except ValueError as exc:
             raise ConfigError(f"kafka: {exc}") from exc
+        from runtime.kafka.config import KafkaSettingError
+
+        try:  # the TLS files: readable, certificates and a key the password opens
+            settings.ssl_context()
+        except KafkaSettingError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+# The settings of a real Kafka's authentication and TLS: the embedded broker takes none of them.
+_KAFKA_SECURITY: Final = (
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_keyfile_password",
+)
+
+
+def _check_embedded_kafka(kafka: KafkaOptions) -> None:
+    """Without ``kafka.bootstrap_servers`` shoal starts its embedded broker, which speaks
+    plaintext only: an authentication or TLS setting then means a forgotten
+    ``--kafka-bootstrap-servers``, not something to ignore (the values are not shown: some are
+    secrets)."""
+    given = [name for name in _KAFKA_SECURITY if getattr(kafka, name) is not None]
+    if kafka.security_protocol != "PLAINTEXT":
+        given.insert(0, "security_protocol")
+    if given:
+        names = ", ".join(f"kafka.{name} ({_flag('kafka', name)})" for name in given)
+        raise ConfigError(
+            f"{names} given without kafka.bootstrap_servers (--kafka-bootstrap-servers): the "
+            "embedded broker started then takes no SASL or TLS settings; give the Kafka "
+            "they are for, or leave them unset"
+        )
+
+
+def _flag(section: str, name: str) -> str:
+    return Option(section, name, "", None, "").flag
 
 
 _RFC3339 = re.compile(

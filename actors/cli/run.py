@@ -41,7 +41,7 @@ from actors.cli.embed import GatedSource, drain_node
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
-from actors.node import NodeConfig, StartConflict, TaskNode
+from actors.node import EmptyWindow, NodeConfig, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
@@ -230,6 +230,7 @@ class Pipeline:
         self.tasks: list[_Task] = []
         self.metrics: MetricsServer | None = None
         self.errors: dict[str, int] = {}
+        self.warnings: dict[str, int] = {}  # runs that will produce nothing, and the like
         self.failed: str | None = None
         self.stopping = False
         self.started_at = time.monotonic()
@@ -361,6 +362,11 @@ class Pipeline:
     def count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
+    def warn(self, kind: str, text: str) -> None:
+        """One warning line in the log, counted in the summary's warnings by ``kind``."""
+        self.warnings[kind] = self.warnings.get(kind, 0) + 1
+        log.warning("%s", text)
+
     # -- the run ---------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
         cfg = self.config
@@ -369,7 +375,7 @@ class Pipeline:
         drained = False
         partitions: tuple[PartitionEnd, ...] = ()
         final: Sample | None = None
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_output_dir(self.output_dir)  # a bad --output-dir: before the broker and Spark
         async with AsyncExitStack() as stack:
             bootstrap = self._bootstrap = await self._start_kafka(stack)
             kafka = kafka_config(cfg, bootstrap)
@@ -382,9 +388,9 @@ class Pipeline:
             )
             await self._check_output_start()  # before Spark: a refused start fails at once
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
-            source = self._source = WatchedSource(
-                self._bound_and_filter(await self._start_source(stack))
-            )
+            raw_source = await self._start_source(stack)
+            source = self._source = WatchedSource(self._bound_and_filter(raw_source))
+            await self._warn_empty(raw_source)
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(
@@ -488,6 +494,41 @@ class Pipeline:
         if not self._filter.keeps_everything:
             source = self._filtered = FilteredSource(source, self._filter)
         return source
+
+    async def _warn_empty(self, source: ChangeStreamSource) -> None:
+        """Warn (one line each, counted) about what makes this run read nothing, or less than
+        asked, where it is known at start: ``tables``/``exclude_tables`` patterns that match no
+        table of the stream (where the source says which tables it watches: the simulator, a
+        GoogleSQL change stream), a ``start_at`` still in the future. (A first start after
+        ``end_at`` is refused: :class:`EmptyWindow`.)"""
+        run = self.config.run
+        tables = None
+        if run.tables is not None or run.exclude_tables is not None:
+            tables = await _watched_tables(source)
+        if tables is not None:
+            include, exclude = self._filter.unmatched(tables)
+            named = [f"{p!r} (--tables)" for p in include]
+            named += [f"{p!r} (--exclude-tables)" for p in exclude]
+            stream = f"the stream's tables: {', '.join(tables) or 'none'}"
+            said = []
+            if named:
+                verb = "matches" if len(named) == 1 else "match"
+                said.append(f"{', '.join(named)} {verb} no table ({stream})")
+            if self._filter.keeps_no_table(tables):
+                said.append(
+                    "the filters keep no table"
+                    + ("" if named else f" ({stream})")
+                    + ": this run writes nothing"
+                )
+            if said:
+                self.warn("filter_matches_no_table", "tables/exclude_tables: " + "; ".join(said))
+        now = self._now()
+        if self._start_at is not None and self._start_at > now:
+            self.warn(
+                "start_in_future",
+                f"start_at {run.start_at} is {(self._start_at - now) / 1e6:.0f}s in the future "
+                "(of the stream's clock): nothing is read until then",
+            )
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
         cfg = self.config
@@ -700,6 +741,7 @@ class Pipeline:
                     task=t.task_config(task_id),
                     stream_start=stream_start,
                     require_start=-1 if self._start_at is None else self._start_at,
+                    end_at=-1 if self._end_at is None else self._end_at,
                     stuck_after=cfg.run.stuck_after_s,
                     trace_dir=cfg.run.trace_dir,
                     debug_validate=cfg.run.debug_validate,
@@ -723,9 +765,12 @@ class Pipeline:
                 return await stack.enter_async_context(make())
             except Exception as exc:
                 left = deadline - time.monotonic()
-                tls = _tls_error(exc)
-                if tls is not None:  # an untrusted certificate: retrying cannot help
-                    raise RunFailed(str(tls)) from exc
+                refused = _refused(exc)
+                if refused is not None:  # a certificate, a listener, a login: retrying cannot help
+                    raise RunFailed(str(refused)) from exc
+                bad = _bad_setting(exc)
+                if bad is not None:  # a TLS file, a sync topic of several partitions
+                    raise ConfigError(str(bad)) from exc
                 if not _transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
@@ -742,6 +787,14 @@ class Pipeline:
             await self._run_node(t)
         except StartConflict as exc:
             raise ConfigError(self._conflict(exc)) from exc
+        except EmptyWindow as exc:
+            run = self.config.run
+            start = "now" if self._start_at is None else run.start_at
+            raise ConfigError(
+                f"end_at {run.end_at}: connector {run.connector!r} has not started yet and "
+                f"would start at {_rfc3339(exc.stream_start)} (start_at {start}), after its end: "
+                "nothing to read; give a start_at before end_at, or a later end_at"
+            ) from exc
 
     def _conflict(self, exc: StartConflict, where: str = "its sync topic") -> str:
         run = self.config.run
@@ -1106,6 +1159,7 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
             records_filtered=final.records_filtered,
+            warnings=dict(self.warnings),
         )
 
 
@@ -1138,6 +1192,32 @@ class _StartChecked:
             ) from exc
 
 
+def check_output_dir(path: Path) -> None:
+    """Create ``run.output_dir`` if needed and make sure this process can write there (and in
+    its ``data`` directory, if there is one), or raise :class:`ConfigError` naming the option:
+    found at start, not by the broker's log, the sink or Spark later. Writing is tried, not
+    judged from the permission bits (which do not hold for root or a read-only mount)."""
+    where = f"output_dir {str(path)!r} (--output-dir)"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{where} is a file, not a directory: give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create it ({exc.strerror or exc})") from exc
+    data = path / "data"
+    if data.exists() and not data.is_dir():
+        raise ConfigError(f"{where}: {str(data)!r} is a file; the output goes in that directory")
+    for directory in (path, data) if data.exists() else (path,):
+        probe = directory / f".shoal-write-probe.{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"{where}: cannot write in {str(directory)!r} ({exc.strerror or exc})"
+            ) from exc
+
+
 def _rfc3339(micros: int) -> str:
     moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(
         microseconds=micros
@@ -1145,16 +1225,46 @@ def _rfc3339(micros: int) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
-def _tls_error(exc: BaseException) -> BaseException | None:
-    """The :class:`runtime.kafka.tls.KafkaTlsError` behind ``exc``, if any."""
-    from runtime.kafka.tls import KafkaTlsError
+async def _watched_tables(source: ChangeStreamSource) -> tuple[str, ...] | None:
+    """The tables ``source`` says its stream carries (an optional ``watched_tables()`` of the
+    simulator and the Spanner reader, asked with a bound), or None where it cannot say."""
+    ask = getattr(source, "watched_tables", None)
+    if ask is None:
+        return None
+    try:
+        async with asyncio.timeout(10):
+            tables = await ask()
+    except TimeoutError:
+        log.info("the source did not say which tables it watches within 10s")
+        return None
+    return None if tables is None else tuple(tables)
 
+
+def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` in ``exc``'s chain of causes, if any."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, KafkaTlsError):
+        if isinstance(seen, kinds):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _refused(exc: BaseException) -> BaseException | None:
+    """The :class:`runtime.kafka.config.KafkaRefused` behind ``exc`` (an untrusted certificate,
+    a plaintext listener for TLS, a SASL mechanism or login refused), if any."""
+    from runtime.kafka.config import KafkaRefused
+
+    return _cause(exc, (KafkaRefused,))
+
+
+def _bad_setting(exc: BaseException) -> BaseException | None:
+    """A setting found wrong on the way to Kafka (a TLS file, a sync topic of several
+    partitions) behind ``exc``, if any: a bad option (exit 2), not a failure to retry."""
+    from runtime.kafka.config import KafkaSettingError
+    from runtime.kafka.synclog import SyncTopicUnusable
+
+    return _cause(exc, (KafkaSettingError, SyncTopicUnusable))
 
 
 def _transient(exc: BaseException) -> bool:
