@@ -108,9 +108,15 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "files written by pyarrow, no Java needed), kafka (the design-003 output topic)."
         ),
     ] = "spark"
-    output_dir: Annotated[str, _d("Directory of the output (parquet files) and run files.")] = (
-        "shoal-output"
-    )
+    output_dir: Annotated[
+        str,
+        _d(
+            "Where the output goes (under <output_dir>/data) and run files: a directory, or an "
+            "object store's URI (s3://bucket/prefix, gs://bucket/prefix, file:///path; "
+            "credentials from the standard environment and credential chains; "
+            "docs/operations.md)."
+        ),
+    ] = "shoal-output"
     output_layout: Annotated[
         Literal["typed", "generic"],
         _d(
@@ -121,6 +127,15 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "path and the Spark dead-letter queue write generic."
         ),
     ] = "typed"
+    table_format: Annotated[
+        Literal["parquet", "delta"],
+        _d(
+            "Table format of the typed output: parquet (a directory of batch=<id> directories "
+            "per table, each committed by a rename) or delta (one Delta Lake table per Spanner "
+            "table, each micro-batch one idempotent Delta commit: exactly once on object "
+            "stores too; docs/reading-output.md)."
+        ),
+    ] = "parquet"
     duration: Annotated[
         Annotated[float, Meta(gt=0)] | None,
         Meta(description="Stop after this many seconds (then catch up, drain, exit 0)."),
@@ -839,6 +854,7 @@ def check(config: ShoalConfig) -> None:
         raise ConfigError(str(exc)) from exc
     if config.spark.dead_letter and config.spark.path != "embedded":
         raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
+    _check_output(config)
     if kafka.bootstrap_servers is None:
         _check_embedded_kafka(kafka)
     else:
@@ -851,6 +867,36 @@ def check(config: ShoalConfig) -> None:
         try:  # the TLS files: readable, certificates and a key the password opens
             settings.ssl_context()
         except KafkaSettingError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+def is_url(output_dir: str) -> bool:
+    """Whether ``run.output_dir`` names an object store (or a ``file://`` URI), not a path."""
+    return "://" in output_dir
+
+
+def _check_output(config: ShoalConfig) -> None:
+    """The output's location and format agree with the sink (nothing is reached here)."""
+    run = config.run
+    if run.table_format == "delta":
+        if run.sink == "kafka":
+            raise ConfigError("table_format delta (--table-format) is for --sink files or spark")
+        if run.output_layout != "typed":
+            raise ConfigError(
+                "table_format delta (--table-format) needs output_layout typed "
+                "(--output-layout): a Delta table per Spanner table"
+            )
+        if run.sink == "spark" and (config.spark.path != "embedded" or config.spark.dead_letter):
+            raise ConfigError(
+                "table_format delta (--table-format) with --sink spark: the embedded path "
+                "without spark.dead_letter only (spark.path, spark.dead_letter)"
+            )
+    if is_url(run.output_dir):
+        from runtime.lake.store import StoreError, open_store
+
+        try:
+            open_store(run.output_dir)  # the URI's form only: the store is reached at start
+        except StoreError as exc:
             raise ConfigError(str(exc)) from exc
 
 
@@ -1041,6 +1087,10 @@ def secret_values(config: ShoalConfig) -> tuple[str, ...]:
     values += [
         v for k, v in config.spark.conf.items() if v and secret_setting(k, config.spark.secret_conf)
     ]
+    if is_url(config.run.output_dir):  # the object store's credentials, from the environment
+        from runtime.lake.store import Store
+
+        values += Store.secret_values()
     return tuple(values)
 
 

@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -55,6 +56,7 @@ from runtime.config import (
     ShoalConfig,
     SimOptions,
     end_micros,
+    is_url,
     kafka_config,
     query_window,
     record_filter,
@@ -255,7 +257,14 @@ class Pipeline:
         self._end_at = end_micros(config.run)  # None: no end
         self._filter = record_filter(config)
         self._filtered: Any = None  # runtime.filtered.FilteredSource, with a filter
-        self.output_dir = Path(config.run.output_dir)
+        # the output (a directory or an object store's URI) and a local directory for run
+        # files (the embedded broker's log): the output directory itself when it is local
+        self._output_url = is_url(config.run.output_dir)
+        self.output_dir = (
+            Path(tempfile.mkdtemp(prefix="shoal-run-"))
+            if self._output_url
+            else Path(config.run.output_dir)
+        )
         self._completeness_written = -1  # the completeness watermark last written (micros)
         self._completeness_at = -1.0  # when (monotonic seconds)
         # the connector's own records beside a file or Spark output (runtime/output_state.py)
@@ -375,7 +384,11 @@ class Pipeline:
         drained = False
         partitions: tuple[PartitionEnd, ...] = ()
         final: Sample | None = None
-        check_output_dir(self.output_dir)  # a bad --output-dir: before the broker and Spark
+        # a bad --output-dir: before the broker and Spark
+        if self._output_url:
+            await asyncio.to_thread(check_output_store, self._sink_dir())
+        else:
+            check_output_dir(self.output_dir)
         async with AsyncExitStack() as stack:
             bootstrap = self._bootstrap = await self._start_kafka(stack)
             kafka = kafka_config(cfg, bootstrap)
@@ -458,6 +471,8 @@ class Pipeline:
     def _sink_dir(self) -> str:
         if self.config.run.sink == "kafka":
             return self._output_topic()
+        if self._output_url:
+            return f"{self.config.run.output_dir.rstrip('/')}/data"
         return str(self.output_dir / "data")
 
     def _output_topic(self) -> str:
@@ -644,10 +659,12 @@ class Pipeline:
         match cfg.run.sink:
             case "files":
                 self._file_sink = FileSink(
-                    self.output_dir / "data",
+                    self._sink_dir(),
                     permit=self._leased,
                     layout=cfg.run.output_layout,
                     connector=cfg.run.connector,
+                    table_format=cfg.run.table_format,
+                    mark=lambda: max(self._completeness_written, -1),
                 )
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
@@ -811,10 +828,7 @@ class Pipeline:
         sync topic's record is, on any broker; the first start is recorded."""
         if self._given_sink is not None or self.config.run.sink == "kafka":
             return
-        data = self._sink_dir()
-        if "://" in data:
-            return  # an output on the Spark side only (a URL): nothing to keep here
-        state = self._state = OutputState(data, self.config.run.connector)
+        state = self._state = OutputState(self._sink_dir(), self.config.run.connector)
         recorded = await asyncio.to_thread(state.read_start)
         conflict = start_conflict(recorded, self._start_at)
         if conflict is not None:
@@ -941,6 +955,11 @@ class Pipeline:
         """The identities of the records in the file or Spark output (empty for other sinks).
         Reads the whole output: for the simulated stream's self-check only."""
         if self._given_sink is not None or self.config.run.sink == "kafka":
+            return set()
+        if self._output_url:
+            log.warning(
+                "the output at %s is not read back: not a local directory", self._sink_dir()
+            )
             return set()
         from runtime.typed_files import output_identities
 
@@ -1190,6 +1209,17 @@ class _StartChecked:
             raise ConfigError(
                 f"start_at {self.start_at}: the change stream refused this start: {detail}"
             ) from exc
+
+
+def check_output_store(uri: str) -> None:
+    """Blocking: an object-store output (``run.output_dir`` a URI) can be written, read and
+    deleted in, or :class:`ConfigError` naming the option: found at start."""
+    from runtime.lake.store import StoreError, open_store
+
+    try:
+        open_store(uri).check()
+    except StoreError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def check_output_dir(path: Path) -> None:
