@@ -202,8 +202,12 @@ def generic_rows(root: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 def output_identities(root: str | os.PathLike[str]) -> set[tuple[int, str, str]]:
     """The record identities (commit timestamp in microseconds, server transaction id, record
     sequence) of every committed row of a typed or generic output under ``root`` (names
-    starting with ``_`` or ``.`` skipped: staged batches, the output's own state)."""
+    starting with ``_`` or ``.`` skipped: staged batches, the output's own state); ``root``
+    may be an object store's URI (a typed layout there: parquet or Delta tables)."""
     import pyarrow.dataset as ds
+
+    if "://" in str(root):
+        return _store_identities(str(root))
 
     if is_typed_layout(root):
         changes = read_changes(root)
@@ -270,3 +274,40 @@ def _each(write: Callable[[str], None], names: Iterable[str], threads: int) -> N
     with ThreadPoolExecutor(min(threads, len(names)), thread_name_prefix="shoal-write") as pool:
         for done in pool.map(write, names):
             assert done is None
+
+
+_ID_COLUMNS = ["_commit_ts", "_server_transaction_id", "_record_sequence"]
+
+
+def _store_identities(uri: str) -> set[tuple[int, str, str]]:
+    """:func:`output_identities` of a typed layout in an object store: each Delta table's
+    committed files (its log says which), each parquet table's ``batch=`` directories."""
+    import pyarrow.dataset as ds
+
+    from runtime.lake.store import open_store
+
+    store = open_store(uri)
+    found: set[tuple[int, str, str]] = set()
+    for name in store.list_dirs():
+        if name.startswith(("_", ".")):
+            continue
+        if store.exists(f"{name}/_delta_log"):
+            from deltalake import DeltaTable
+
+            dataset = DeltaTable(
+                store.uri_for(name), storage_options=store.storage_options()
+            ).to_pyarrow_dataset()
+        else:
+            dataset = ds.dataset(
+                store.path(name),
+                filesystem=store.fs,
+                format="parquet",
+                exclude_invalid_files=True,
+                ignore_prefixes=[".", "_"],
+            )
+        table = dataset.to_table(columns=_ID_COLUMNS)
+        ts = table.column("_commit_ts").cast(pa.int64()).to_pylist()
+        txn = table.column("_server_transaction_id").to_pylist()
+        seq = table.column("_record_sequence").to_pylist()
+        found.update(zip(ts, txn, seq, strict=True))
+    return found
