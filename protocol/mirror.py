@@ -1,9 +1,15 @@
 """Current-state tables ("the mirror"): the newest row per (table, primary key), merged from
 change records one micro-batch at a time. Every rule of the merge lives in this module.
 
+**Rows.** A row is named by its table and its primary key: the mod's ``keys`` as (column,
+value) pairs sorted by column, the values as Spanner's JSON has them (INT64 as its decimal
+text, BYTES as base64, TIMESTAMP as RFC 3339 text). Snapshot rows must spell their keys the same
+way, or they name other rows. Key columns are not kept among a row's values.
+
 **Versions.** Every change of a row has a *version*, ``(commit_ts, server_transaction_id,
 record_sequence, mod_index)``, compared in that order, ``record_sequence`` as the number its
-digits spell (never as text: "10" comes after "9"). Spanner gives two transactions that write
+digits spell (never as text: "10" comes after "9"; one that is not a decimal number is refused
+with :class:`MirrorError`: its place is unknown). Spanner gives two transactions that write
 the same row distinct commit timestamps, so for one row the commit timestamp orders
 transactions; within a transaction the record sequence orders its records and the mod index
 orders the mods of one record. The transaction id sits between them only to make the order
@@ -74,7 +80,7 @@ arrives after the DELETE, and lets a snapshot row committed late overwrite newer
 * An older ``columns`` change of column A that arrives after a newer one of column B still sets
   A (if nothing newer set A).
 * A newer ``columns`` change that arrives before the older INSERT (or snapshot row) it follows:
-  until that change arrives only the written columns are known; the row shows them and leaves
+  until the INSERT arrives only the written columns are known; the row shows them and leaves
   the others null. The INSERT, when it comes, fills the others and leaves the newer columns.
   After a DELETE, such a row exists with those columns (``deleted`` stays set: its base is the
   delete; the INSERT between them has not arrived yet).
@@ -94,8 +100,9 @@ over it anyway), and a row whose version is at or before it forgets its per-colu
 early, or letting a change at or before the watermark in again after it, can resurrect a row.
 
 **Cost.** :func:`merge` reads only the rows the batch touches (:func:`row_ids`, one lookup per
-distinct row) and does O(mods + columns written) work plus a copy of each touched row's values:
-it grows with the batch, not the table. Decoding the JSON of the keys and new values dominates.
+distinct row) and does O(mods + columns they write) work, plus one copy of the values of each
+row a change really writes (a stale change copies nothing): it grows with the batch, not the
+table. Decoding the JSON of the keys and new values is about half of it.
 """
 
 from __future__ import annotations
@@ -165,6 +172,9 @@ def snapshot_version(read_ts: int) -> Version:
     return Version(read_ts, "", -1, -1)
 
 
+# ``gc=False`` (here and on MirrorRow): a batch creates one per mod and one per touched row; they
+# hold only JSON values, versions and strings, never a reference back to a struct, so they
+# cannot be part of a reference cycle, and the cycle collector need not scan them.
 class MirrorChange(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One mod as the mirror sees it: which row, its version, its kind and the (non-key) column
     values it writes (none for a delete)."""
@@ -180,8 +190,6 @@ class MirrorChange(msgspec.Struct, frozen=True, array_like=True, gc=False):
         return (self.table, self.key)
 
 
-# ``gc=False``: a batch creates one of these per touched row; they hold only JSON values,
-# versions and strings, never a reference back to a struct, so they cannot be part of a cycle.
 class MirrorRow(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The state of one row of a mirror table (see the module docstring).
 
@@ -287,9 +295,12 @@ def _kind(change: DataChange) -> ChangeKind:
     )
 
 
+_SCALARS: Final = frozenset({str, int, float, bool})
+
+
 def _key(keys: dict[str, Any], change: DataChange) -> Key:
     for name, value in keys.items():
-        if value is not None and not isinstance(value, str | int | float):
+        if value is not None and type(value) not in _SCALARS:
             raise MirrorError(f"{_where(change)}: key column {name!r} is not a scalar: {value!r}")
     return tuple(sorted(keys.items()))
 
@@ -299,21 +310,31 @@ def mirror_changes(records: Iterable[DataChange]) -> list[MirrorChange]:
     for a record the mirror cannot place (an unknown mod type or capture type, a record sequence
     that is not a number, keys or values that are not JSON objects)."""
     out: list[MirrorChange] = []
+    decode = _decoder.decode
+    new_version = tuple.__new__
     for change in records:
         kind = _kind(change)
+        delete = kind == "delete"
         mod_type: str = change.mod_type  # SNAPSHOT is not a ModType of the change stream
         snapshot = mod_type == SNAPSHOT
         seq = -1 if snapshot else _sequence(change)
+        ts, txn, table = change.commit_ts, change.server_transaction_id, change.table
         for index, mod in enumerate(change.mods):
-            keys = _object(mod.keys, "keys", change)
-            values = {} if kind == "delete" else _object(mod.new_values, "new_values", change)
+            try:
+                keys = decode(mod.keys)
+                values = {} if delete else decode(mod.new_values)
+            except msgspec.DecodeError:
+                keys = values = None  # _object says which is not JSON
+            if type(keys) is not dict or type(values) is not dict:
+                keys = _object(mod.keys, "keys", change)
+                values = {} if delete else _object(mod.new_values, "new_values", change)
             for name in keys:
                 values.pop(name, None)
             if snapshot:
-                version = snapshot_version(change.commit_ts)
+                version = snapshot_version(ts)
             else:
-                version = Version(change.commit_ts, change.server_transaction_id, seq, index)
-            out.append(MirrorChange(change.table, _key(keys, change), version, kind, values))
+                version = new_version(Version, (ts, txn, seq, index))  # as Version(...), faster
+            out.append(MirrorChange(table, _key(keys, change), version, kind, values))
     return out
 
 
@@ -324,23 +345,27 @@ def row_ids(changes: Iterable[MirrorChange]) -> list[RowId]:
 
 
 class _Work:
-    """One row's state while a batch is merged into it."""
+    """One row's state while a batch is merged into it. Its values and column versions are the
+    current row's own dicts until the first write copies them (a stale change copies nothing)."""
 
-    __slots__ = ("base", "columns", "deleted", "values", "version")
+    __slots__ = ("base", "columns", "deleted", "dirty", "owned", "values", "version")
 
     def __init__(self, row: MirrorRow | None) -> None:
+        self.dirty = False  # something changed: the plan has this row
         if row is None:
+            self.owned = True
             self.values: dict[str, Any] = {}
             self.version: Version | None = None
             self.base: Version | None = None
             self.deleted = False
             self.columns: dict[str, Version] = {}
         else:
-            self.values = dict(row.values)
+            self.owned = False
+            self.values = row.values
             self.version = row.version
             self.base = row.base
             self.deleted = row.deleted
-            self.columns = dict(row.columns)
+            self.columns = row.columns
 
     def apply(self, change: MirrorChange) -> bool:
         """Merge ``change``; whether it changed anything."""
@@ -355,6 +380,10 @@ class _Work:
             for name, value in change.values.items():
                 seen = columns.get(name)
                 if seen is None or v > seen:  # no own version: the base's, older than v
+                    if not self.owned:
+                        columns = self.columns = dict(columns)
+                        values = self.values = dict(values)
+                        self.owned = True
                     values[name] = value
                     columns[name] = v
                     changed = True
@@ -365,12 +394,14 @@ class _Work:
                 values[name] = self.values[name]
             self.values = values
             self.columns = kept
+            self.owned = True
             self.base = v
             self.deleted = change.kind == "delete"
             changed = True
         if self.version is None or v > self.version:
             self.version = v
             changed = True
+        self.dirty |= changed
         return changed
 
     def row(self, row_id: RowId) -> MirrorRow:
@@ -384,25 +415,21 @@ def merge_changes(current: Current, changes: Iterable[MirrorChange]) -> MergePla
     """Merge ``changes`` (one batch, any order) into the mirror whose rows ``current`` holds
     (see :data:`Current`; only the rows the batch touches are looked up, once each)."""
     get = current.get if isinstance(current, Mapping) else current
-    work: dict[RowId, tuple[MirrorRow | None, _Work]] = {}
+    work: dict[RowId, _Work] = {}
     mods = stale = 0
     for change in changes:
         mods += 1
-        row_id = change.row_id
-        entry = work.get(row_id)
-        if entry is None:
+        row_id = (change.table, change.key)
+        state = work.get(row_id)
+        if state is None:
             old = get(row_id)
-            if old is not None and old.row_id != row_id:
+            if old is not None and (old.table, old.key) != row_id:
                 raise MirrorError(f"the lookup for {row_id!r} returned the row of {old.row_id!r}")
-            entry = work[row_id] = (old, _Work(old))
-        if not entry[1].apply(change):
+            state = work[row_id] = _Work(old)
+        if not state.apply(change):
             stale += 1
-    rows = []
-    for row_id, (old, state) in work.items():
-        new = state.row(row_id)
-        if new != old:
-            rows.append(new)
-    return MergePlan(tuple(rows), mods, stale)
+    rows = tuple(state.row(row_id) for row_id, state in work.items() if state.dirty)
+    return MergePlan(rows, mods, stale)
 
 
 def merge(current: Current, records: Iterable[DataChange]) -> MergePlan:

@@ -185,7 +185,5 @@ class Database:
             for (table, key), values in part:
                 by_table.setdefault(table, []).append((str(key[0][1]), values))
             for table, mods in by_table.items():
-                out.append(
-                    record(read_ts, "SNAPSHOT", *mods, txn=f"snap{i}", seq="0", table=table)
-                )
+                out.append(record(read_ts, "SNAPSHOT", *mods, txn=f"snap{i}", seq="0", table=table))
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,7 +52,11 @@ class Mirror:
         self.plans: list[MergePlan] = []
 
     def merge(self, *records: DataChange) -> MergePlan:
+        before = msgspec.json.encode(list(self.rows.values()))
         plan = merge(self.rows, records)
+        assert (
+            msgspec.json.encode(list(self.rows.values())) == before
+        )  # the current rows stay as they were
         apply(self.rows, plan)
         for row in self.rows.values():
             validate(row)
@@ -394,6 +399,22 @@ def test_an_update_that_writes_no_column_still_says_the_row_exists() -> None:
     assert (row.exists, row.values, row.version) == (True, {}, Version(20, "t20", 0, 0))
 
 
+def test_rows_of_two_tables_with_the_same_key_are_two_rows() -> None:
+    m = Mirror()
+    m.merge(ins(10), record(10, "INSERT", ("1", {"A": "u"}), txn="t10", table="U"))
+    m.merge(dele(20))
+    assert m.seen() == {row_id("U", "1"): {"A": "u"}}
+
+
+def test_a_row_round_trips_through_msgspec_json_and_msgpack() -> None:
+    m = Mirror()
+    m.merge(snap(5, ("1", {"A": [1, None], "B": None, "C": {"j": 1.5}})), upd(20, B="x"))
+    m.merge(dele(30, key="2"))
+    for row in m.rows.values():
+        for codec in (msgspec.json, msgspec.msgpack):
+            assert codec.decode(codec.encode(row), type=MirrorRow) == row
+
+
 # ---- garbage collection -----------------------------------------------------------------------
 
 
@@ -472,7 +493,10 @@ def changes_of(drawn: list[tuple[RowId, Version, str, dict[str, Any]]]) -> list[
 def merged(batches: list[list[MirrorChange]]) -> dict[RowId, MirrorRow]:
     store: dict[RowId, MirrorRow] = {}
     for batch in batches:
-        apply(store, merge_changes(store, batch))
+        before = msgspec.json.encode(list(store.values()))
+        plan = merge_changes(store, batch)
+        assert msgspec.json.encode(list(store.values())) == before
+        apply(store, plan)
     for row in store.values():
         validate(row)
     return store
