@@ -29,7 +29,7 @@ import msgspec
 from actors.kernel import MailboxStats, Supervisor
 from actors.task import LeaderActor, TaskActor, wall_micros
 from protocol import epochs, messages
-from protocol.bounds import nothing_left
+from protocol.bounds import empty_first_window, nothing_left
 from protocol.messages import CheckpointMessage
 from protocol.task import Drain, SyncRead, TaskConfig
 from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
@@ -47,6 +47,9 @@ class NodeConfig(msgspec.Struct, frozen=True):
     # an explicit start (--start-at): refuse to run, before joining the group, when the sync
     # topic already records a different start of this connector (StartConflict); -1: none
     require_start: int = -1
+    # an end (--end-at): refuse to run, before joining the group, a first start (no start in
+    # the sync topic) whose stream start lies after it: it would read nothing (EmptyWindow)
+    end_at: int = -1
     replay_timeout: float = 60.0
     publish_timeout: float = 10.0
     # an owned partition whose committed watermark stands still this long, though nothing
@@ -69,6 +72,19 @@ class StartConflict(ValueError):
         )
         self.recorded = recorded
         self.requested = requested
+
+
+class EmptyWindow(ValueError):
+    """The connector has not started yet and would start (at its start, or now) after its end:
+    it would read nothing. Refused before the start is recorded, so a corrected start works."""
+
+    def __init__(self, stream_start: int, end_at: int) -> None:
+        super().__init__(
+            f"the connector would first start at {stream_start} (Unix micros), after its end "
+            f"{end_at}: nothing to read"
+        )
+        self.stream_start = stream_start
+        self.end_at = end_at
 
 
 class NodeStatus(msgspec.Struct, frozen=True):
@@ -152,6 +168,8 @@ class TaskNode:
         recorded = task.core.cim.stream_start
         if cfg.require_start >= 0 and recorded >= 0 and recorded != cfg.require_start:
             raise StartConflict(recorded, cfg.require_start)
+        if empty_first_window(recorded, stream_start, cfg.end_at):
+            raise EmptyWindow(stream_start, cfg.end_at)
         self.membership = await self._join(self.task_id)
         # A membership that can (KafkaMembership) learns the newest epoch in the sync topic, so
         # that its group's epochs stay newer than it when Kafka's generations start over. Set

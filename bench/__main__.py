@@ -22,6 +22,7 @@ SCENARIOS = {
     "timeline": "bench.timeline",
     "backfill": "bench.backfill",
     "faults": "bench.faults",
+    "outputstate": "bench.outputstate",
     "report": "bench.report",
 }
 

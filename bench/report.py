@@ -32,6 +32,7 @@ SCENARIOS: list[tuple[str, list[str], list[str], int]] = [
     ("timeline", ["--quick"], [], 600),
     ("chaos", ["--quick"], [], 1800),
     ("backfill", ["--quick"], [], 900),
+    ("outputstate", ["--quick"], [], 900),
 ]
 
 # (scenario, figure, goal text, check)
@@ -53,6 +54,18 @@ GOALS: list[tuple[str, str, str, Any]] = [
     ("backfill", "extra", "0", lambda v: v == 0),
     ("backfill", "outside_window", "0", lambda v: v == 0),
     ("backfill", "exited_by_itself", "exits 0 by itself at --end-at", lambda v: v is True),
+    ("outputstate", "lost", "0", lambda v: v == 0),
+    ("outputstate", "duplicates", "0", lambda v: v == 0),
+    ("outputstate", "false_complete", "0 rows claimed by a mark and missing", lambda v: v == 0),
+    (
+        "outputstate",
+        "mark_below_end",
+        "0 finished runs with a mark below --end-at",
+        lambda v: v == 0,
+    ),
+    ("outputstate", "rerun_exit", "a re-run of a finished run exits 0", lambda v: v == 0),
+    ("outputstate", "silent_stuck", "0", lambda v: v == 0),
+    ("outputstate", "refused_start_ok", "refused on every broker", lambda v: v is True),
 ]
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from protocol.cim import Cim
 
-__all__ = ["nothing_left"]
+__all__ = ["empty_first_window", "nothing_left"]
 
 
 def nothing_left(cim: Cim) -> bool:
@@ -40,3 +40,12 @@ def nothing_left(cim: Cim) -> bool:
         if any(p.status != "finished" for p in view.partitions.values()):
             return False
     return True
+
+
+def empty_first_window(recorded_start: int, stream_start: int, end_at: int) -> bool:
+    """Whether a connector's run would read nothing because its window is empty: it has no
+    recorded start yet (``recorded_start < 0``: its first start), so it starts at
+    ``stream_start`` (``start_at``, or now), and its end ``end_at`` (``>= 0``) lies before that.
+    A connector that already started is not judged here: it resumes from its watermarks, and
+    an end before now is how a bounded run that was stopped is finished."""
+    return recorded_start < 0 and 0 <= end_at < stream_start

@@ -21,6 +21,19 @@ A sink that writes files commits a micro-batch in four steps, and this core says
 A position only moves forward: a progress file is rewritten only with a newer position
 (:meth:`Position.newer`), so applying an old manifest late never moves a partition back.
 
+**Stores that cannot rename** (object stores): a move is a :class:`Copy` of every staged file
+to its final path instead (``apply_plan(..., rename=False)``); copying again is harmless, so a
+manifest can still be applied any number of times. The shell leaves out of the manifest the
+moves whose final directory already exists (the same batch committed before), as a rename
+would have dropped the staged copy. Readers may see a table's files of the batch appear one by
+one while they are copied.
+
+**Delta tables**: a manifest may instead (or also) name :class:`TableCommit` s: data files
+already written into a Delta table's directory, committed as one Delta transaction per table
+that carries the batch's identity (an application transaction: ``app_id``, ``version``), so
+committing it again adds nothing. There is nothing to rename: the Delta commit is the
+visibility step (:class:`CommitTable`, before the positions move).
+
 **Per connector.** Every connector keeps its own state under the output (:func:`state_dir`:
 manifests, progress files, its start and its completeness mark) and stages under its own
 :func:`staging_dir`; its batch identities include its name. Several connectors may write to
@@ -63,6 +76,9 @@ __all__ = [
     "STATE_DIR",
     "CommitError",
     "CommitFences",
+    "CommitTable",
+    "Copy",
+    "DataFile",
     "DeleteManifest",
     "DeleteStaged",
     "FenceOutcome",
@@ -72,6 +88,7 @@ __all__ = [
     "PartitionPosition",
     "Rename",
     "StartRecord",
+    "TableCommit",
     "WriteProgress",
     "apply_plan",
     "batch_identity",
@@ -80,6 +97,7 @@ __all__ = [
     "decode_manifest",
     "decode_position",
     "decode_start",
+    "delta_app_id",
     "encode_manifest",
     "encode_position",
     "encode_start",
@@ -162,6 +180,12 @@ def start_conflict(recorded: StartRecord | None, explicit: int | None) -> StartR
     return recorded
 
 
+def delta_app_id(connector: str, writer: str) -> str:
+    """The Delta application id of one committing instance (``writer``) of ``connector``: a
+    :class:`TableCommit`'s ``app_id``. Versions count that writer's micro-batches up."""
+    return f"shoal/{connector}/{writer}"
+
+
 def staging_dir(connector: str) -> str:
     """The connector's staging area (relative path); one batch's files under
     ``<staging_dir>/<batch>/``. Per connector, so that one connector's recovery never deletes
@@ -186,14 +210,42 @@ class PartitionPosition(msgspec.Struct, frozen=True, array_like=True):
     position: Position
 
 
+class DataFile(msgspec.Struct, frozen=True):
+    """A parquet file written into a Delta table's directory and not committed yet: what a
+    writer (a Spark executor, the file sink) hands to the committer."""
+
+    path: str  # relative to the table's directory, '/'-separated
+    size: int  # bytes
+    num_records: int
+    modification_time_ms: int
+    stats: str  # the Delta statistics JSON of its add action
+
+
+class TableCommit(msgspec.Struct, frozen=True):
+    """One Delta commit of a micro-batch: ``files`` into the table at ``table`` (relative to
+    the output), of columns ``schema`` (Delta schema JSON, the union of the files'), as
+    application transaction (``app_id``, ``version``), with ``metadata`` in its commit info;
+    ``created_ms``: when the batch reached its commit point (Unix ms)."""
+
+    table: str
+    files: tuple[DataFile, ...]
+    schema: str
+    app_id: str
+    version: int
+    metadata: dict[str, str | int | float | bool]
+    created_ms: int
+
+
 class Manifest(msgspec.Struct, frozen=True, tag="commit-v1", tag_field="kind"):
     """The commit record of one micro-batch (see the module docstring). ``staging`` is the
-    batch's staging directory, relative to the output (removed once the moves are done)."""
+    batch's staging directory, relative to the output (removed once the moves are done);
+    ``tables``: its Delta commits."""
 
     batch: str
     staging: str
     moves: tuple[Move, ...]
     positions: tuple[PartitionPosition, ...]
+    tables: tuple[TableCommit, ...] = ()
 
 
 _manifest_encoder = msgspec.json.Encoder()
@@ -240,6 +292,20 @@ class Rename(msgspec.Struct, frozen=True):
     final: str
 
 
+class Copy(msgspec.Struct, frozen=True):
+    """Copy every file under ``staged`` to the same path under ``final``, replacing any there
+    (a store that cannot rename; idempotent)."""
+
+    staged: str
+    final: str
+
+
+class CommitTable(msgspec.Struct, frozen=True):
+    """Commit ``commit`` to its Delta table, unless its application transaction is there."""
+
+    commit: TableCommit
+
+
 class DeleteStaged(msgspec.Struct, frozen=True):
     """Delete a staged directory (recursively): a left-over, or already in place."""
 
@@ -257,27 +323,34 @@ class DeleteManifest(msgspec.Struct, frozen=True):
     batch: str
 
 
-Op = Rename | DeleteStaged | WriteProgress | DeleteManifest
+Op = Rename | Copy | CommitTable | DeleteStaged | WriteProgress | DeleteManifest
 
 
 def apply_plan(
     manifest: Manifest,
     present: frozenset[str] | set[str],
     current: Mapping[str, Position | None],
+    *,
+    rename: bool = True,
 ) -> list[Op]:
     """The operations that apply ``manifest``, in order. ``present``: which of the moves'
     ``staged`` and ``final`` paths exist now; ``current``: each partition's recorded position
-    (None: none yet), as read from its progress file.
+    (None: none yet), as read from its progress file; ``rename``: whether the store renames.
 
     A move whose source exists is a :class:`Rename` (if its target exists too, the same batch
     was committed before — same id, same records — and the staged copy is dropped instead); a
     move whose source is gone and target exists is done; a move with neither is a
-    :class:`CommitError` (the batch's files are lost). Then the positions that move a
-    partition forward, the staging directory's removal and the manifest's deletion."""
+    :class:`CommitError` (the batch's files are lost). Where the store cannot rename, a move
+    whose source exists is a :class:`Copy` whatever its target (a copy interrupted half-way
+    is finished; the shell never puts a move whose target existed before into a manifest).
+    Then each Delta commit (:class:`CommitTable`), the positions that move a partition
+    forward, the staging directory's removal and the manifest's deletion."""
     ops: list[Op] = []
     for move in manifest.moves:
         if move.staged in present:
-            if move.final in present:
+            if not rename:
+                ops.append(Copy(move.staged, move.final))
+            elif move.final in present:
                 ops.append(DeleteStaged(move.staged))
             else:
                 ops.append(Rename(move.staged, move.final))
@@ -285,6 +358,7 @@ def apply_plan(
             raise CommitError(
                 f"batch {manifest.batch}: neither {move.staged} nor {move.final} exists"
             )
+    ops.extend(CommitTable(commit) for commit in manifest.tables)
     ops.extend(
         WriteProgress(entry.token, entry.position)
         for entry in manifest.positions
@@ -324,6 +398,11 @@ def describe(op: Op) -> str:
     match op:
         case Rename():
             return f"rename {op.staged} -> {op.final}"
+        case Copy():
+            return f"copy {op.staged} -> {op.final}"
+        case CommitTable():
+            c = op.commit
+            return f"delta commit {c.table} ({len(c.files)} files) as {c.app_id} v{c.version}"
         case DeleteStaged():
             return f"delete {op.path}"
         case WriteProgress():

@@ -114,6 +114,24 @@ class RecordFilter:
             return False
         return self.keeps_table(table)
 
+    def unmatched(self, tables: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The include patterns and the exclude patterns that match none of ``tables`` (the
+        stream's tables, where they are known): a typo, or a filter for another stream."""
+        names = tuple(tables)
+
+        def matches_none(pattern: str) -> bool:
+            compiled = _compile((pattern,))
+            return compiled is not None and not any(compiled.fullmatch(t) for t in names)
+
+        return (
+            tuple(p for p in self.tables if matches_none(p)),
+            tuple(p for p in self.exclude_tables if matches_none(p)),
+        )
+
+    def keeps_no_table(self, tables: Iterable[str]) -> bool:
+        """Whether rules 1 and 2 drop every one of ``tables``: a run keeps nothing."""
+        return not any(self.keeps_table(t) for t in tables)
+
     def keeps(self, record: DataChange) -> bool:
         """Whether ``record`` passes every rule."""
         return self.keeps_change(record.table, record.mod_type)

@@ -1,20 +1,33 @@
-"""The file-system committer of the file sinks (docs/design.md#exactly-once-output): the shell
-around ``protocol.commit``, used by the parquet file sink and the Spark bridge's default output.
+"""The committer of the file sinks (docs/design.md#exactly-once-output): the shell around
+``protocol.commit``, used by the parquet file sink and the Spark bridge's default output. It
+works over a :class:`runtime.lake.store.Store`: a local directory, or an object store
+(``s3://``, ``gs://``).
 
-Layout under the output directory ``root``, for connector ``<c>``::
+Layout under the output ``root``, for connector ``<c>``::
 
     _staging/<c>/<batch>/...          files of a batch being written (readers skip ``_`` names)
     _shoal/<c>/commits/<batch>.json   the manifest of a batch being applied (the commit point)
     _shoal/<c>/progress/<hash>        one partition's committed Position (JSON)
     <final paths>                     what readers see: each appeared by one rename
+    <table>/_delta_log/, <table>/*.parquet    a Delta table (``tables=`` of a commit)
+
+Where the store cannot rename (object stores), a staged directory is copied into place
+(server-side, file by file; copying again is harmless) and then deleted: a reader listing the
+table during the copy may see part of the batch's files of that table. With Delta tables there
+is nothing to rename: the data files are written straight into the table's directory (invisible
+until committed), the manifest names them, and applying it is one Delta commit per table
+carrying the batch's identity as an application transaction (``runtime.lake.delta``), so a
+manifest applied again — by a recovery — commits nothing twice. That Delta commit is the
+visibility step; it is atomic on every store.
 
 Each connector has its own state (``protocol.commit.state_dir``): connectors sharing an output
 never read or recover each other's.
 
 A commit (:meth:`Committer.commit`, blocking: run it in a worker thread) checks ``permit()`` (the
-lease) right before the commit point, writes the manifest atomically (a temporary file, fsync,
-``os.replace``), renames each staged directory into place, writes each partition's progress
-file atomically and deletes the manifest. :meth:`recover` applies the manifests a killed
+lease) right before the commit point, writes the manifest atomically (locally a temporary file,
+fsync, ``os.replace``; on an object store one PUT), renames (or copies) each staged directory
+into place, commits each Delta table (several tables in parallel threads), writes each
+partition's progress file atomically and deletes the manifest. :meth:`recover` applies the manifests a killed
 process left and deletes staged directories no manifest names once they are older than
 ``garbage_age_s``; it runs at open and before :meth:`committed` answers. :meth:`committed` reads
 one progress file.
@@ -38,21 +51,25 @@ batch and committed a newer one could write the older position back. The progres
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, assert_never
 
 import msgspec
 
 from protocol.commit import (
     LEGACY_STATE,
     CommitFences,
+    CommitTable,
+    Copy,
+    DataFile,
     DeleteManifest,
     DeleteStaged,
     FenceOutcome,
@@ -61,11 +78,13 @@ from protocol.commit import (
     Op,
     PartitionPosition,
     Rename,
+    TableCommit,
     WriteProgress,
     apply_plan,
     commits_dir,
     decode_manifest,
     decode_position,
+    delta_app_id,
     describe,
     encode_manifest,
     encode_position,
@@ -78,7 +97,17 @@ from protocol.commit import (
 )
 from protocol.dedup import Position
 from protocol.records import DataChange
+from runtime.lake.store import Store, StoreUnsupported, open_store
 from runtime.ports import Unrecoverable
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from runtime.lake.delta import DeltaCommitter
+
+# (table directory, its data files, their schema): one Delta commit of a micro-batch
+TableWrite = tuple[str, Sequence[DataFile], "pa.Schema"]
+Metadata = Mapping[str, str | int | float | bool]
 
 __all__ = [
     "CommitFenced",
@@ -86,6 +115,7 @@ __all__ = [
     "CommitRefused",
     "Committer",
     "CorruptState",
+    "TableWrite",
     "write_atomically",
 ]
 
@@ -131,20 +161,28 @@ class CorruptState(Unrecoverable):
 
 
 class Committer:
-    """Atomic micro-batch commits into ``root``; see the module docstring. Thread-safe: one
-    commit or recovery at a time."""
+    """Atomic micro-batch commits into ``root`` (a directory, a URI or a :class:`Store`); see
+    the module docstring. Thread-safe: one commit or recovery at a time.
+
+    Delta commits (``tables=`` of :meth:`commit`) go through ``delta`` (default: a
+    :class:`runtime.lake.delta.DeltaCommitter` over the same store, made on first use) as
+    application ``app_id`` = ``shoal/<connector>/<writer>`` (``writer``: random per committer
+    unless given), version 1, 2, ... per committed micro-batch with tables."""
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Store,
         *,
         connector: str = "shoal",
         permit: Callable[[], bool] | None = None,
         garbage_age_s: float = 3600.0,
         fsync: bool = True,
         clock: Callable[[], float] = time.time,
+        delta: DeltaCommitter | None = None,
+        writer: str | None = None,
+        apply_threads: int = 8,
     ) -> None:
-        self.root = Path(root)
+        self.store = root if isinstance(root, Store) else open_store(root)
         self.connector = connector
         self._staging = staging_dir(connector)
         self._commits = commits_dir(connector)
@@ -153,6 +191,11 @@ class Committer:
         self.garbage_age_s = garbage_age_s
         self.fsync = fsync
         self.clock = clock
+        self._delta = delta
+        self.writer = writer or uuid.uuid4().hex[:16]
+        self.app_id = delta_app_id(connector, self.writer)
+        self._txn_version = 0  # the last application-transaction version given out
+        self.apply_threads = apply_threads
         self._lock = threading.Lock()
         self._positions: dict[str, Position | None] = {}  # cache of the progress files
         self.batches = 0  # committed by this committer
@@ -161,7 +204,24 @@ class Committer:
         self._forgotten: deque[int] = deque()  # keys to forget at the next locked call
 
     def __repr__(self) -> str:
-        return f"Committer({str(self.root)!r}, connector={self.connector!r})"
+        return f"Committer({self.store.uri_for()!r}, connector={self.connector!r})"
+
+    @property
+    def root(self) -> Path:
+        """The output directory (a local store only)."""
+        if not self.store.is_local:
+            raise StoreUnsupported(f"{self!r}: an object store has no local directory")
+        return Path(self.store.path())
+
+    @property
+    def delta(self) -> DeltaCommitter:
+        """The Delta committer (made on first use: importing delta-rs costs time)."""
+        if self._delta is None:
+            from runtime.lake.delta import DeltaCommitter
+
+            # the version each commit got is not needed here: two requests per table saved
+            self._delta = DeltaCommitter(self.store, find_versions=False)
+        return self._delta
 
     # --- paths ------------------------------------------------------------------------------
 
@@ -169,43 +229,52 @@ class Committer:
         """The staging directory of ``batch``, relative to ``root`` (moves name paths under it)."""
         return f"{self._staging}/{batch}"
 
+    def prepare_staging(self, batch: str) -> str:
+        """:meth:`staged`, emptied of whatever an earlier attempt left there (any store)."""
+        rel = self.staged(batch)
+        self.store.delete_tree(rel)
+        if self.store.is_local:
+            os.makedirs(os.path.dirname(self.store.path(rel)), exist_ok=True)
+        return rel
+
     def staging(self, batch: str) -> Path:
-        """The (fresh, empty) staging directory of ``batch``: whatever an earlier attempt left
-        there is removed."""
-        path = self.root / self.staged(batch)
-        if path.exists():
-            shutil.rmtree(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path
+        """The (fresh, empty) local staging directory of ``batch``: whatever an earlier attempt
+        left there is removed. A local store only (elsewhere: :meth:`prepare_staging`, and write
+        through :attr:`store`)."""
+        if not self.store.is_local:
+            raise StoreUnsupported(
+                f"{self!r}: an object store has no local staging directory; write the files "
+                "through the store under prepare_staging(batch)"
+            )
+        return Path(self.store.path(self.prepare_staging(batch)))
 
-    def _manifest_path(self, batch: str) -> Path:
-        return self.root / self._commits / manifest_name(batch)
+    def _manifest_rel(self, batch: str) -> str:
+        return f"{self._commits}/{manifest_name(batch)}"
 
-    def _progress_path(self, token: str) -> Path:
-        return self.root / self._progress / progress_name(token)
+    def _progress_rel(self, token: str) -> str:
+        return f"{self._progress}/{progress_name(token)}"
 
     def legacy_state(self) -> list[str]:
         """Output state of a version that did not keep it per connector (``_shoal/commits``,
         ``_shoal/progress``): it is not read (nobody knows whose it is); the caller warns."""
-        return [d for d in LEGACY_STATE if (self.root / d).exists()]
+        return [d for d in LEGACY_STATE if self.store.exists(d)]
 
     # --- reading ----------------------------------------------------------------------------
 
     def _read_position(self, token: str) -> Position | None:
-        path = self._progress_path(token)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+        rel = self._progress_rel(token)
+        data = self.store.read_bytes(rel)
+        if data is None:
             return None
         try:
             return decode_position(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise CorruptState(
-                f"output state: progress file {path} (partition {token!r} of connector "
-                f"{self.connector!r}) cannot be read ({exc}; {len(data)} bytes). Nothing was "
-                "written past it. To re-read the partition from the sync topic's watermark, "
-                "delete the file and start again (rows after that watermark already in the "
-                "output may then appear twice); or restore it from a backup"
+                f"output state: progress file {self.store.uri_for(rel)} (partition {token!r} "
+                f"of connector {self.connector!r}) cannot be read ({exc}; {len(data)} bytes). "
+                "Nothing was written past it. To re-read the partition from the sync topic's "
+                "watermark, delete the file and start again (rows after that watermark already "
+                "in the output may then appear twice); or restore it from a backup"
             ) from exc
 
     def committed(self, token: str) -> Position | None:
@@ -251,31 +320,47 @@ class Committer:
         moves: Sequence[tuple[str, str]],
         entries: Sequence[tuple[str, Sequence[DataChange], int]],
         fence: Collection[int] = (),
+        *,
+        tables: Sequence[TableWrite] = (),
+        metadata: Metadata | None = None,
     ) -> Manifest:
-        """Blocking: commit ``batch``, staged under :meth:`staging`. ``moves``: (staged, final)
+        """Blocking: commit ``batch``, staged under :meth:`staged`. ``moves``: (staged, final)
         paths relative to ``root``; ``entries``: (partition token, records, watermark) of the
         batch, in order (all its records, also those already written: the new position covers
-        them); ``fence``: the sink's keys of the batches it holds. Raises
-        :class:`CommitRefused` (and drops the staged files) if ``permit()`` says the lease ran
-        out, :class:`CommitFenced` if one of ``fence`` was fenced."""
+        them); ``fence``: the sink's keys of the batches it holds; ``tables``: (table directory,
+        data files written into it, their schema) to commit as one Delta transaction each, with
+        ``metadata`` (and ``shoal.batch``, ``shoal.connector``) in its commit info. Raises
+        :class:`CommitRefused` (and drops the staged and data files) if ``permit()`` says the
+        lease ran out, :class:`CommitFenced` if one of ``fence`` was fenced,
+        ``runtime.lake.delta.SchemaConflict`` if a table's column changed type."""
         with self._lock:
             self._forget_now()
             positions: dict[str, Position] = {}
             for token, records, watermark in entries:
                 base = positions.get(token) or self._current(token)
                 positions[token] = next_position(base, records, watermark)
+            if not self.store.can_rename:
+                # a copy cannot tell an earlier commit's files from its own: leave out what
+                # is there already (the same batch committed before), as a rename would
+                moves = [(s, f) for s, f in moves if not self.store.exists(f)]
+            try:
+                commits = self._table_commits(batch, tables, metadata)
+            except Exception:
+                self._drop(self.staged(batch), tables)
+                raise
             manifest = Manifest(
                 batch,
                 self.staged(batch),
                 tuple(Move(s, f) for s, f in moves),
                 tuple(PartitionPosition(t, p) for t, p in positions.items()),
+                commits,
             )
             if self.permit is not None and not self.permit():
-                shutil.rmtree(self.root / manifest.staging, ignore_errors=True)
+                self._drop(manifest.staging, tables)
                 raise CommitRefused(f"{self!r}: the lease ran out before batch {batch} committed")
             fenced = self.fences.admit(fence)
             if fenced:
-                shutil.rmtree(self.root / manifest.staging, ignore_errors=True)
+                self._drop(manifest.staging, tables)
                 log.warning(
                     "%r: batch %s refused at its commit point: it holds %d batches fenced by "
                     "readers that stopped (refused so far: %d)",
@@ -303,47 +388,110 @@ class Committer:
             self.batches += 1
             return manifest
 
+    def _table_commits(
+        self, batch: str, tables: Sequence[TableWrite], metadata: Metadata | None
+    ) -> tuple[TableCommit, ...]:
+        """The Delta commits of ``batch`` (one application-transaction version for all);
+        checks each schema against its table first (before the commit point)."""
+        if not tables:
+            return ()
+        from runtime.lake.delta import delta_schema
+
+        for table, _, schema in tables:
+            self.delta.check_schema(table, schema)
+        self._txn_version += 1
+        info: dict[str, str | int | float | bool] = {
+            "shoal.batch": batch,
+            "shoal.connector": self.connector,
+            **(metadata or {}),
+        }
+        now_ms = int(self.clock() * 1000)
+        return tuple(
+            TableCommit(
+                table,
+                tuple(files),
+                delta_schema(schema).to_json(),
+                self.app_id,
+                self._txn_version,
+                info,
+                now_ms,
+            )
+            for table, files, schema in tables
+        )
+
+    def _drop(self, staging: str, tables: Sequence[TableWrite]) -> None:
+        """Delete what a refused batch wrote: its staging directory and its data files."""
+        self.store.delete_tree(staging)
+        for table, files, _ in tables:
+            for f in files:
+                self.store.delete(f"{table}/{f.path}")
+
     def _write_manifest(self, manifest: Manifest) -> None:
         """The commit point."""
-        path = self._manifest_path(manifest.batch)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._write_atomically(path, encode_manifest(manifest))
-
-    def _write_atomically(self, path: Path, data: bytes) -> None:
-        write_atomically(path, data, fsync=self.fsync)
+        self.store.write_bytes(
+            self._manifest_rel(manifest.batch), encode_manifest(manifest), fsync=self.fsync
+        )
 
     def _apply(self, manifest: Manifest, current: dict[str, Position | None] | None = None) -> None:
         """Apply ``manifest``; ``current``: the partitions' positions, if known (else each
-        progress file is read)."""
+        progress file is read). Consecutive Delta commits run in parallel threads."""
         paths = [p for m in manifest.moves for p in (m.staged, m.final)]
-        present = {p for p in paths if (self.root / p).exists()}
+        present = {p for p in paths if self.store.exists(p)}
         if current is None:
             current = {e.token: self._read_position(e.token) for e in manifest.positions}
-        for op in apply_plan(manifest, present, current):
-            self._do(op)
+        ops = apply_plan(manifest, present, current, rename=self.store.can_rename)
+        group: list[Op] = []
+        for op in [*ops, None]:
+            if isinstance(op, CommitTable):
+                group.append(op)
+                continue
+            if len(group) > 1 and self.apply_threads > 1:
+                with ThreadPoolExecutor(min(self.apply_threads, len(group))) as pool:
+                    for future in [pool.submit(self._do, g) for g in group]:
+                        future.result()
+            else:
+                for g in group:
+                    self._do(g)
+            group = []
+            if op is not None:
+                self._do(op)
 
     def _do(self, op: Op) -> None:
         """Carry out one operation (idempotently: it may race another process's recovery)."""
         log.debug("%r: %s", self, describe(op))
         match op:
             case Rename():
-                final = self.root / op.final
-                final.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    os.rename(self.root / op.staged, final)
+                    self.store.rename(op.staged, op.final)
                 except OSError:
                     # done by another process in between (source gone, target there), or failed
-                    if (self.root / op.staged).exists() or not final.exists():
+                    if self.store.exists(op.staged) or not self.store.exists(op.final):
                         raise
+            case Copy():
+                self.store.copy_tree(op.staged, op.final)
+            case CommitTable(commit=c):
+                from deltalake import Schema as DeltaSchema
+
+                self.delta.commit(
+                    c.table,
+                    c.files,
+                    DeltaSchema.from_json(c.schema),
+                    app=c.app_id,
+                    version=c.version,
+                    metadata=c.metadata,
+                    first_attempt_ms=c.created_ms,
+                )
             case DeleteStaged():
-                shutil.rmtree(self.root / op.path, ignore_errors=True)
+                self.store.delete_tree(op.path)
             case WriteProgress():
-                path = self._progress_path(op.token)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._write_atomically(path, encode_position(op.position))
+                self.store.write_bytes(
+                    self._progress_rel(op.token), encode_position(op.position), fsync=self.fsync
+                )
                 self._positions[op.token] = op.position
             case DeleteManifest():
-                self._manifest_path(op.batch).unlink(missing_ok=True)
+                self.store.delete(self._manifest_rel(op.batch))
+            case _:
+                assert_never(op)
 
     # --- recovery ---------------------------------------------------------------------------
 
@@ -354,35 +502,32 @@ class Committer:
             return self._recover()
 
     def _recover(self) -> int:
-        commits = self.root / self._commits
         manifests: list[Manifest] = []
-        with contextlib.suppress(FileNotFoundError):
-            for path in sorted(commits.iterdir()):
-                if path.name.startswith("."):
-                    continue  # a manifest never completed: its batch never committed
-                try:
-                    data = path.read_bytes()
-                except FileNotFoundError:
-                    continue  # applied by its own process meanwhile
-                try:
-                    manifests.append(decode_manifest(data))
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    raise CorruptState(
-                        f"output state: manifest {path} of connector {self.connector!r} cannot "
-                        f"be read ({exc}; {len(data)} bytes): a micro-batch passed its commit "
-                        "point and cannot be applied. Deleting the file drops that batch (its "
-                        "partitions are read again from their progress files; tables it had "
-                        "already moved into place then hold its rows twice)"
-                    ) from exc
+        for entry in self.store.list_files(self._commits, recursive=False):
+            name = entry.path.rsplit("/", 1)[-1]
+            if name.startswith("."):
+                continue  # a manifest never completed: its batch never committed
+            data = self.store.read_bytes(entry.path)
+            if data is None:
+                continue  # applied by its own process meanwhile
+            try:
+                manifests.append(decode_manifest(data))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise CorruptState(
+                    f"output state: manifest {self.store.uri_for(entry.path)} of connector "
+                    f"{self.connector!r} cannot be read ({exc}; {len(data)} bytes): a "
+                    "micro-batch passed its commit point and cannot be applied. Deleting the "
+                    "file drops that batch (its partitions are read again from their progress "
+                    "files; tables it had already moved into place then hold its rows twice)"
+                ) from exc
         for manifest in manifests:
             log.warning("%r: applying batch %s left by a stopped process", self, manifest.batch)
             self._apply(manifest)
         self.recovered += len(manifests)
-        staged: list[tuple[str, float]] = []
-        with contextlib.suppress(FileNotFoundError):
-            for entry in (self.root / self._staging).iterdir():
-                with contextlib.suppress(FileNotFoundError):
-                    staged.append((f"{self._staging}/{entry.name}", entry.stat().st_mtime))
+        staged = [
+            (f"{self._staging}/{name}", mtime)
+            for name, mtime in self.store.dir_mtimes(self._staging)
+        ]
         for op in recovery_plan(manifests, staged, self.clock(), self.garbage_age_s):
             log.info("%r: deleting uncommitted staged files %s", self, op.path)
             self._do(op)

@@ -30,7 +30,12 @@ google-cloud-spanner (:data:`SPANNER`), used by :mod:`runtime.spanner`:
 * :func:`database_transport` and :func:`admin_transports` find the gRPC transports a database
   or a blocking client opened (no public ``close()`` reaches them).
 
-pyspark (:data:`PYSPARK`), used by :mod:`runtime.spark.supervisor`:
+pyspark (:data:`PYSPARK`), used by :mod:`runtime.spark.supervisor` and
+:mod:`runtime.spark.session`:
+
+* :func:`spark_jvm_running` tells whether pyspark holds a gateway to a JVM
+  (``SparkContext._gateway``): only without one does a session start launch a JVM, whose
+  settings then go in a file rather than on its command line;
 
 * :func:`spark_jvm_process` is the JVM a local session's gateway launched
   (``SparkContext._gateway.proc``): whether it still runs tells a dead session from a failing job;
@@ -215,6 +220,16 @@ async def send_leave_group(coordinator: Any, group_id: str) -> None:
 
 
 # -- pyspark -------------------------------------------------------------------------------------
+
+
+def spark_jvm_running() -> bool:
+    """Whether pyspark holds a gateway to a JVM (``SparkContext._gateway``): the next
+    ``SparkSession.builder.getOrCreate()`` then launches none, and a new context gets its
+    settings through the gateway."""
+    check(PYSPARK, "SparkContext._gateway, to tell whether a session start launches a JVM")
+    from pyspark.core.context import SparkContext
+
+    return SparkContext._gateway is not None
 
 
 def spark_jvm_process(spark: Any) -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import fnmatch
 import os
 import re
 import tomllib
@@ -58,6 +59,7 @@ __all__ = [
     "load",
     "options",
     "reference_markdown",
+    "secret_setting",
 ]
 
 
@@ -106,9 +108,15 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "files written by pyarrow, no Java needed), kafka (the design-003 output topic)."
         ),
     ] = "spark"
-    output_dir: Annotated[str, _d("Directory of the output (parquet files) and run files.")] = (
-        "shoal-output"
-    )
+    output_dir: Annotated[
+        str,
+        _d(
+            "Where the output goes (under <output_dir>/data) and run files: a directory, or an "
+            "object store's URI (s3://bucket/prefix, gs://bucket/prefix, file:///path; "
+            "credentials from the standard environment and credential chains; "
+            "docs/operations.md)."
+        ),
+    ] = "shoal-output"
     output_layout: Annotated[
         Literal["typed", "generic"],
         _d(
@@ -119,6 +127,15 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "path and the Spark dead-letter queue write generic."
         ),
     ] = "typed"
+    table_format: Annotated[
+        Literal["parquet", "delta"],
+        _d(
+            "Table format of the typed output: parquet (a directory of batch=<id> directories "
+            "per table, each committed by a rename) or delta (one Delta Lake table per Spanner "
+            "table, each micro-batch one idempotent Delta commit: exactly once on object "
+            "stores too; docs/reading-output.md)."
+        ),
+    ] = "parquet"
     duration: Annotated[
         Annotated[float, Meta(gt=0)] | None,
         Meta(description="Stop after this many seconds (then catch up, drain, exit 0)."),
@@ -430,7 +447,21 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "that lost its master and executors; 0: no limit. Embedded path.",
         ),
     ] = 300.0
-    conf: Annotated[dict[str, str], _d("Extra Spark settings (TOML table [spark.conf]).")] = {}
+    conf: Annotated[
+        dict[str, str],
+        _d(
+            "Extra Spark settings (TOML table [spark.conf]); local Spark gets them in a "
+            "private file, never on a command line."
+        ),
+    ] = {}
+    secret_conf: Annotated[
+        str | None,
+        _d(
+            "More [spark.conf] settings whose values are secrets, beyond those named like one "
+            "(docs/operations.md, Logs): comma-separated names or glob patterns "
+            "(spark.hadoop.fs.myfs.*.auth), case-insensitive; shown as *** and masked in logs."
+        ),
+    ] = None
 
 
 class SimOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -823,11 +854,83 @@ def check(config: ShoalConfig) -> None:
         raise ConfigError(str(exc)) from exc
     if config.spark.dead_letter and config.spark.path != "embedded":
         raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
-    if kafka.bootstrap_servers is not None:
+    _check_output(config)
+    if kafka.bootstrap_servers is None:
+        _check_embedded_kafka(kafka)
+    else:
         try:
-            kafka_config(config, kafka.bootstrap_servers)
+            settings = kafka_config(config, kafka.bootstrap_servers)
         except ValueError as exc:
             raise ConfigError(f"kafka: {exc}") from exc
+        from runtime.kafka.config import KafkaSettingError
+
+        try:  # the TLS files: readable, certificates and a key the password opens
+            settings.ssl_context()
+        except KafkaSettingError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+def is_url(output_dir: str) -> bool:
+    """Whether ``run.output_dir`` names an object store (or a ``file://`` URI), not a path."""
+    return "://" in output_dir
+
+
+def _check_output(config: ShoalConfig) -> None:
+    """The output's location and format agree with the sink (nothing is reached here)."""
+    run = config.run
+    if run.table_format == "delta":
+        if run.sink == "kafka":
+            raise ConfigError("table_format delta (--table-format) is for --sink files or spark")
+        if run.output_layout != "typed":
+            raise ConfigError(
+                "table_format delta (--table-format) needs output_layout typed "
+                "(--output-layout): a Delta table per Spanner table"
+            )
+        if run.sink == "spark" and (config.spark.path != "embedded" or config.spark.dead_letter):
+            raise ConfigError(
+                "table_format delta (--table-format) with --sink spark: the embedded path "
+                "without spark.dead_letter only (spark.path, spark.dead_letter)"
+            )
+    if is_url(run.output_dir):
+        from runtime.lake.store import StoreError, open_store
+
+        try:
+            open_store(run.output_dir)  # the URI's form only: the store is reached at start
+        except StoreError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+# The settings of a real Kafka's authentication and TLS: the embedded broker takes none of them.
+_KAFKA_SECURITY: Final = (
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_keyfile_password",
+)
+
+
+def _check_embedded_kafka(kafka: KafkaOptions) -> None:
+    """Without ``kafka.bootstrap_servers`` shoal starts its embedded broker, which speaks
+    plaintext only: an authentication or TLS setting then means a forgotten
+    ``--kafka-bootstrap-servers``, not something to ignore (the values are not shown: some are
+    secrets)."""
+    given = [name for name in _KAFKA_SECURITY if getattr(kafka, name) is not None]
+    if kafka.security_protocol != "PLAINTEXT":
+        given.insert(0, "security_protocol")
+    if given:
+        names = ", ".join(f"kafka.{name} ({_flag('kafka', name)})" for name in given)
+        raise ConfigError(
+            f"{names} given without kafka.bootstrap_servers (--kafka-bootstrap-servers): the "
+            "embedded broker started then takes no SASL or TLS settings; give the Kafka "
+            "they are for, or leave them unset"
+        )
+
+
+def _flag(section: str, name: str) -> str:
+    return Option(section, name, "", None, "").flag
 
 
 _RFC3339 = re.compile(
@@ -934,9 +1037,28 @@ def kafka_config(config: ShoalConfig, bootstrap: str) -> KafkaConfig:
     )
 
 
-# Extra Spark settings whose name says they hold a secret (spark.hadoop.fs.s3a.secret.key,
-# spark.ssl.keyPassword, spark.authenticate.secret, ...): shown as *** like the secret options.
-_SECRET_CONF: Final = re.compile(r"secret|passw|token|credential|private|key$", re.IGNORECASE)
+# Words that make a part of a Spark setting's name (between dots) say it holds a secret.
+_SECRET_WORDS: Final = ("secret", "passw", "token", "credential", "private")
+
+
+def secret_setting(key: str, extra: str | None = None) -> bool:
+    """Whether the Spark setting ``key`` holds a secret, by its name: a part of it between dots
+    contains ``secret``, ``passw``, ``token``, ``credential`` or ``private``, or is ``sas``, or
+    ends in ``key`` or ``keys`` (``fs.s3a.secret.key``, ``fs.s3a.access.key``,
+    ``fs.azure.account.key.<account>.dfs.core.windows.net``, ``fs.azure.sas.<container>...``,
+    ``spark.ssl.keyPassword``, ``spark.authenticate.secret``, ``<catalog>.token``,
+    ``s3.secret-access-key``, ``accountKey``), or it matches one of the comma-separated names or
+    glob patterns of ``extra`` (``spark.secret_conf``). Case-insensitive. Such settings are
+    shown as ``***`` and masked in logs; every setting, secret or not, reaches local Spark in a
+    private file (``runtime.spark.session``)."""
+    name = key.lower()
+    for part in name.split("."):
+        if any(word in part for word in _SECRET_WORDS):
+            return True
+        if part == "sas" or part.endswith(("key", "keys")):
+            return True
+    patterns = [p.strip().lower() for p in (extra or "").split(",") if p.strip()]
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def redacted(config: ShoalConfig) -> dict[str, Any]:
@@ -948,7 +1070,7 @@ def redacted(config: ShoalConfig) -> dict[str, Any]:
                 section[name] = "***"
     conf = data["spark"]["conf"]
     for key in conf:
-        if _SECRET_CONF.search(key):
+        if secret_setting(key, config.spark.secret_conf):
             conf[key] = "***"
     return data
 
@@ -962,7 +1084,13 @@ def secret_values(config: ShoalConfig) -> tuple[str, ...]:
         for name in _SECRET_FIELDS
         if getattr(section, name, None)
     ]
-    values += [v for k, v in config.spark.conf.items() if v and _SECRET_CONF.search(k)]
+    values += [
+        v for k, v in config.spark.conf.items() if v and secret_setting(k, config.spark.secret_conf)
+    ]
+    if is_url(config.run.output_dir):  # the object store's credentials, from the environment
+        from runtime.lake.store import Store
+
+        values += Store.secret_values()
     return tuple(values)
 
 

@@ -15,7 +15,6 @@ exit 1); nothing here is retried silently.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import msgspec
 
@@ -27,7 +26,8 @@ from protocol.commit import (
     start_path,
 )
 from protocol.completeness import Mark
-from runtime.commit import CorruptState, write_atomically
+from runtime.commit import CorruptState
+from runtime.lake.store import Store, open_store
 
 __all__ = ["OutputState"]
 
@@ -35,23 +35,25 @@ _mark_decoder = msgspec.json.Decoder(Mark)
 
 
 class OutputState:
-    """Connector ``connector``'s start record and completeness mark under output ``root``.
-    Blocking file I/O: call it from a worker thread on a running loop."""
+    """Connector ``connector``'s start record and completeness mark under output ``root`` (a
+    directory, a URI or a ``Store``). Blocking I/O: call it from a worker thread on a running
+    loop."""
 
-    def __init__(self, root: str | os.PathLike[str], connector: str) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | os.PathLike[str] | Store, connector: str) -> None:
+        self.store = root if isinstance(root, Store) else open_store(root)
         self.connector = connector
-        self.start_file = self.root / start_path(connector)
-        self.mark_file = self.root / completeness_path(connector)
+        self._start = start_path(connector)
+        self._mark = completeness_path(connector)
+        self.start_file = self.store.uri_for(self._start)
+        self.mark_file = self.store.uri_for(self._mark)
 
     def __repr__(self) -> str:
-        return f"OutputState({str(self.root)!r}, {self.connector!r})"
+        return f"OutputState({self.store.uri_for()!r}, {self.connector!r})"
 
     def read_start(self) -> StartRecord | None:
         """The recorded start, or None when the connector never started on this output."""
-        try:
-            data = self.start_file.read_bytes()
-        except FileNotFoundError:
+        data = self.store.read_bytes(self._start)
+        if data is None:
             return None
         try:
             return decode_start(data)
@@ -65,33 +67,25 @@ class OutputState:
 
     def record_start(self, start_us: int, text: str) -> StartRecord:
         """Record the start once: the record already there (another process's, or an earlier
-        run's) wins and is returned."""
+        run's) wins and is returned. Create-if-absent where the store can (two processes
+        starting together agree on the first); elsewhere a plain write after the read."""
         found = self.read_start()
         if found is not None:
             return found
         record = StartRecord(self.connector, start_us, text)
-        self.start_file.parent.mkdir(parents=True, exist_ok=True)
-        # complete in a temporary file, then linked into place: create-if-absent and atomic, so
-        # two processes starting together agree on the first, and a crash leaves no half record
-        tmp = self.start_file.with_name(f".start.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(encode_start(record))
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, self.start_file)
-        except FileExistsError:
-            found = self.read_start()
-            assert found is not None
-            return found
-        finally:
-            tmp.unlink(missing_ok=True)
+        data = encode_start(record)
+        if self.store.supports_create_if_absent:
+            if not self.store.create_if_absent(self._start, data):
+                found = self.read_start()
+                assert found is not None
+                return found
+        else:
+            self.store.write_bytes(self._start, data)
         return record
 
     def read_mark(self) -> Mark | None:
-        try:
-            data = self.mark_file.read_bytes()
-        except FileNotFoundError:
+        data = self.store.read_bytes(self._mark)
+        if data is None:
             return None
         try:
             return _mark_decoder.decode(data)
@@ -103,5 +97,4 @@ class OutputState:
 
     def write_mark(self, mark: Mark) -> None:
         """Replace the mark atomically (readers see the old one or the new one)."""
-        self.mark_file.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.mark_file, msgspec.json.encode(mark) + b"\n", fsync=False)
+        self.store.write_bytes(self._mark, msgspec.json.encode(mark) + b"\n", fsync=False)

@@ -16,15 +16,20 @@ merging (Spark: ``option("mergeSchema", "true")``; pyarrow: :func:`read_table`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from runtime.typed import METADATA
+
+if TYPE_CHECKING:
+    from protocol.commit import DataFile
+    from runtime.lake.store import Store
 
 __all__ = [
     "GENERIC_KEY_COLUMNS",
@@ -32,7 +37,9 @@ __all__ = [
     "is_typed_layout",
     "read_changes",
     "read_table",
+    "stage_tables",
     "table_dirs",
+    "write_delta_files",
     "write_tables",
 ]
 
@@ -101,7 +108,33 @@ def is_typed_layout(root: str | os.PathLike[str]) -> bool:
     return bool(table_dirs(base)) and not any(base.glob("table=*"))
 
 
+def is_delta_table(directory: Path) -> bool:
+    """Whether ``directory`` is a Delta table (``--table-format delta``): it has a log."""
+    return (directory / "_delta_log").is_dir()
+
+
+def delta_file_name(batch: str) -> str:
+    """A Delta data file's name (``--table-format delta``): ``part-<batch>-<random>.parquet``,
+    so the micro-batch it belongs to can be told from it, as from ``batch=<id>`` otherwise."""
+    return f"part-{batch}-{uuid.uuid4().hex[:12]}.parquet"
+
+
+def _batch_of(path: Path, directory: Path) -> str:
+    if path.parent == directory and path.name.startswith("part-"):  # a Delta table's file
+        return path.name.removeprefix("part-").rsplit("-", 1)[0]
+    return path.parent.name.removeprefix("batch=")
+
+
 def _files(directory: Path) -> Iterator[Path]:
+    """The committed data files of one table directory: those its Delta log names (files a
+    killed writer left beside them were never committed), else every parquet file outside
+    ``_``/``.`` names."""
+    if is_delta_table(directory):
+        from deltalake import DeltaTable
+
+        for uri in sorted(DeltaTable(str(directory)).file_uris()):
+            yield Path(uri.removeprefix("file://"))
+        return
     for path in sorted(directory.rglob("*.parquet")):
         if not any(part.startswith((".", "_")) for part in path.relative_to(directory).parts):
             yield path
@@ -114,7 +147,7 @@ def read_table(root: str | os.PathLike[str], table: str) -> pa.Table:
     parts = []
     for path in _files(directory):
         data = pq.read_table(path)
-        batch = path.parent.name.removeprefix("batch=")
+        batch = _batch_of(path, directory)
         parts.append(data.append_column("batch", pa.array([batch] * data.num_rows, pa.string())))
     if not parts:
         raise FileNotFoundError(f"no committed files of table {table} under {root}")
@@ -140,7 +173,7 @@ def read_changes(root: str | os.PathLike[str]) -> pa.Table:
             data = pq.read_table(path, columns=names)
             n = data.num_rows
             data = data.append_column("table", pa.array([directory.name] * n, pa.string()))
-            batch = path.parent.name.removeprefix("batch=")
+            batch = _batch_of(path, directory)
             parts.append(data.append_column("batch", pa.array([batch] * n, pa.string())))
     if not parts:
         return schema.empty_table()
@@ -169,8 +202,12 @@ def generic_rows(root: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 def output_identities(root: str | os.PathLike[str]) -> set[tuple[int, str, str]]:
     """The record identities (commit timestamp in microseconds, server transaction id, record
     sequence) of every committed row of a typed or generic output under ``root`` (names
-    starting with ``_`` or ``.`` skipped: staged batches, the output's own state)."""
+    starting with ``_`` or ``.`` skipped: staged batches, the output's own state); ``root``
+    may be an object store's URI (a typed layout there: parquet or Delta tables)."""
     import pyarrow.dataset as ds
+
+    if "://" in str(root):
+        return _store_identities(str(root))
 
     if is_typed_layout(root):
         changes = read_changes(root)
@@ -192,3 +229,85 @@ def output_identities(root: str | os.PathLike[str]) -> set[tuple[int, str, str]]
         txn = table.column("server_transaction_id").to_pylist()
         seq = table.column("record_sequence").to_pylist()
     return set(zip(ts, txn, seq, strict=True))
+
+
+def stage_tables(
+    store: Store, staged: str, batch: str, tables: Mapping[str, pa.Table]
+) -> list[tuple[str, str]]:
+    """:func:`write_tables` through any store (an object store has no local directory): each
+    table's file under ``staged/<table>/``, the committer's moves returned."""
+
+    def write(name: str) -> None:
+        with store.open_output_stream(f"{staged}/{name}/part-00000.parquet") as sink:
+            pq.write_table(tables[name], sink)
+
+    _each(write, tables, _STORE_WRITERS)
+    return [(f"{staged}/{name}", f"{name}/batch={batch}") for name in tables]
+
+
+def write_delta_files(
+    store: Store, batch: str, tables: Mapping[str, pa.Table]
+) -> list[tuple[str, list[DataFile], pa.Schema]]:
+    """``--table-format delta``: write each table's rows as one data file straight into its
+    Delta table's directory (invisible until the committer's Delta commit names it) and return
+    the committer's ``tables=`` argument."""
+    from runtime.lake.delta import write_data_file
+
+    written: dict[str, DataFile] = {}
+
+    def write(name: str) -> None:
+        written[name] = write_data_file(store, name, tables[name], name=delta_file_name(batch))
+
+    _each(write, tables, _STORE_WRITERS)
+    return [(name, [written[name]], tables[name].schema) for name in tables]
+
+
+_STORE_WRITERS = 8  # an object store's writes wait on the network: more of them side by side
+
+
+def _each(write: Callable[[str], None], names: Iterable[str], threads: int) -> None:
+    names = list(names)
+    if len(names) <= 1:
+        for name in names:
+            write(name)
+        return
+    with ThreadPoolExecutor(min(threads, len(names)), thread_name_prefix="shoal-write") as pool:
+        for done in pool.map(write, names):
+            assert done is None
+
+
+_ID_COLUMNS = ["_commit_ts", "_server_transaction_id", "_record_sequence"]
+
+
+def _store_identities(uri: str) -> set[tuple[int, str, str]]:
+    """:func:`output_identities` of a typed layout in an object store: each Delta table's
+    committed files (its log says which), each parquet table's ``batch=`` directories."""
+    import pyarrow.dataset as ds
+
+    from runtime.lake.store import open_store
+
+    store = open_store(uri)
+    found: set[tuple[int, str, str]] = set()
+    for name in store.list_dirs():
+        if name.startswith(("_", ".")):
+            continue
+        if store.exists(f"{name}/_delta_log"):
+            from deltalake import DeltaTable
+
+            dataset = DeltaTable(
+                store.uri_for(name), storage_options=store.storage_options()
+            ).to_pyarrow_dataset()
+        else:
+            dataset = ds.dataset(
+                store.path(name),
+                filesystem=store.fs,
+                format="parquet",
+                exclude_invalid_files=True,
+                ignore_prefixes=[".", "_"],
+            )
+        table = dataset.to_table(columns=_ID_COLUMNS)
+        ts = table.column("_commit_ts").cast(pa.int64()).to_pylist()
+        txn = table.column("_server_transaction_id").to_pylist()
+        seq = table.column("_record_sequence").to_pylist()
+        found.update(zip(ts, txn, seq, strict=True))
+    return found

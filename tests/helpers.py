@@ -2,16 +2,18 @@
 core tests, waiting for a condition with a generous bound, what the seeded stream model says
 a run's output must hold (computed from the model alone, never from what the run reports), and
 the exactly-once checks: raw rows counted, never de-duplicated first, with :func:`doubled`
-for their controls (the same rows with one written twice must fail the check)."""
+for their controls (the same rows with one written twice must fail the check), and what every
+process on the machine shows as its command line."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 from protocol.messages import EpochMessage, Partition, StateMessage, TaskState
 from protocol.records import DataChange
@@ -172,3 +174,47 @@ def assert_read_without_gaps(
     below = stream_rows(model, floor).keys() - ids
     assert not below, f"{len(below)} rows committed before {floor} (the lag bound) missing"
     return cuts
+
+
+def command_lines() -> dict[int, str]:
+    """Every process's command line as any user of the machine reads it
+    (``/proc/<pid>/cmdline``, the arguments joined by spaces), by pid. A process that ends
+    while the list is read is left out."""
+    lines: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+        lines[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return lines
+
+
+def ps_lines() -> list[str]:
+    """``ps -ww -eo pid=,args=``: every process's command line as ``ps`` shows it, unabridged."""
+    result = subprocess.run(
+        ["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True
+    )
+    return result.stdout.splitlines()
+
+
+def descendants(pid: int) -> set[int]:
+    """The pids of every process below ``pid`` (children, their children, ...), now."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found

@@ -72,7 +72,9 @@ async def replay_cim(config: ShoalConfig, *, timeout_s: float = 60.0) -> Cim:
         except messages.SyncDecodeError:
             bad += 1
 
-    async with KafkaSyncLog(kafka, config.run.connector) as log:
+    # create=False: a mistyped --connector must not leave a sync topic (with a later real
+    # start's replication factor ignored) behind; it is reported as no such connector
+    async with KafkaSyncLog(kafka, config.run.connector, create=False) as log:
         start = await log.checkpoint_offset()
         await replay_until_marker(
             log,

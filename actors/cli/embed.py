@@ -178,7 +178,8 @@ async def open_task(
     topic records a different start (a restart resumes from the watermarks); with ``end_at``
     every partition is read up to it (inclusive) and then finishes, and
     ``node.nothing_left()`` turns true once the whole connector got there (every task's CIM
-    shows it): leave the block then."""
+    shows it): leave the block then. A first start (nothing in the sync topic) after
+    ``end_at`` would read nothing: entering the block raises :class:`actors.node.EmptyWindow`."""
     from runtime.bounded import BoundedSource
     from runtime.kafka import KafkaMembership, KafkaSyncLog
 
@@ -208,6 +209,7 @@ async def open_task(
                 task=task_config,
                 stream_start=stream_start,
                 require_start=-1 if start_at is None else start_at,
+                end_at=-1 if end_at is None else end_at,
             ),
             sync_log=sync_log,
             join=join,

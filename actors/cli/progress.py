@@ -141,6 +141,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     rebalances: int = 0
     errors: dict[str, int] = {}
     records_filtered: int = 0  # dropped by the table / mod-type filters
+    warnings: dict[str, int] = {}  # e.g. filters that match no table, a start in the future
 
 
 def format_summary(s: RunSummary) -> str:
@@ -170,5 +171,7 @@ def format_summary(s: RunSummary) -> str:
     )
     if s.errors:
         lines.append("  errors: " + ", ".join(f"{k}={v}" for k, v in sorted(s.errors.items())))
+    if s.warnings:
+        lines.append("  warnings: " + ", ".join(f"{k}={v}" for k, v in sorted(s.warnings.items())))
     lines.append(f"  drained cleanly: {'yes' if s.drained else 'NO'}")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -41,7 +42,7 @@ from actors.cli.embed import GatedSource, drain_node
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
-from actors.node import NodeConfig, StartConflict, TaskNode
+from actors.node import EmptyWindow, NodeConfig, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
@@ -55,6 +56,7 @@ from runtime.config import (
     ShoalConfig,
     SimOptions,
     end_micros,
+    is_url,
     kafka_config,
     query_window,
     record_filter,
@@ -230,6 +232,7 @@ class Pipeline:
         self.tasks: list[_Task] = []
         self.metrics: MetricsServer | None = None
         self.errors: dict[str, int] = {}
+        self.warnings: dict[str, int] = {}  # runs that will produce nothing, and the like
         self.failed: str | None = None
         self.stopping = False
         self.started_at = time.monotonic()
@@ -254,7 +257,14 @@ class Pipeline:
         self._end_at = end_micros(config.run)  # None: no end
         self._filter = record_filter(config)
         self._filtered: Any = None  # runtime.filtered.FilteredSource, with a filter
-        self.output_dir = Path(config.run.output_dir)
+        # the output (a directory or an object store's URI) and a local directory for run
+        # files (the embedded broker's log): the output directory itself when it is local
+        self._output_url = is_url(config.run.output_dir)
+        self.output_dir = (
+            Path(tempfile.mkdtemp(prefix="shoal-run-"))
+            if self._output_url
+            else Path(config.run.output_dir)
+        )
         self._completeness_written = -1  # the completeness watermark last written (micros)
         self._completeness_at = -1.0  # when (monotonic seconds)
         # the connector's own records beside a file or Spark output (runtime/output_state.py)
@@ -361,6 +371,11 @@ class Pipeline:
     def count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
+    def warn(self, kind: str, text: str) -> None:
+        """One warning line in the log, counted in the summary's warnings by ``kind``."""
+        self.warnings[kind] = self.warnings.get(kind, 0) + 1
+        log.warning("%s", text)
+
     # -- the run ---------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
         cfg = self.config
@@ -369,7 +384,11 @@ class Pipeline:
         drained = False
         partitions: tuple[PartitionEnd, ...] = ()
         final: Sample | None = None
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        # a bad --output-dir: before the broker and Spark
+        if self._output_url:
+            await asyncio.to_thread(check_output_store, self._sink_dir())
+        else:
+            check_output_dir(self.output_dir)
         async with AsyncExitStack() as stack:
             bootstrap = self._bootstrap = await self._start_kafka(stack)
             kafka = kafka_config(cfg, bootstrap)
@@ -382,9 +401,9 @@ class Pipeline:
             )
             await self._check_output_start()  # before Spark: a refused start fails at once
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
-            source = self._source = WatchedSource(
-                self._bound_and_filter(await self._start_source(stack))
-            )
+            raw_source = await self._start_source(stack)
+            source = self._source = WatchedSource(self._bound_and_filter(raw_source))
+            await self._warn_empty(raw_source)
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
                     MetricsServer(
@@ -452,6 +471,8 @@ class Pipeline:
     def _sink_dir(self) -> str:
         if self.config.run.sink == "kafka":
             return self._output_topic()
+        if self._output_url:
+            return f"{self.config.run.output_dir.rstrip('/')}/data"
         return str(self.output_dir / "data")
 
     def _output_topic(self) -> str:
@@ -488,6 +509,41 @@ class Pipeline:
         if not self._filter.keeps_everything:
             source = self._filtered = FilteredSource(source, self._filter)
         return source
+
+    async def _warn_empty(self, source: ChangeStreamSource) -> None:
+        """Warn (one line each, counted) about what makes this run read nothing, or less than
+        asked, where it is known at start: ``tables``/``exclude_tables`` patterns that match no
+        table of the stream (where the source says which tables it watches: the simulator, a
+        GoogleSQL change stream), a ``start_at`` still in the future. (A first start after
+        ``end_at`` is refused: :class:`EmptyWindow`.)"""
+        run = self.config.run
+        tables = None
+        if run.tables is not None or run.exclude_tables is not None:
+            tables = await _watched_tables(source)
+        if tables is not None:
+            include, exclude = self._filter.unmatched(tables)
+            named = [f"{p!r} (--tables)" for p in include]
+            named += [f"{p!r} (--exclude-tables)" for p in exclude]
+            stream = f"the stream's tables: {', '.join(tables) or 'none'}"
+            said = []
+            if named:
+                verb = "matches" if len(named) == 1 else "match"
+                said.append(f"{', '.join(named)} {verb} no table ({stream})")
+            if self._filter.keeps_no_table(tables):
+                said.append(
+                    "the filters keep no table"
+                    + ("" if named else f" ({stream})")
+                    + ": this run writes nothing"
+                )
+            if said:
+                self.warn("filter_matches_no_table", "tables/exclude_tables: " + "; ".join(said))
+        now = self._now()
+        if self._start_at is not None and self._start_at > now:
+            self.warn(
+                "start_in_future",
+                f"start_at {run.start_at} is {(self._start_at - now) / 1e6:.0f}s in the future "
+                "(of the stream's clock): nothing is read until then",
+            )
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
         cfg = self.config
@@ -603,10 +659,12 @@ class Pipeline:
         match cfg.run.sink:
             case "files":
                 self._file_sink = FileSink(
-                    self.output_dir / "data",
+                    self._sink_dir(),
                     permit=self._leased,
                     layout=cfg.run.output_layout,
                     connector=cfg.run.connector,
+                    table_format=cfg.run.table_format,
+                    mark=lambda: max(self._completeness_written, -1),
                 )
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
@@ -700,6 +758,7 @@ class Pipeline:
                     task=t.task_config(task_id),
                     stream_start=stream_start,
                     require_start=-1 if self._start_at is None else self._start_at,
+                    end_at=-1 if self._end_at is None else self._end_at,
                     stuck_after=cfg.run.stuck_after_s,
                     trace_dir=cfg.run.trace_dir,
                     debug_validate=cfg.run.debug_validate,
@@ -723,9 +782,12 @@ class Pipeline:
                 return await stack.enter_async_context(make())
             except Exception as exc:
                 left = deadline - time.monotonic()
-                tls = _tls_error(exc)
-                if tls is not None:  # an untrusted certificate: retrying cannot help
-                    raise RunFailed(str(tls)) from exc
+                refused = _refused(exc)
+                if refused is not None:  # a certificate, a listener, a login: retrying cannot help
+                    raise RunFailed(str(refused)) from exc
+                bad = _bad_setting(exc)
+                if bad is not None:  # a TLS file, a sync topic of several partitions
+                    raise ConfigError(str(bad)) from exc
                 if not _transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
@@ -742,6 +804,14 @@ class Pipeline:
             await self._run_node(t)
         except StartConflict as exc:
             raise ConfigError(self._conflict(exc)) from exc
+        except EmptyWindow as exc:
+            run = self.config.run
+            start = "now" if self._start_at is None else run.start_at
+            raise ConfigError(
+                f"end_at {run.end_at}: connector {run.connector!r} has not started yet and "
+                f"would start at {_rfc3339(exc.stream_start)} (start_at {start}), after its end: "
+                "nothing to read; give a start_at before end_at, or a later end_at"
+            ) from exc
 
     def _conflict(self, exc: StartConflict, where: str = "its sync topic") -> str:
         run = self.config.run
@@ -758,16 +828,18 @@ class Pipeline:
         sync topic's record is, on any broker; the first start is recorded."""
         if self._given_sink is not None or self.config.run.sink == "kafka":
             return
-        data = self._sink_dir()
-        if "://" in data:
-            return  # an output on the Spark side only (a URL): nothing to keep here
-        state = self._state = OutputState(data, self.config.run.connector)
+        state = self._state = OutputState(self._sink_dir(), self.config.run.connector)
         recorded = await asyncio.to_thread(state.read_start)
         conflict = start_conflict(recorded, self._start_at)
         if conflict is not None:
             where = f"its output's {state.start_file}"
             raise ConfigError(self._conflict(StartConflict(conflict.start_us, -1), where))
         self._start_recorded = recorded
+        mark = await asyncio.to_thread(state.read_mark)
+        if mark is not None:
+            # never write a mark below one a reader may have seen: a restart whose sync topic is
+            # new computes a low one until its partitions have caught up with their progress
+            self._completeness_written = mark.low_watermark_us
         if recorded is None and self._start_at is not None:
             self._start_recorded = await asyncio.to_thread(
                 state.record_start, self._start_at, _rfc3339(self._start_at)
@@ -1101,6 +1173,7 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
             records_filtered=final.records_filtered,
+            warnings=dict(self.warnings),
         )
 
 
@@ -1133,6 +1206,43 @@ class _StartChecked:
             ) from exc
 
 
+def check_output_store(uri: str) -> None:
+    """Blocking: an object-store output (``run.output_dir`` a URI) can be written, read and
+    deleted in, or :class:`ConfigError` naming the option: found at start."""
+    from runtime.lake.store import StoreError, open_store
+
+    try:
+        open_store(uri).check()
+    except StoreError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def check_output_dir(path: Path) -> None:
+    """Create ``run.output_dir`` if needed and make sure this process can write there (and in
+    its ``data`` directory, if there is one), or raise :class:`ConfigError` naming the option:
+    found at start, not by the broker's log, the sink or Spark later. Writing is tried, not
+    judged from the permission bits (which do not hold for root or a read-only mount)."""
+    where = f"output_dir {str(path)!r} (--output-dir)"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{where} is a file, not a directory: give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create it ({exc.strerror or exc})") from exc
+    data = path / "data"
+    if data.exists() and not data.is_dir():
+        raise ConfigError(f"{where}: {str(data)!r} is a file; the output goes in that directory")
+    for directory in (path, data) if data.exists() else (path,):
+        probe = directory / f".shoal-write-probe.{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"{where}: cannot write in {str(directory)!r} ({exc.strerror or exc})"
+            ) from exc
+
+
 def _rfc3339(micros: int) -> str:
     moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(
         microseconds=micros
@@ -1140,16 +1250,46 @@ def _rfc3339(micros: int) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
-def _tls_error(exc: BaseException) -> BaseException | None:
-    """The :class:`runtime.kafka.tls.KafkaTlsError` behind ``exc``, if any."""
-    from runtime.kafka.tls import KafkaTlsError
+async def _watched_tables(source: ChangeStreamSource) -> tuple[str, ...] | None:
+    """The tables ``source`` says its stream carries (an optional ``watched_tables()`` of the
+    simulator and the Spanner reader, asked with a bound), or None where it cannot say."""
+    ask = getattr(source, "watched_tables", None)
+    if ask is None:
+        return None
+    try:
+        async with asyncio.timeout(10):
+            tables = await ask()
+    except TimeoutError:
+        log.info("the source did not say which tables it watches within 10s")
+        return None
+    return None if tables is None else tuple(tables)
 
+
+def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` in ``exc``'s chain of causes, if any."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, KafkaTlsError):
+        if isinstance(seen, kinds):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _refused(exc: BaseException) -> BaseException | None:
+    """The :class:`runtime.kafka.config.KafkaRefused` behind ``exc`` (an untrusted certificate,
+    a plaintext listener for TLS, a SASL mechanism or login refused), if any."""
+    from runtime.kafka.config import KafkaRefused
+
+    return _cause(exc, (KafkaRefused,))
+
+
+def _bad_setting(exc: BaseException) -> BaseException | None:
+    """A setting found wrong on the way to Kafka (a TLS file, a sync topic of several
+    partitions) behind ``exc``, if any: a bad option (exit 2), not a failure to retry."""
+    from runtime.kafka.config import KafkaSettingError
+    from runtime.kafka.synclog import SyncTopicUnusable
+
+    return _cause(exc, (KafkaSettingError, SyncTopicUnusable))
 
 
 def _transient(exc: BaseException) -> bool:

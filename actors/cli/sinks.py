@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -56,7 +55,7 @@ import msgspec
 from protocol.commit import batch_identity
 from protocol.dedup import Position, Tails
 from protocol.records import DataChange
-from runtime.commit import CommitIncomplete, CommitRefused, Committer
+from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
 from runtime.kafka.sink import output_records
 from runtime.ports import Sink, SinkBatch, fence_sink, prepare_sink, sink_committed
 
@@ -110,11 +109,22 @@ class FileSink:
         fsync: bool = True,
         layout: Literal["typed", "generic"] = "typed",
         connector: str = "shoal",
+        table_format: Literal["parquet", "delta"] = "parquet",
+        mark: Callable[[], int] | None = None,
     ) -> None:
+        """``directory``: a local directory or an object store's URI (``s3://``, ``gs://``,
+        ``file://``; ``runtime.lake.store``). ``table_format`` ``delta``: each table of the
+        typed layout is a Delta table, each micro-batch one Delta commit per table (the data
+        files written straight into the table, the commit idempotent by its application
+        transaction: exactly once on an object store, with no rename). ``mark``: the
+        connector's completeness watermark now, recorded in each Delta commit's metadata."""
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
             raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
-        self.directory = Path(directory)
+        if table_format == "delta" and layout != "typed":
+            raise ValueError("table_format delta needs the typed layout (one table per table)")
         self.layout = layout
+        self.table_format = table_format
+        self._mark = mark
         self._max_rows = max_rows
         self._max_age = max_age_s
         self._max_buffered = max_buffered_rows
@@ -127,7 +137,9 @@ class FileSink:
         self._held: dict[int, tuple[int, SinkBatch]] = {}
         self._next_key = 0
         self._gaps: dict[str, int] = {}  # token -> first commit timestamp of a failed batch
-        self.committer = Committer(self.directory, connector=connector, permit=permit, fsync=fsync)
+        self.committer = Committer(directory, connector=connector, permit=permit, fsync=fsync)
+        self.store = self.committer.store
+        self.directory = directory
         self._first_at: float | None = None
         self._buffered = 0
         self._room = asyncio.Condition()
@@ -146,14 +158,17 @@ class FileSink:
         return f"FileSink({str(self.directory)!r})"
 
     async def __aenter__(self) -> Self:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.store.is_local:
+            await asyncio.to_thread(os.makedirs, self.store.path(), exist_ok=True)
+        else:
+            await asyncio.to_thread(self.store.check)  # reachable and writable: now, not later
         await asyncio.to_thread(self.committer.recover)
         for legacy in self.committer.legacy_state():
             log.warning(
                 "%r: %s holds output state of an earlier shoal version, not kept per connector; "
                 "it is not read (connector %r resumes from its own state and the sync topic)",
                 self,
-                self.directory / legacy,
+                self.store.uri_for(legacy),
                 self.committer.connector,
             )
         self._writer = asyncio.create_task(self._write_loop(), name="file-sink")
@@ -401,27 +416,38 @@ class FileSink:
         batch = batch_identity(
             ((token, records) for token, records, _ in entries), self.committer.connector
         )
-        moves = []
-        if rows:
-            staging = self.committer.staging(batch)
+        moves: list[tuple[str, str]] = []
+        writes: list[TableWrite] = []
+        if rows and self.table_format == "delta":
+            from runtime.typed import typed_tables
+            from runtime.typed_files import write_delta_files
+
+            writes = list(write_delta_files(self.store, batch, typed_tables(fresh)))
+        elif rows:
+            staged = self.committer.prepare_staging(batch)
             try:
                 if self.layout == "typed":
                     from runtime.typed import typed_tables
-                    from runtime.typed_files import write_tables
+                    from runtime.typed_files import stage_tables, write_tables
 
-                    staged = self.committer.staged(batch)
-                    moves = write_tables(staging, staged, batch, typed_tables(fresh))
+                    tables = typed_tables(fresh)
+                    if self.store.is_local:  # fewer, bigger writes (docs/benchmarks.md)
+                        local = Path(self.store.path(staged))
+                        moves = write_tables(local, staged, batch, tables)
+                    else:
+                        moves = stage_tables(self.store, staged, batch, tables)
                 else:
-                    self._write_file(columns, staging / f"batch={batch}")
-                    moves.append(
-                        (f"{self.committer.staged(batch)}/batch={batch}", f"batch={batch}")
-                    )
+                    self._write_file(columns, f"{staged}/batch={batch}")
+                    moves.append((f"{staged}/batch={batch}", f"batch={batch}"))
             except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
+                self.store.delete_tree(staged)
                 raise
-        self.committer.commit(batch, moves, entries, fence=keys)
+        metadata = None
+        if writes and self._mark is not None:
+            metadata = {"shoal.low_watermark_us": self._mark()}
+        self.committer.commit(batch, moves, entries, fence=keys, tables=writes, metadata=metadata)
 
-    def _write_file(self, columns: dict[str, list[Any]], directory: Path) -> None:
+    def _write_file(self, columns: dict[str, list[Any]], directory: str) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -433,8 +459,8 @@ class FileSink:
                 for name, values in columns.items()
             }
         )
-        directory.mkdir(parents=True)
-        pq.write_table(table, directory / "part-00000.parquet")
+        with self.store.open_output_stream(f"{directory}/part-00000.parquet") as sink:
+            pq.write_table(table, sink)
 
     def _fail_waiting(self, error: BaseException) -> None:
         for future, _ in self._waiting:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import msgspec
-from aiokafka.helpers import create_ssl_context
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
@@ -19,6 +18,18 @@ SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
 class KafkaAdapterError(RuntimeError):
     """A Kafka adapter could not do what was asked; the message says what and why."""
+
+
+class KafkaSettingError(KafkaAdapterError):
+    """A Kafka setting cannot work as given, found before connecting: a TLS file that cannot be
+    read or holds no certificate, a key its password does not open. The message names the
+    option (the CLI exits 2); retrying cannot help."""
+
+
+class KafkaRefused(KafkaAdapterError):
+    """The brokers refused this client's settings: an untrusted certificate, a plaintext
+    listener for a TLS client, a SASL login or mechanism refused. The message names the option
+    to fix; retrying cannot help (the CLI stops at once, exit 1)."""
 
 
 class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,7 +130,11 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     __str__ = __repr__
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The client TLS context, or ``None`` without SSL. Missing files are reported by name."""
+        """The client TLS context, or ``None`` without SSL: the system's CAs or
+        ``ssl_cafile``, host names checked, and the client certificate if given (as aiokafka's
+        ``create_ssl_context``). A file that is missing, holds no certificate or key, or a key
+        the password does not open is :class:`KafkaSettingError` naming the option; an
+        encrypted key without a password is refused, never prompted for on a terminal."""
         if self.security_protocol not in ("SSL", "SASL_SSL"):
             return None
         for label, path in (
@@ -128,14 +143,55 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("ssl_keyfile", self.ssl_keyfile),
         ):
             if path is not None and not Path(path).is_file():
-                raise KafkaAdapterError(f"{label} {path!r} does not exist or is not a file")
-        context: ssl.SSLContext = create_ssl_context(
-            cafile=self.ssl_cafile,
-            certfile=self.ssl_certfile,
-            keyfile=self.ssl_keyfile,
-            password=self.ssl_keyfile_password,
-        )
+                raise KafkaSettingError(f"{_file(label, path)} does not exist or is not a file")
+        try:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ssl_cafile)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise KafkaSettingError(
+                f"{_file('ssl_cafile', self.ssl_cafile)} holds no CA certificate in PEM "
+                f"format{_because(exc)}: give the CA bundle that signed the brokers' "
+                "certificates"
+            ) from exc
+        if self.ssl_certfile is not None:
+            asked: list[bool] = []
+
+            def password() -> str:
+                asked.append(True)
+                return self.ssl_keyfile_password or ""
+
+            try:
+                context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, password)
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                raise KafkaSettingError(self._client_key_problem(exc, bool(asked))) from exc
         return context
+
+    def _client_key_problem(self, exc: BaseException, asked_password: bool) -> str:
+        """Which of the client certificate, its key and the key's password is wrong."""
+        certfile, keyfile = self.ssl_certfile, self.ssl_keyfile
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            probe.load_verify_locations(cafile=certfile)
+        except (ssl.SSLError, OSError, ValueError):
+            return (
+                f"{_file('ssl_certfile', certfile)} holds no certificate in PEM "
+                f"format{_because(exc)}"
+            )
+        if getattr(exc, "reason", None) == "KEY_VALUES_MISMATCH":
+            return (
+                f"{_file('ssl_keyfile', keyfile)} is not the key of "
+                f"{_file('ssl_certfile', certfile)}"
+            )
+        if asked_password and self.ssl_keyfile_password is None:
+            return (
+                f"{_file('ssl_keyfile', keyfile)} is encrypted: give its password in "
+                f"{_option('ssl_keyfile_password')} (SHOAL_KAFKA_SSL_KEYFILE_PASSWORD)"
+            )
+        if asked_password:
+            return (
+                f"{_file('ssl_keyfile', keyfile)} could not be decrypted with "
+                f"{_option('ssl_keyfile_password')}: wrong password"
+            )
+        return f"{_file('ssl_keyfile', keyfile)} holds no private key in PEM format{_because(exc)}"
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments common to aiokafka's producer, consumer and admin client."""
@@ -188,3 +244,22 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _DEFAULTS: Final = KafkaConfig(bootstrap_servers="localhost:9092")
+
+
+def _option(field: str) -> str:
+    """A :class:`KafkaConfig` field as the command line's option: key and flag."""
+    return f"kafka.{field} (--kafka-{field.replace('_', '-')})"
+
+
+def _file(field: str, path: str | None) -> str:
+    """A file option with its value: ``kafka.ssl_cafile '/etc/ca.pem' (--kafka-ssl-cafile)``."""
+    return f"kafka.{field} {path!r} (--kafka-{field.replace('_', '-')})"
+
+
+def _because(exc: BaseException) -> str:
+    """`` (<OpenSSL's reason or the OS error>)``, or nothing when OpenSSL gives no reason."""
+    if isinstance(exc, ssl.SSLError):
+        return f" ({exc.reason})" if exc.reason else ""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f" ({exc.strerror})"
+    return f" ({exc})" if str(exc) else ""

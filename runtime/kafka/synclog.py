@@ -28,7 +28,15 @@ from aiokafka.structs import TopicPartition
 from protocol import fragments
 from protocol.messages import MarkerMessage, encode
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
-from runtime.kafka.topics import check_connector, checkpoint_group, ensure_topic, sync_topic
+from runtime.kafka.topics import (
+    TopicSettingsError,
+    check_connector,
+    checkpoint_group,
+    connectors_of,
+    ensure_topic,
+    list_topics,
+    sync_topic,
+)
 from runtime.ports import SyncLog, Unrecoverable
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,17 @@ log = logging.getLogger(__name__)
 
 class SyncLogError(KafkaAdapterError):
     """The sync topic could not be created, appended to or read."""
+
+
+class NoSuchConnector(SyncLogError, Unrecoverable):
+    """A reader that must not create anything (``create=False``, e.g. ``status``) found no sync
+    topic for its connector: a mistyped name, or a connector that never ran on this Kafka."""
+
+
+class SyncTopicUnusable(SyncLogError):
+    """The connector's sync topic exists with more than one partition: it has no total order,
+    so the tasks' states could be read out of order. Refused at start; a bad setup, not a
+    failure to retry (the CLI exits 2). The message names the topic and what to do."""
 
 
 class SyncTopicLost(SyncLogError, Unrecoverable):
@@ -73,7 +92,9 @@ class KafkaSyncLog:
 
     Use ``async with KafkaSyncLog(config, connector) as log:`` (or :meth:`start`/:meth:`close`).
     :meth:`start` creates the topic if missing (``retention_ms``, ``cleanup.policy=delete``) and
-    refuses a topic with more than one partition (the log must be totally ordered).
+    refuses a topic with more than one partition (the log must be totally ordered). With
+    ``create=False`` (a reader such as ``status``) a missing topic is :class:`NoSuchConnector`
+    and nothing is created.
 
     ``append`` may write a message twice if it times out after the broker stored it (no
     idempotent producer: the embedded broker cannot do it); readers must tolerate duplicates,
@@ -91,6 +112,7 @@ class KafkaSyncLog:
         compression_type: str | None = None,
         max_message_bytes: int = 512 * 1024,
         went_back_after_s: float = 10.0,
+        create: bool = True,
     ) -> None:
         check_connector(connector)
         if not 1024 <= max_message_bytes <= 64 << 20:
@@ -104,6 +126,7 @@ class KafkaSyncLog:
         if went_back_after_s < 0:
             raise ValueError(f"went_back_after_s must be >= 0, got {went_back_after_s}")
         self._config = config
+        self._create = create
         self._went_back_after_s = went_back_after_s
         self._ids = random.Random(os.urandom(16))  # fragment ids (protocol/fragments.py)
         self.connector = connector
@@ -155,6 +178,8 @@ class KafkaSyncLog:
         if self._closed:
             raise SyncLogError(f"{self!r} is closed")
         kwargs = self._config.client_kwargs()
+        if not self._create:
+            await self._check_exists()
         try:
             await ensure_topic(
                 self._config,
@@ -164,7 +189,10 @@ class KafkaSyncLog:
                     "retention.ms": str(self._retention_ms),
                     "cleanup.policy": "delete",
                 },
+                exact_partitions=True,
             )
+        except TopicSettingsError as exc:
+            raise self._unusable(str(exc)) from exc
         except KafkaAdapterError as exc:
             raise SyncLogError(str(exc)) from exc
         try:
@@ -200,12 +228,33 @@ class KafkaSyncLog:
             await self._stop_clients()
             raise
 
+    async def _check_exists(self) -> None:
+        """Raise :class:`NoSuchConnector` naming the connectors this Kafka has, if the sync
+        topic is missing (asking creates nothing)."""
+        try:
+            topics = await list_topics(self._config)
+        except KafkaAdapterError as exc:
+            raise SyncLogError(str(exc)) from exc
+        if self.topic in topics:
+            return
+        known = connectors_of(topics)
+        raise NoSuchConnector(
+            f"no such connector {self.connector!r} on {self._config.bootstrap_servers}: its "
+            f"sync topic {self.topic!r} does not exist (nothing was created); connectors "
+            f"there: {', '.join(repr(c) for c in known) if known else 'none'}"
+        )
+
     def _check_partitions(self, partitions: set[int]) -> None:
         if partitions != {0}:
-            raise SyncLogError(
-                f"sync topic {self.topic!r} has partitions {sorted(partitions)}; it must "
-                "have exactly one (the sync log is totally ordered): delete and recreate it"
-            )
+            raise self._unusable(f"sync topic {self.topic!r} has partitions {sorted(partitions)}")
+
+    def _unusable(self, found: str) -> SyncTopicUnusable:
+        return SyncTopicUnusable(
+            f"{found}: the sync topic of connector {self.connector!r} (connector, --connector) "
+            "needs exactly one partition (the sync log is totally ordered); nothing was "
+            "read: delete the topic if it holds no state of this connector, or use another "
+            "connector name"
+        )
 
     async def close(self) -> None:
         """Disconnect the producer and the checkpoint client. Each reader has its own

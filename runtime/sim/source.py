@@ -29,9 +29,15 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import msgspec
 
 from protocol.records import ChangeRecord, DataChange, Heartbeat
+from runtime.ports import Unrecoverable
 from runtime.sim.stream import PartitionInfo, StreamModel, StreamParams
 
-__all__ = ["SimSourceStats", "SimulatedSource"]
+__all__ = ["SimSourceStats", "SimulatedSource", "UnknownPartition"]
+
+
+class UnknownPartition(Unrecoverable):
+    """A partition token this simulated stream never makes: the connector's sync topic was
+    written by a run of another stream (another seed or start). Retrying cannot help."""
 
 
 class SimSourceStats(msgspec.Struct, frozen=True):
@@ -88,6 +94,10 @@ class SimulatedSource:
         """The current model time (micros)."""
         return self._clock()
 
+    async def watched_tables(self) -> tuple[str, ...]:
+        """The tables the simulated stream's records belong to."""
+        return tuple(self.model.params.tables)
+
     def statistics(self) -> SimSourceStats:
         return SimSourceStats(
             self._started, self._active, self._batches, self._records, self._heartbeats
@@ -105,7 +115,19 @@ class SimulatedSource:
             yield [model.root_record()]
             return
         if token not in model.partitions:
-            raise KeyError(f"unknown partition token {token!r}")
+            # A token from the sync topic's replay, found by an earlier process: this process's
+            # model makes partitions only as queries reach their time, and a restarted connector
+            # asks for its live partitions, not for the roots. A partition starts at or after
+            # the boundary that made it, and a query starts at or after the partition's start.
+            model.generate_until(min(start_ts, self._clock()))
+        if token not in model.partitions:
+            p = model.params
+            raise UnknownPartition(
+                f"simulated stream: partition token {token!r} is not one of this stream's "
+                f"(seed {p.seed}, start {p.start_ts}): the connector's sync topic was written "
+                "by a run of another simulated stream; give the same sim.seed and sim.start_ts "
+                "(or start_at) as that run, or use a new connector name"
+            )
         self._started += 1
         self._active += 1
         try:

@@ -179,6 +179,18 @@ _DIALECT_SQL = (
     "WHERE OPTION_NAME = 'database_dialect'"
 )
 _STREAMS_SQL = "SELECT CHANGE_STREAM_NAME FROM INFORMATION_SCHEMA.CHANGE_STREAMS"
+# the tables a GoogleSQL change stream watches: all of them (FOR ALL), or those it names
+_WATCHES_ALL_SQL = (
+    "SELECT `ALL` FROM INFORMATION_SCHEMA.CHANGE_STREAMS WHERE CHANGE_STREAM_NAME = @stream"
+)
+_ALL_TABLES_SQL = (
+    "SELECT TABLE_NAME FROM INFORMATION_SCHEMA.TABLES "
+    "WHERE TABLE_SCHEMA = '' AND TABLE_TYPE = 'BASE TABLE'"
+)
+_STREAM_TABLES_SQL = (
+    "SELECT TABLE_NAME FROM INFORMATION_SCHEMA.CHANGE_STREAM_TABLES "
+    "WHERE CHANGE_STREAM_NAME = @stream"
+)
 
 
 def change_stream_sql(dialect: str, change_stream: str) -> str:
@@ -359,6 +371,33 @@ class SpannerSource:
         if dialect == POSTGRESQL:
             log.info("database %s is PostgreSQL-dialect: reading %s", name or "?", self._sql)
         return dialect
+
+    async def watched_tables(self) -> tuple[str, ...] | None:
+        """The tables the change stream watches, from the information schema (two small
+        queries), for warning about filters that match none; None where that is not known: a
+        PostgreSQL-dialect database (not asked), or the schema cannot be read (logged)."""
+        if self._dialect != GOOGLE_SQL:
+            return None
+        from google.cloud.spanner_v1 import param_types
+
+        params, types = {"stream": self._stream}, {"stream": param_types.STRING}
+        try:
+            async with self._db.snapshot() as snapshot:
+                rs = await snapshot.execute_sql(_WATCHES_ALL_SQL, params=params, param_types=types)
+                watches_all = [bool(row[0]) async for row in rs]
+            if not watches_all:
+                return None  # no such stream: reading it reports that
+            async with self._db.snapshot() as snapshot:
+                if watches_all[0]:
+                    rs = await snapshot.execute_sql(_ALL_TABLES_SQL)
+                else:
+                    rs = await snapshot.execute_sql(
+                        _STREAM_TABLES_SQL, params=params, param_types=types
+                    )
+                return tuple(sorted({str(row[0]) async for row in rs}))
+        except _service_errors() as exc:
+            log.info("could not read the tables change stream %s watches: %s", self._stream, exc)
+            return None
 
     async def close(self) -> None:
         if self._closed:

@@ -10,15 +10,41 @@ unreachable server for about ten minutes; instead the server's port is probed fi
 settings are sent under a short retry policy, so a wrong URL fails in seconds. Paths (the
 output directory, a checkpoint) are paths on the server's side. A process holds one kind of
 session: pyspark marks the process as Connect (``SPARK_CONNECT_MODE_ENABLED``) once a Connect
-session exists, and its functions then build Connect columns."""
+session exists, and its functions then build Connect columns.
+
+No Spark setting travels on a command line. pyspark hands a builder's settings to the JVM it
+launches as ``spark-submit --conf key=value`` arguments, which every user of the machine can
+read (``ps``, ``/proc/<pid>/cmdline``), and ``[spark.conf]`` may hold secrets (an object store's
+``spark.hadoop.fs.s3a.secret.key``). So a local session's settings, all of them (shoal's
+defaults, the master, the application name and every ``conf`` entry: no rule guessing which
+names hold secrets can then miss one), are written to a Java properties file readable by this
+user only (mode 0600, in the session's ``local_dir``, which the bridge creates private) and
+named to spark-submit by ``--properties-file`` in ``PYSPARK_SUBMIT_ARGS`` (with
+``--load-spark-defaults``, so the site's ``spark-defaults.conf`` still applies beneath them);
+the file is deleted as soon as the start returns or fails: by then spark-submit has read it.
+This is chosen over setting secrets on the running session (``hadoopConfiguration().set``):
+that reaches Hadoop settings only, not those Spark reads at its start (``spark.ssl.*``,
+``spark.authenticate.secret``, ``spark.driver.memory``), and needs pyspark's private parts.
+Spark reads the file as its own configuration, so executors get the settings from the driver
+as they get any other (Spark puts only its start-up settings on an executor's command line,
+never ``spark.authenticate.secret`` or an SSL password). When a JVM already runs (a session
+was stopped, or the process was started by ``spark-submit``), nothing is launched and the
+settings go to it through pyspark's gateway, off any command line. Spark trims the values it
+reads from a properties file, so a value with surrounding white space is refused (it would
+silently change). A Spark Connect session's settings are sent over its gRPC connection. The
+JVM's own options (``spark.driver.extraJavaOptions``) and ``PYSPARK_SUBMIT_ARGS`` are command
+lines by nature: no secret belongs there."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
 import socket
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +55,9 @@ __all__ = [
     "connect_endpoint",
     "java_executable",
     "prepare_environment",
+    "settings_file",
     "start_session",
+    "submit_args",
     "warm",
 ]
 
@@ -101,20 +129,102 @@ def start_session(
         raise SparkStartError(f"pyspark is not importable: {exc}") from exc
     if remote is not None:
         return _start_connect(remote, conf)
-    builder: Any = SparkSession.builder.appName(app_name).master(master)
-    settings = dict(DEFAULT_CONF)
+    settings = {"spark.master": master, "spark.app.name": app_name, **DEFAULT_CONF}
     settings["spark.local.dir"] = local_dir
     if master.startswith("local") or "SPARK_LOCAL_IP" in os.environ:
         # a cluster's executors connect back to the driver: bind to loopback only when Spark is
         # local or the environment asks for it (a standalone cluster on loopback)
         settings["spark.driver.bindAddress"] = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
     settings.update(conf)
-    for key, value in settings.items():
-        builder = builder.config(key, value)
     try:
-        return builder.getOrCreate()
+        if compat.spark_jvm_running() or GATEWAY_PORT_ENV in os.environ:
+            # no JVM is launched: the settings reach the running one through the gateway
+            builder: Any = SparkSession.builder
+            return builder.config(map=settings).getOrCreate()
+        with settings_file(settings, local_dir) as path, submit_args(path):
+            # no setting on the builder: pyspark would put it on spark-submit's command line
+            return SparkSession.builder.getOrCreate()
+    except SparkStartError:
+        raise
     except Exception as exc:
         raise SparkStartError(f"Spark failed to start ({master}): {exc}") from exc
+
+
+# pyspark connects to a running JVM instead of launching one when this is set (a Python
+# process that spark-submit started)
+GATEWAY_PORT_ENV = "PYSPARK_GATEWAY_PORT"
+SUBMIT_ARGS_ENV = "PYSPARK_SUBMIT_ARGS"
+
+
+@contextlib.contextmanager
+def settings_file(settings: Mapping[str, str], directory: str) -> Iterator[str]:
+    """A Java properties file holding ``settings``, readable by this user only (mode 0600), in
+    ``directory`` (the system's temporary directory if empty or missing); deleted on leaving.
+    Raises :class:`SparkStartError` for a value with surrounding white space (Spark trims the
+    values it reads from such a file)."""
+    for key, value in settings.items():
+        if value != value.strip():
+            raise SparkStartError(
+                f"the Spark setting {key} has white space around its value, which Spark drops "
+                "when it reads its settings: remove it ([spark.conf])"
+            )
+    where = directory if directory and os.path.isdir(directory) else None
+    fd, path = tempfile.mkstemp(prefix="shoal-spark-", suffix=".properties", dir=where)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as out:
+            out.writelines(
+                f"{_properties_escape(k)}={_properties_escape(v)}\n" for k, v in settings.items()
+            )
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # already gone: nothing left to delete
+            os.unlink(path)
+
+
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-/[]*,@+")
+
+
+def _properties_escape(text: str) -> str:
+    """``text`` as a key or value of a Java properties file: every character but a few plain
+    ones written as a ``\\uXXXX`` escape (UTF-16 units), which ``Properties.load`` turns back
+    into the character whatever it is (``=``, ``:``, ``#``, ``\\``, white space, newlines)."""
+    out: list[str] = []
+    for char in text:
+        if char in _PLAIN:
+            out.append(char)
+            continue
+        units = char.encode("utf-16-be")
+        out.extend(f"\\u{units[i]:02x}{units[i + 1]:02x}" for i in range(0, len(units), 2))
+    return "".join(out)
+
+
+@contextlib.contextmanager
+def submit_args(properties: str) -> Iterator[None]:
+    """While inside: ``PYSPARK_SUBMIT_ARGS`` names ``properties`` as spark-submit's properties
+    file (Spark's ``spark-defaults.conf`` loaded beneath it), before what the user set there.
+    Raises :class:`SparkStartError` if the user's value names a properties file of its own (one
+    of the two would be ignored)."""
+    before = os.environ.get(SUBMIT_ARGS_ENV)
+    try:
+        user = shlex.split(before) if before is not None else ["pyspark-shell"]
+    except ValueError as exc:
+        raise SparkStartError(f"{SUBMIT_ARGS_ENV} cannot be parsed: {exc}") from exc
+    if any(a == "--properties-file" or a.startswith("--properties-file=") for a in user):
+        raise SparkStartError(
+            f"{SUBMIT_ARGS_ENV} names a --properties-file: shoal passes Spark its settings in a "
+            "properties file of its own; put the settings in [spark.conf] (or in Spark's "
+            "spark-defaults.conf, which is still read) instead"
+        )
+    os.environ[SUBMIT_ARGS_ENV] = shlex.join(
+        ["--properties-file", properties, "--load-spark-defaults", *user]
+    )
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SUBMIT_ARGS_ENV, None)
+        else:
+            os.environ[SUBMIT_ARGS_ENV] = before
 
 
 def abandon_start(remote: str | None) -> None:
@@ -180,7 +290,7 @@ def _start_connect(remote: str, conf: Mapping[str, str]) -> Any:
                         f"the Spark Connect server at {remote} does not answer: {_first_line(exc)}"
                     ) from exc
                 raise SparkStartError(
-                    f"the Spark Connect server at {remote} refused the setting {key}={value!r}: "
+                    f"the Spark Connect server at {remote} refused the setting {key}: "
                     f"{_first_line(exc)} (static and JVM settings, e.g. spark.ui.*, "
                     "spark.local.dir, spark.driver.*, spark.executor.*, belong to the server's "
                     "own start)"

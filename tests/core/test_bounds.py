@@ -3,7 +3,7 @@ the stream started, every partition finished, no offer outstanding."""
 
 from __future__ import annotations
 
-from protocol.bounds import nothing_left
+from protocol.bounds import empty_first_window, nothing_left
 from protocol.cim import Cim
 from protocol.messages import EpochMessage, Partition, Share, StateMessage, TaskState
 from tests.helpers import part
@@ -78,3 +78,13 @@ def test_an_orphan_is_something_left() -> None:
     )
     assert set(cim.orphans) == {"r2"}
     assert not nothing_left(cim)
+
+
+def test_an_end_before_the_first_start_is_an_empty_window() -> None:
+    # first start (nothing recorded) at 100: an end before it reads nothing, at it reads one us
+    assert empty_first_window(-1, 100, 99)
+    assert not empty_first_window(-1, 100, 100)
+    assert not empty_first_window(-1, 100, -1)  # no end
+    # a connector that started resumes from its watermarks, whatever end and now say
+    assert not empty_first_window(50, 100, 60)
+    assert not empty_first_window(50, 100, 10)

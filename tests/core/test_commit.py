@@ -9,6 +9,9 @@ import pytest
 from protocol.commit import (
     CommitError,
     CommitFences,
+    CommitTable,
+    Copy,
+    DataFile,
     DeleteManifest,
     DeleteStaged,
     FenceOutcome,
@@ -16,6 +19,7 @@ from protocol.commit import (
     Move,
     PartitionPosition,
     Rename,
+    TableCommit,
     WriteProgress,
     apply_plan,
     batch_identity,
@@ -86,6 +90,56 @@ def test_applying_again_half_way_through_the_moves_redoes_only_the_rest() -> Non
     # all moves done, progress written: only the cleanup is left
     done = {"p": MANIFEST.positions[0].position, "q": Position(7)}
     assert apply_plan(MANIFEST, FINAL, done) == [DeleteStaged("_staging/b1"), DeleteManifest("b1")]
+
+
+def test_where_the_store_cannot_rename_every_staged_move_is_a_copy() -> None:
+    """An object store: a move whose source is there is copied whatever its target (a copy
+    cut short is finished; copying again is harmless); a move already done is left alone."""
+    ops = apply_plan(MANIFEST, {MOVES[0].staged, MOVES[0].final, MOVES[1].final}, {}, rename=False)
+    assert ops[:1] == [Copy(MOVES[0].staged, MOVES[0].final)]
+    assert [op for op in ops if isinstance(op, Copy | Rename)] == ops[:1]
+    assert ops[-2:] == [DeleteStaged("_staging/b1"), DeleteManifest("b1")]
+    with pytest.raises(CommitError):
+        apply_plan(MANIFEST, set(), {}, rename=False)
+
+
+TABLE_COMMIT = TableCommit(
+    "orders",
+    (DataFile("part-1.parquet", 100, 5, 1_700_000_000_000, '{"numRecords":5}'),),
+    '{"type":"struct","fields":[]}',
+    "shoal/c/w1",
+    3,
+    {"shoal.batch": "b1", "shoal.low_watermark_us": 12},
+    1_700_000_000_000,
+)
+
+
+def test_delta_commits_come_after_the_moves_and_before_the_positions() -> None:
+    manifest = msgspec.structs.replace(MANIFEST, tables=(TABLE_COMMIT,))
+    assert decode_manifest(encode_manifest(manifest)) == manifest
+    ops = apply_plan(manifest, frozenset(STAGED), {})
+    assert [type(op).__name__ for op in ops] == [
+        "Rename",
+        "Rename",
+        "CommitTable",
+        "WriteProgress",
+        "WriteProgress",
+        "DeleteStaged",
+        "DeleteManifest",
+    ]
+    assert ops[2] == CommitTable(TABLE_COMMIT)
+    # applied again after everything but the cleanup: the Delta commit is asked again (its
+    # application transaction makes it a no-op), the positions are not written again
+    done = {p.token: p.position for p in manifest.positions}
+    assert apply_plan(manifest, FINAL, done) == [
+        CommitTable(TABLE_COMMIT),
+        DeleteStaged("_staging/b1"),
+        DeleteManifest("b1"),
+    ]
+    # a manifest written before Delta commits existed (no "tables" key) still decodes
+    old = msgspec.json.decode(encode_manifest(MANIFEST))
+    del old["tables"]
+    assert decode_manifest(msgspec.json.encode(old)) == MANIFEST
 
 
 def test_a_position_never_moves_back() -> None:

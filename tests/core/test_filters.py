@@ -69,3 +69,14 @@ def test_a_table_decision_is_the_same_from_the_cache() -> None:
     rule = RecordFilter.parse("Ord*", None, None)
     first = [rule.keeps_table(t) for t in TABLES]
     assert [rule.keeps_table(t) for t in TABLES] == first == [t.startswith("Ord") for t in TABLES]
+
+
+def test_patterns_that_match_no_table_of_the_stream_are_found() -> None:
+    rule = RecordFilter(("orders", "Ordres", "audit_*"), ("users", "Userz"))
+    assert rule.unmatched(TABLES) == (("Ordres",), ("Userz",))
+    assert not rule.keeps_no_table(TABLES)
+    assert RecordFilter(("Ordres",)).keeps_no_table(TABLES)  # a typo: nothing is kept
+    assert RecordFilter((), ("*",)).keeps_no_table(TABLES)
+    assert RecordFilter().unmatched(TABLES) == ((), ())
+    assert not RecordFilter().keeps_no_table(TABLES)
+    assert RecordFilter(("Orders",)).keeps_no_table(())  # a stream without tables

@@ -171,6 +171,7 @@ def test_a_bounded_filtered_run_exits_0_with_exactly_the_window(tmp_path: Path) 
     assert summary.drained
     assert summary.records_filtered > 0
     assert "records filtered out:" in out
+    assert summary.warnings == {}, err  # control: 'albums' matches a table of the stream
     expected = _expected(start, end, exclude=("albums",), mod_types=("INSERT", "UPDATE"))
     assert len(expected) > 1000
     everything = _expected(start, end)
@@ -339,3 +340,125 @@ def test_a_duration_run_with_a_start_and_a_filter_catches_up_on_what_it_reads(
     _exactly(expected)(got)
     assert_catches_a_double(_exactly(expected), got)
     assert len(_expected(start, summary.stream_end)) > len(expected), "no mod type was dropped"
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_interrupted_bounded_run_resumes_its_child_partitions(
+    tmp_path: Path, kafka_broker: EmbeddedBroker
+) -> None:
+    """On a broker that outlives the process, a bounded simulated run stopped half-way (by
+    ``--max-records``) and started again resumes: the new process's simulated stream serves the
+    child partitions the sync topic names (it used to fail them for ever, ``KeyError: unknown
+    partition token``, and never reach the end), and the two runs wrote the window."""
+    start, end = _window(ago_s=60, length_s=30)
+    common = [
+        *SIM,
+        *("--sink", "files", "--progress", "off", "--connector", "bounded-resume-children"),
+        *("--kafka-bootstrap-servers", kafka_broker.bootstrap),
+        *("--kafka-session-timeout-ms", "3000", "--kafka-heartbeat-interval-ms", "1000"),
+        *("--start-at", _rfc3339(start), "--end-at", _rfc3339(end), "--tasks", "1"),
+        *("--output-dir", str(tmp_path / "out"), "--summary-json", str(tmp_path / "s.json")),
+    ]
+    code, out, err = _run([*common, "--max-records", "3000"], tmp_path, "first", timeout=120)
+    assert code == 0, out + err
+    first = msgspec.json.decode((tmp_path / "s.json").read_bytes(), type=RunSummary)
+    assert first.reason == "max-records", out
+    roots = set(StreamModel(_params(start)).roots)
+    live_children = [p for p in first.partitions if p.status != "finished" and p.token not in roots]
+    assert live_children, f"the first run left no child partition to resume: {first.partitions}"
+
+    code, out, err = _run(common, tmp_path, "second", timeout=150)
+    assert code == 0, out + err
+    second = msgspec.json.decode((tmp_path / "s.json").read_bytes(), type=RunSummary)
+    assert second.reason == "end-at", out
+    assert "unknown partition token" not in err
+    assert "reader_failed" not in second.errors, second.errors
+    assert second.records_delivered > 0
+    # the two runs together: the window, each row once (the second resumed at the first's
+    # exact positions)
+    got = _ids(tmp_path / "out" / "data")
+    _exactly(_expected(start, end))(got)
+    assert_catches_a_double(_exactly(_expected(start, end)), got)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+def test_filters_that_match_no_table_warn_once_and_are_counted(tmp_path: Path) -> None:
+    start, end = _window(ago_s=20, length_s=4)
+    args = [
+        *SIM,
+        *("--sink", "files", "--progress", "off", "--output-dir", str(tmp_path / "out")),
+        *("--summary-json", str(tmp_path / "summary.json")),
+        *("--start-at", _rfc3339(start), "--end-at", _rfc3339(end)),
+        *("--tables", "Ordres", "--exclude-tables", "Songs"),
+    ]
+    code, out, err = _run(args, tmp_path, "run")
+    assert code == 0, out + err
+    warned = [line for line in err.splitlines() if "WARNING" in line and "tables/" in line]
+    assert len(warned) == 1, err
+    assert (
+        "'Ordres' (--tables) matches no table (the stream's tables: Singers, Albums, Songs)"
+        in (warned[0])
+    )
+    assert "'Songs'" not in warned[0]  # it matches a table
+    assert "the filters keep no table: this run writes nothing" in warned[0]
+    summary = msgspec.json.decode((tmp_path / "summary.json").read_bytes(), type=RunSummary)
+    assert summary.warnings == {"filter_matches_no_table": 1}
+    assert "warnings: filter_matches_no_table=1" in out
+    assert summary.rows_written == 0
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+def test_a_start_in_the_future_warns_once_and_is_counted(tmp_path: Path) -> None:
+    start, _ = _window(ago_s=-600, length_s=0)  # ten minutes ahead
+    args = [
+        *SIM,
+        *("--sink", "files", "--progress", "off", "--output-dir", str(tmp_path / "out")),
+        *("--summary-json", str(tmp_path / "summary.json")),
+        *("--start-at", _rfc3339(start), "--duration", "3"),
+    ]
+    code, out, err = _run(args, tmp_path, "run")
+    assert code == 0, out + err
+    warned = [line for line in err.splitlines() if "WARNING" in line and "start_at" in line]
+    assert len(warned) == 1, err
+    assert f"start_at {_rfc3339(start)} is " in warned[0]
+    assert "s in the future" in warned[0]
+    summary = msgspec.json.decode((tmp_path / "summary.json").read_bytes(), type=RunSummary)
+    assert summary.warnings == {"start_in_future": 1}
+    assert summary.rows_written == 0
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+def test_an_end_before_a_first_start_now_is_refused_and_records_nothing(
+    tmp_path: Path, kafka_broker: EmbeddedBroker
+) -> None:
+    """``--end-at`` in the past with the start ``now`` on a connector that never ran: exit 2, one
+    line naming end_at; nothing is recorded, so the corrected command (a start before the end)
+    then runs the window, on the same connector. (A connector that already started may be
+    finished with an end in the past: it resumes from its watermarks.)"""
+    start, end = _window(ago_s=20, length_s=4)
+    common = [
+        *SIM,
+        *("--sink", "files", "--progress", "off", "--connector", "bounded-empty-window"),
+        *("--kafka-bootstrap-servers", kafka_broker.bootstrap),
+        *("--kafka-session-timeout-ms", "3000", "--kafka-heartbeat-interval-ms", "1000"),
+        *("--end-at", _rfc3339(end), "--output-dir", str(tmp_path / "out")),
+    ]
+    code, out, err = _run(common, tmp_path, "refused")
+    assert code == 2, out + err
+    lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(
+        f"shoal: error: end_at {_rfc3339(end)}: connector 'bounded-empty-window' has not "
+        "started yet and would start at "
+    ), lines[0]
+    assert "(start_at now), after its end: nothing to read" in lines[0]
+
+    code, out, err = _run([*common, "--start-at", _rfc3339(start)], tmp_path, "corrected")
+    assert code == 0, out + err  # no start was recorded by the refused run: no conflict
+    assert "shoal run summary (end-at" in out
+    _exactly(_expected(start, end))(_ids(tmp_path / "out" / "data"))

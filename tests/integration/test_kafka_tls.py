@@ -7,6 +7,7 @@ Everything runs as ``python -m actors.runtime`` subprocesses, as an operator wou
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import msgspec
 import pytest
 
 from actors.cli.progress import RunSummary
+from runtime.kafka import KafkaConfig, KafkaSyncLog
 from tests.fixtures.tls import TlsProxy, tls_files, tls_proxy
 from tests.helpers import REPO
 
@@ -58,6 +60,14 @@ def _cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         check=False,
     )
+
+
+async def _create_sync_topic(proxy: TlsProxy, connector: str) -> None:
+    config = KafkaConfig(
+        bootstrap_servers=proxy.bootstrap, security_protocol="SSL", ssl_cafile=str(proxy.files.ca)
+    )
+    async with KafkaSyncLog(config, connector):
+        pass
 
 
 def _accepted(proxy: TlsProxy) -> int:
@@ -143,9 +153,14 @@ def test_wrong_host_name_fails_at_start_naming_the_servers(
 
 @pytest.mark.timeout(90)
 def test_status_over_tls_and_its_errors(tls_proxy: TlsProxy) -> None:
-    """``status`` reads through the same TLS settings; with an untrusted CA it fails the same
-    clear way."""
+    """``status`` reads through the same TLS settings (it finds no such connector, then, once
+    the connector's sync topic exists, shows it); with an untrusted CA it fails the same clear
+    way."""
     connector = _connector()
+    missing = _cli(["status", *ssl_args(tls_proxy), "--connector", connector], timeout=60)
+    assert missing.returncode == 1, missing.stderr
+    assert f"no such connector {connector!r}" in _one_error_line(missing)
+    asyncio.run(_create_sync_topic(tls_proxy, connector))
     ok = _cli(["status", *ssl_args(tls_proxy), "--connector", connector], timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert f"connector {connector!r}" in ok.stdout

@@ -144,3 +144,18 @@ def test_a_truncated_progress_file_stops_the_run_naming_it(tmp_path: Path) -> No
     code, stdout, stderr = _run(later, tmp_path, "truncated", timeout=120)
     assert code == 1, stdout + stderr
     assert str(victim) in stderr.splitlines()[-1], stderr[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_restart_never_writes_its_mark_back(tmp_path: Path) -> None:
+    """A restart on the embedded broker starts a new sync topic, whose watermark begins low
+    until its partitions have caught up with their progress files: the mark a reader may
+    already have seen is not replaced by a lower one."""
+    start, end = _window(ago_s=30, length_s=4)
+    out = tmp_path / "out"
+    code, stdout, stderr = _run(_args(out, "ca", start, end), tmp_path, "first")
+    assert code == 0, stdout + stderr
+    first = _mark(out, "ca")
+    code, stdout, stderr = _run(_args(out, "ca", start, end + 4_000_000), tmp_path, "second")
+    assert code == 0, stdout + stderr
+    assert _mark(out, "ca") >= max(first, end + 4_000_000)

@@ -16,7 +16,7 @@ import pytest
 from bench.cluster import REPO, params, run_cli, sim_args
 from runtime.sim.stream import StreamModel
 from runtime.spark.standalone import StandaloneCluster
-from tests.helpers import stream_rows, wait_until
+from tests.helpers import command_lines, ps_lines, stream_rows, wait_until
 from tests.integration.test_cli import _ids
 from tests.parts import require_java
 
@@ -25,6 +25,8 @@ pytestmark = [
     pytest.mark.kafka,
     pytest.mark.slow,
 ]
+
+CLUSTER_SECRET = "cluster-s3a-secret-Jq4-SECRET"
 
 
 @pytest.fixture(autouse=True)
@@ -69,12 +71,19 @@ def test_a_cluster_that_loses_its_master_and_executors_stops_the_run_naming_spar
     The micro-batch in flight runs past ``--spark-job-timeout-s``, is cancelled, the new
     session cannot register with the missing master, and the run stops with exit 1 and one line
     naming Spark and the cause, in a bounded time (docs/operations.md, "When the parts around
-    shoal fail"). What was written is part of the stream, once."""
+    shoal fail"). What was written is part of the stream, once.
+
+    While the executors run, a secret Spark setting of the run is on no process's command line
+    (the driver's, the daemons', the executors' the workers started): only the driver got it,
+    in a file, and executors get it from the driver."""
     out = tmp_path / "out"
     p = params(seed=13, start_ts=time.time_ns() // 1000)
     with StandaloneCluster(tmp_path / "cluster", workers=2) as cluster:
         config = tmp_path / "shoal.toml"
-        config.write_text('[spark.conf]\n"spark.executor.memory" = "512m"\n')
+        config.write_text(
+            '[spark.conf]\n"spark.executor.memory" = "512m"\n'
+            f'"spark.hadoop.fs.s3a.secret.key" = "{CLUSTER_SECRET}"\n'
+        )
         env = {k: v for k, v in cluster.env().items() if not k.startswith("SHOAL_")}
         env["PYTHONPATH"] = str(REPO)
         args = [
@@ -93,6 +102,11 @@ def test_a_cluster_that_loses_its_master_and_executors_stops_the_run_naming_spar
                 "a first committed micro-batch",
             )
             assert proc.poll() is None, (tmp_path / "run.err").read_text()[-3000:]
+            running = command_lines().values()
+            executors = [line for line in running if "CoarseGrainedExecutorBackend" in line]
+            assert executors, "no executor runs: the scan would prove nothing"
+            assert not [line for line in running if CLUSTER_SECRET in line]
+            assert not [line for line in ps_lines() if CLUSTER_SECRET in line]
             cluster.kill(master=True)
             before = _committed_batches(out / "data")
             wait_until(
@@ -116,6 +130,7 @@ def test_a_cluster_that_loses_its_master_and_executors_stops_the_run_naming_spar
                 proc.wait()
     err = (tmp_path / "run.err").read_text()
     assert code == 1, err[-3000:]
+    assert CLUSTER_SECRET not in err
     lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith(

@@ -75,6 +75,16 @@ def test_bool_flags_both_ways() -> None:
             {},
             "security_protocol is PLAINTEXT",
         ),
+        (  # the embedded broker (no bootstrap servers) takes no SASL/TLS: the option is named
+            [],
+            {"SHOAL_KAFKA_SASL_PASSWORD": "pw-not-shown"},
+            "kafka.sasl_password (--kafka-sasl-password) given without kafka.bootstrap_servers",
+        ),
+        (
+            ["--kafka-security-protocol", "SSL", "--kafka-ssl-cafile", "ca.pem"],
+            {},
+            "kafka.security_protocol (--kafka-security-protocol), kafka.ssl_cafile",
+        ),
     ],
 )
 def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], needle: str) -> None:
@@ -255,3 +265,18 @@ def test_the_stall_timeout_reaches_every_reader_the_task_starts() -> None:
     )
     actor._start_reader(StartReader(token="r1", start_ts=0, parents=()))
     assert actor.readers["r1"].core.config.stall_timeout == 4_500_000
+
+
+def test_sasl_password_with_the_embedded_broker_exits_2_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SASL password without --kafka-bootstrap-servers is a bad option (exit 2, one line
+    naming it, the password not shown), found before anything starts; it used to end as a
+    ValueError from the Kafka client settings once the embedded broker ran (exit 1)."""
+    monkeypatch.setenv("SHOAL_KAFKA_SASL_PASSWORD", "pw-7Yq-not-shown")
+    assert main(["--sink", "files", "--duration", "1"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("shoal: error: kafka.sasl_password (--kafka-sasl-password)")
+    assert "pw-7Yq-not-shown" not in err

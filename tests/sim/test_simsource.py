@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
-from runtime.sim.source import SimulatedSource
+from runtime.sim.source import SimulatedSource, UnknownPartition
 from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spanner.reader import walk_stream
 
@@ -278,5 +278,29 @@ def test_unknown_token_and_bad_arguments() -> None:
 @pytest.mark.asyncio
 async def test_unknown_token_raises() -> None:
     source = _source(StreamParams(), FakeClock(START))
-    with pytest.raises(KeyError, match="nope"):
+    with pytest.raises(UnknownPartition, match="'nope' is not one of this stream's"):
         await _read(source, "nope", START, None)
+
+
+@pytest.mark.asyncio
+async def test_a_fresh_source_serves_a_later_partition_first_asked_by_token() -> None:
+    """A restarted process's source is asked first for the partitions its sync topic names
+    (children made by an earlier process), never for the roots: it serves them exactly as the
+    source that made them did. (Its model made partitions only as queries reached their time, so
+    such a token was unknown for ever: ``KeyError: unknown partition token``.)"""
+    params = StreamParams(seed=11, roots=2, split_p=0.5, move_p=0.2, merge_p=0.2)
+    first = StreamModel(params)
+    first.generate_until(START + 60 * SECOND)
+    late = max(first.partitions, key=lambda t: first.partitions[t].start_ts)
+    info = first.partitions[late]
+    assert late not in first.roots
+    assert info.start_ts > START + 10 * SECOND
+    until = (info.end_ts or info.start_ts + 4 * SECOND) + SECOND
+    clock = FakeClock(START + 70 * SECOND)
+    made_it = SimulatedSource(first, clock=clock, sleep=_no_sleep)
+    expected = _flat(await _read(made_it, late, info.start_ts, until))
+    assert any(isinstance(r, DataChange) for r in expected)
+    fresh = _source(params, clock)
+    assert late not in fresh.model.partitions  # a fresh model had not made it yet
+    got = _flat(await _read(fresh, late, info.start_ts, until))
+    assert got == expected
