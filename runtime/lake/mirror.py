@@ -65,7 +65,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from urllib.parse import unquote
 
 import msgspec
@@ -117,6 +117,8 @@ BOOKKEEPING: Final = (KEY_COLUMN, DELETED, COMMIT_TS, STATE)
 """The mirror's own columns (a reader drops them, after ``WHERE NOT _deleted``)."""
 
 _TS: Final = pa.timestamp("us", tz="UTC")
+SERIAL_APP: Final = "shoal/mirror/serial"
+"""The application id every mirror commit writes, to make concurrent merges conflict."""
 
 
 def mirror_store(output: Store) -> Store:
@@ -204,6 +206,7 @@ class MirrorWriter:
         backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         checkpoint_interval: int | None = DEFAULT_CHECKPOINT_INTERVAL,
+        serialize: bool = True,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -214,6 +217,7 @@ class MirrorWriter:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.checkpoint_interval = checkpoint_interval
+        self.serialize = serialize
         self.clock = clock
         self.sleep = sleep
         self._options = store.storage_options()
@@ -241,27 +245,31 @@ class MirrorWriter:
     # --- reading the touched rows --------------------------------------------------------------
 
     def current(
-        self, dt: DeltaTable, table: str, keys: Sequence[str]
+        self,
+        dt: DeltaTable,
+        table: str,
+        keys: Sequence[str],
+        ranges: Sequence[KeyRange] = (),
     ) -> tuple[dict[RowId, MirrorRow], int, int]:
         """The rows of ``keys`` (``_mirror_key`` texts) that mirror table ``dt`` holds, with the
-        number of data files read and in the table."""
+        number of data files read and in the table. Only the files whose statistics can hold
+        one of them are read: by ``_mirror_key``, and by each of ``ranges`` (a key column's
+        batch values)."""
         wanted = sorted(set(keys))
         actions = pa.table(dt.get_add_actions(flatten=True))
         paths = actions.column("path").to_pylist()
-        lo_name, hi_name = f"min.{KEY_COLUMN}", f"max.{KEY_COLUMN}"
-        names = actions.column_names
-        los = actions.column(lo_name).to_pylist() if lo_name in names else [None] * len(paths)
-        his = actions.column(hi_name).to_pylist() if hi_name in names else [None] * len(paths)
-        files = []
-        for path, lo, hi in zip(paths, los, his, strict=True):
-            if lo is None or hi is None:
-                files.append(path)  # no statistics: it may hold any key
+        keep = [True] * len(paths)
+        for column, values in ((KEY_COLUMN, wanted), *((r.column, r.values) for r in ranges)):
+            names = actions.column_names
+            lo_name, hi_name = f"min.{column}", f"max.{column}"
+            if lo_name not in names or hi_name not in names:
                 continue
-            # a max cut short at Delta's string statistics length is a prefix of the true max:
-            # then only the lower bound is trusted
-            i = bisect.bisect_left(wanted, lo)
-            if i < len(wanted) and (len(hi) >= 32 or wanted[i] <= hi):
-                files.append(path)
+            los = actions.column(lo_name).to_pylist()
+            his = actions.column(hi_name).to_pylist()
+            for j, (lo, hi) in enumerate(zip(los, his, strict=True)):
+                if keep[j] and lo is not None and hi is not None:
+                    keep[j] = _may_hold(values, lo, hi)
+        files = [p for p, k in zip(paths, keep, strict=True) if k]
         schema = _table_schema(dt)
         rows: dict[RowId, MirrorRow] = {}
         if not files or not wanted:
@@ -322,6 +330,7 @@ class MirrorWriter:
         spanner_types = _column_types(table, records)
         changes = _typed_changes(mirror_changes(records), spanner_types)
         keys = [key_text(c.key) for c in changes]
+        ranges = _key_ranges(changes, spanner_types)
         batch_fields = _batch_fields(spanner_types)
         custom: dict[str, Any] = dict(metadata or {})
         custom["shoal.app_id"] = app
@@ -336,8 +345,8 @@ class MirrorWriter:
                     self._backoff(attempt)
                 try:
                     return self._attempt(
-                        table, changes, keys, batch_fields, spanner_types, app, version, custom,
-                        attempt,
+                        table, changes, keys, ranges, batch_fields, spanner_types, app, version,
+                        custom, attempt,
                     )  # fmt: skip
                 except (CommitFailedError, OSError) as exc:
                     log.info("%r: merge into %s lost attempt %d: %s", self, table, attempt, exc)
@@ -361,6 +370,7 @@ class MirrorWriter:
         table: str,
         changes: list[MirrorChange],
         keys: list[str],
+        ranges: list[KeyRange],
         batch_fields: list[pa.Field],
         spanner_types: Mapping[str, tuple[str, bool]],
         app: str,
@@ -369,7 +379,14 @@ class MirrorWriter:
         attempt: int,
     ) -> MirrorResult:
         dt = self._load(table)
-        txn = [Transaction(app, version, last_updated=int(self.clock() * 1000))]
+        now_ms = int(self.clock() * 1000)
+        # every commit also writes the table's shared application id, which delta-rs's conflict
+        # checker treats as read: two merges that overlap in time conflict, whatever rows they
+        # touch, and the loser reads the table again (see the module docstring)
+        serial = 0 if dt is None else dt.version() + 1
+        txn = [Transaction(app, version, last_updated=now_ms)]
+        if self.serialize:
+            txn.append(Transaction(SERIAL_APP, serial, last_updated=now_ms))
         props = CommitProperties(custom_metadata=custom, app_transactions=txn)
         if dt is not None:
             done = dt.transaction_version(app)
@@ -377,7 +394,7 @@ class MirrorWriter:
                 log.info("%r: batch %s/%d is already in mirror table %s", self, app, version, table)
                 return MirrorResult(table, True, len(changes), 0, 0, 0, 0, 0, 0, (), attempt, False)
             schema = _table_schema(dt)
-            current, files_read, files_total = self.current(dt, table, keys)
+            current, files_read, files_total = self.current(dt, table, keys, ranges)
         else:
             schema = pa.schema([])
             current, files_read, files_total = {}, 0, 0
@@ -400,7 +417,11 @@ class MirrorWriter:
                     mode="error",
                     configuration=configuration,
                     storage_options=self._options,
-                    commit_properties=props,
+                    # version 0 or nothing: left to retry, delta-rs would commit a creator that
+                    # lost the race as version 1, next to the winner's rows (measured)
+                    commit_properties=CommitProperties(
+                        custom_metadata=custom, app_transactions=txn, max_commit_retries=0
+                    ),
                 )
             except DeltaError as exc:
                 if DeltaTable.is_deltatable(self.table_uri(table), storage_options=self._options):
@@ -415,7 +436,7 @@ class MirrorWriter:
         (
             dt.merge(
                 source,
-                predicate=f"t.{KEY_COLUMN} = s.{KEY_COLUMN}",
+                predicate=_merge_predicate(ranges),
                 source_alias="s",
                 target_alias="t",
                 merge_schema=bool(added),
@@ -443,6 +464,68 @@ def apply_batch(
     return MirrorWriter(store).apply_batch(
         table, records, app=app, version=version, metadata=metadata
     )
+
+
+def _merge_predicate(ranges: Sequence[KeyRange]) -> str:
+    """The merge's join: equal ``_mirror_key``; and, so that delta-rs skips the files that
+    cannot match, the first key column within the batch's range (every row that matches a
+    source row has the source row's key, so this excludes none)."""
+    parts = [f"t.{KEY_COLUMN} = s.{KEY_COLUMN}"]
+    for r in ranges:
+        column = '"' + r.column.replace('"', '""') + '"'
+        parts.append(f"t.{column} >= {r.literal(r.values[0])}")
+        parts.append(f"t.{column} <= {r.literal(r.values[-1])}")
+    return " AND ".join(parts)
+
+
+class KeyRange(NamedTuple):
+    """The batch's values of one key column (sorted, none null), to skip files by."""
+
+    column: str
+    values: list[Any]
+    literal: Callable[[Any], str]  # a value as a SQL literal
+
+
+def _may_hold(values: Sequence[Any], lo: Any, hi: Any) -> bool:
+    """Whether a file whose column lies in ``[lo, hi]`` may hold one of ``values`` (sorted)."""
+    try:
+        i = bisect.bisect_left(values, lo)
+        if i == len(values):
+            return False
+        # Delta cuts string statistics short (32 characters): a max that long may be a prefix
+        # of the true max, so only the lower bound is trusted
+        return bool(isinstance(hi, str) and len(hi) >= 32 or values[i] <= hi)
+    except TypeError:
+        return True  # statistics of another type than expected: cannot skip
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _key_ranges(
+    changes: Sequence[MirrorChange], types: Mapping[str, tuple[str, bool]]
+) -> list[KeyRange]:
+    """For the first key column, if it is INT64 or STRING and never null in the batch: its
+    values, to skip files whose statistics cannot hold them (Delta keeps min/max per file)."""
+    keys = [(n, t) for n, (t, key) in types.items() if key]
+    if not keys or not changes:
+        return []
+    name, type_json = keys[0]
+    code = arrow_type(type_json)
+    if code == pa.int64():
+        literal: Callable[[Any], str] = str
+    elif code == pa.string():
+        literal = _sql_string
+    else:
+        return []
+    values = set()
+    for c in changes:
+        value = dict(c.key).get(name)
+        if value is None:
+            return []
+        values.add(arrow_value(type_json, value))
+    return [KeyRange(name, sorted(values), literal)]
 
 
 def _retryable(exc: DeltaError) -> bool:

@@ -26,7 +26,7 @@ from deltalake import DeltaTable
 
 from protocol.mirror import mirror_changes
 from protocol.records import ColumnType, DataChange, Mod
-from runtime.lake.delta import SchemaConflict
+from runtime.lake.delta import DeltaCommitFailed, SchemaConflict
 from runtime.lake.mirror import MirrorWriter, read_mirror
 from runtime.lake.store import Store, open_store
 from tests.fixtures.s3 import S3Server, s3_env, s3_server
@@ -411,3 +411,92 @@ def test_two_processes_merge_into_one_table_concurrently(lake: Lake, tmp_path: P
     keys = everything.column("_mirror_key").to_pylist()
     assert len(keys) == len(set(keys))
     print(f"retried attempts: {sum(a - 1 for a in attempts)} over {len(attempts)} batches")
+
+
+class _Interleaved(MirrorWriter):
+    """A writer that lets another writer commit a batch right after it read the touched rows
+    (once): the race of two processes, made deterministic."""
+
+    def __init__(self, store: Store, other: MirrorWriter, batch: list[DataChange], **kw: Any):
+        super().__init__(store, **kw)
+        self.other, self.batch = other, batch
+
+    def current(self, dt: DeltaTable, table: str, keys: Sequence[str], ranges: Any = ()) -> Any:
+        found = super().current(dt, table, keys, ranges)
+        if self.batch:
+            batch, self.batch = self.batch, []
+            self.other.apply_batch(table, batch, app=f"other-{uuid.uuid4().hex}", version=1)
+        return found
+
+
+@pytest.mark.parametrize("serialize", [True, False])
+def test_a_merge_that_raced_another_is_retried(tmp_path: Path, serialize: bool) -> None:
+    """Writer A reads the rows its batch touches (none: its key is new); writer B commits a
+    batch inserting the same key; then A merges. A's commit must fail and be retried over B's
+    row: one row, the newest values. delta-rs 1.6 fails such a merge by itself (``serialize``
+    off); the shared application id makes it not depend on how delta-rs scopes a merge's reads.
+    Control: with a single attempt the race surfaces as DeltaCommitFailed and B's row stays."""
+    store = open_store(tmp_path / "mirror")
+    cols = (
+        ColumnType("Id", '{"code":"INT64"}', True, 1),
+        ColumnType("V", '{"code":"STRING"}', False, 2),
+    )
+
+    def rec(ts: int, values: dict[int, str]) -> DataChange:
+        mods = tuple(
+            Mod(json.dumps({"Id": str(k)}), json.dumps({"V": v}), "{}") for k, v in values.items()
+        )
+        return DataChange(ts, "0", f"t{ts}", True, "T", cols, mods, "INSERT")
+
+    MirrorWriter(store).apply_batch("T", [rec(1, {1: "a", 2: "b"})], app="seed", version=1)
+    other = MirrorWriter(store, serialize=serialize)
+    once = _Interleaved(store, other, [rec(30, {3: "new-late"})], serialize=serialize, retries=1)
+    with pytest.raises(DeltaCommitFailed):
+        once.apply_batch("T", [rec(20, {3: "new-early"})], app="once", version=1)
+    assert {r["Id"]: r["V"] for r in read_mirror(store, "T").to_pylist()} == {
+        1: "a",
+        2: "b",
+        3: "new-late",
+    }
+    racer = _Interleaved(store, other, [rec(40, {4: "new-late"})], serialize=serialize)
+    result = racer.apply_batch(
+        "T", [rec(20, {3: "new-early"}), rec(35, {4: "new-early"})], app="racer", version=1
+    )
+    assert result.attempts == 2
+    everything = read_mirror(store, "T", tombstones=True)
+    keys = everything.column("_mirror_key").to_pylist()
+    assert len(keys) == len(set(keys)) == 4
+    rows = {r["Id"]: r["V"] for r in read_mirror(store, "T").to_pylist()}
+    assert rows == {1: "a", 2: "b", 3: "new-late", 4: "new-late"}
+
+
+def test_a_batch_reads_only_the_files_that_can_hold_its_keys(tmp_path: Path) -> None:
+    """Ten batches of 500 new ascending ids make ten files, each a key range; a batch updating
+    100 ids of one range reads one file (the others' statistics cannot hold its keys) and
+    delta-rs rewrites only that file's rows. Control: a batch with one id in each range reads
+    every file."""
+    store = open_store(tmp_path / "mirror")
+    cols = (
+        ColumnType("Id", '{"code":"INT64"}', True, 1),
+        ColumnType("V", '{"code":"STRING"}', False, 2),
+    )
+
+    def rec(ts: int, mod_type: str, ids: Sequence[int]) -> DataChange:
+        mods = tuple(Mod(json.dumps({"Id": str(i)}), json.dumps({"V": f"{ts}"}), "{}") for i in ids)
+        return DataChange(ts, "0", f"t{ts}", True, "T", cols, mods, mod_type)  # type: ignore[arg-type]
+
+    writer = MirrorWriter(store)
+    for b in range(10):
+        writer.apply_batch("T", [rec(b + 1, "INSERT", range(b * 500, b * 500 + 500))], app="a", version=b + 1)
+    result = writer.apply_batch("T", [rec(20, "UPDATE", range(3100, 3200))], app="a", version=11)
+    assert (result.files_read, result.files_total, result.rows_read) == (1, 10, 100)
+    dt = DeltaTable(store.uri_for("T"))
+    metrics = dt.history(1)[0]["operationMetrics"]
+    assert metrics["num_target_rows_copied"] == 400  # the rest of that one file
+    spread = writer.apply_batch("T", [rec(21, "UPDATE", range(250, 5000, 500))], app="a", version=12)
+    assert (spread.files_read, spread.rows_read) == (spread.files_total, 10)
+    rows = {r["Id"]: r["V"] for r in read_mirror(store, "T").to_pylist()}
+    assert len(rows) == 5000
+    assert {i: rows[i] for i in (0, 3099, 3100, 3199, 3250, 3200)} == {
+        0: "1", 3099: "7", 3100: "20", 3199: "20", 3250: "21", 3200: "7"
+    }
