@@ -64,9 +64,7 @@ def measure(
     store = open_store(root / f"{layout}-{size}")
     writer = MirrorWriter(store)
     ts = 1
-    version = 0
-    for start in range(0, size, args.fill_batch):
-        version += 1
+    for version, start in enumerate(range(0, size, args.fill_batch), start=1):
         ids = list(range(start, min(size, start + args.fill_batch)))
         writer.apply_batch("T", [record(ts, "INSERT", ids, rng)], app="fill", version=version)
         ts += 1

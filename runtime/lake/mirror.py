@@ -259,7 +259,7 @@ class MirrorWriter:
         actions = pa.table(dt.get_add_actions(flatten=True))
         paths = actions.column("path").to_pylist()
         keep = [True] * len(paths)
-        for column, values in ((KEY_COLUMN, wanted), *((r.column, r.values) for r in ranges)):
+        for column, sought in ((KEY_COLUMN, wanted), *((r.column, r.values) for r in ranges)):
             names = actions.column_names
             lo_name, hi_name = f"min.{column}", f"max.{column}"
             if lo_name not in names or hi_name not in names:
@@ -268,7 +268,7 @@ class MirrorWriter:
             his = actions.column(hi_name).to_pylist()
             for j, (lo, hi) in enumerate(zip(los, his, strict=True)):
                 if keep[j] and lo is not None and hi is not None:
-                    keep[j] = _may_hold(values, lo, hi)
+                    keep[j] = _may_hold(sought, lo, hi)
         files = [p for p, k in zip(paths, keep, strict=True) if k]
         schema = _table_schema(dt)
         rows: dict[RowId, MirrorRow] = {}
@@ -494,7 +494,7 @@ def _may_hold(values: Sequence[Any], lo: Any, hi: Any) -> bool:
             return False
         # Delta cuts string statistics short (32 characters): a max that long may be a prefix
         # of the true max, so only the lower bound is trusted
-        return bool(isinstance(hi, str) and len(hi) >= 32 or values[i] <= hi)
+        return bool((isinstance(hi, str) and len(hi) >= 32) or values[i] <= hi)
     except TypeError:
         return True  # statistics of another type than expected: cannot skip
 
@@ -530,7 +530,7 @@ def _key_ranges(
 
 def _retryable(exc: DeltaError) -> bool:
     text = str(exc).lower()
-    return "conflict" in text or "concurrent" in text or "version" in text and "exists" in text
+    return "conflict" in text or "concurrent" in text or ("version" in text and "exists" in text)
 
 
 def _column_types(table: str, records: Sequence[DataChange]) -> dict[str, tuple[str, bool]]:
@@ -616,7 +616,7 @@ def _plain(t: pa.DataType) -> pa.DataType:
 
 def _table_schema(dt: DeltaTable) -> pa.Schema:
     """The table's schema in the Arrow types the mirror writes."""
-    schema = pa.schema(dt.schema().to_arrow())  # type: ignore[arg-type]
+    schema = pa.schema(dt.schema().to_arrow())
     return pa.schema([pa.field(f.name, _plain(f.type)) for f in schema])
 
 

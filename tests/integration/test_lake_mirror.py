@@ -79,7 +79,9 @@ def typed(records: Sequence[DataChange]) -> list[DataChange]:
     return [msgspec.structs.replace(r, column_types=MODEL_TYPES) for r in records]
 
 
-def history(seed: int, capture: str, txns: int = 60, keys: int = 12) -> tuple[Database, list[DataChange]]:
+def history(
+    seed: int, capture: str, txns: int = 60, keys: int = 12
+) -> tuple[Database, list[DataChange]]:
     """A random run of transactions on table T of the model database, and its records."""
     rng = random.Random(seed)
     db = Database(capture, keys=keys)
@@ -245,8 +247,8 @@ def test_every_type_round_trips(lake: Lake) -> None:
     writer.apply_batch("E", [update], app="a", version=1)  # the newer partial update first
     writer.apply_batch("E", [insert], app="a", version=2)
     [row] = read_mirror(lake.store, "E").to_pylist()
-    assert row["A"] == "k" and row["B"] == -5
-    assert row["Int"] == 9007199254740993 and row["F64"] != row["F64"] and row["F32"] == 1.5
+    assert (row["A"], row["B"], row["Int"], row["F32"]) == ("k", -5, 9007199254740993, 1.5)
+    assert row["F64"] != row["F64"]  # NaN
     assert str(row["Num"]) == "12345.000000001"
     assert (row["Str"], row["Js"], row["By"], row["Bo"]) == ("y", '{"a": [1, 2]}', b"\0\1\2", True)
     assert row["Da"].isoformat() == "2024-02-29"
@@ -329,7 +331,8 @@ def test_sigkill_after_commit_then_retry_changes_nothing(lake: Lake, tmp_path: P
     assert [o["batch"] for o in out if "batch" in o] == [1, 2]  # 3 committed, never confirmed
     out = finish(proc(lake, batches, "app", "--first", "3"))
     done = [(o["batch"], o["already"]) for o in out if "batch" in o]
-    assert done[0] == (3, True) and all(not a for _, a in done[1:])
+    assert done[0] == (3, True)
+    assert not any(a for _, a in done[1:])
     assert lake.rows("T") == model_rows(db.rows)
 
 
@@ -339,7 +342,10 @@ def test_sigkill_while_a_merge_writes_its_files(tmp_path: Path) -> None:
     merges it once. Local directory: the files are watched in it."""
     lake = Lake(open_store(tmp_path / "mirror"), {**os.environ, "PYTHONPATH": str(REPO)})
     rng = random.Random(2)
-    cols = (ColumnType("Id", '{"code":"INT64"}', True, 1), ColumnType("V", '{"code":"STRING"}', False, 2))
+    cols = (
+        ColumnType("Id", '{"code":"INT64"}', True, 1),
+        ColumnType("V", '{"code":"STRING"}', False, 2),
+    )
 
     def batch(ts: int, ids: range) -> list[DataChange]:
         mods = tuple(
@@ -367,7 +373,7 @@ def test_sigkill_while_a_merge_writes_its_files(tmp_path: Path) -> None:
     dt = DeltaTable(str(table_dir))
     assert dt.transaction_version("app") == 1  # killed before its commit
     first = {r["Id"]: r["V"] for r in read_mirror(lake.store, "T").to_pylist()}
-    assert first == {i: f for i, f in _values(big[0]).items()}
+    assert first == _values(big[0])
     out = finish(proc(lake, path, "app", "--first", "2"))
     assert [(o["batch"], o["already"]) for o in out if "batch" in o] == [(2, False)]
     after = {r["Id"]: r["V"] for r in read_mirror(lake.store, "T").to_pylist()}
@@ -487,16 +493,25 @@ def test_a_batch_reads_only_the_files_that_can_hold_its_keys(tmp_path: Path) -> 
 
     writer = MirrorWriter(store)
     for b in range(10):
-        writer.apply_batch("T", [rec(b + 1, "INSERT", range(b * 500, b * 500 + 500))], app="a", version=b + 1)
+        writer.apply_batch(
+            "T", [rec(b + 1, "INSERT", range(b * 500, b * 500 + 500))], app="a", version=b + 1
+        )
     result = writer.apply_batch("T", [rec(20, "UPDATE", range(3100, 3200))], app="a", version=11)
     assert (result.files_read, result.files_total, result.rows_read) == (1, 10, 100)
     dt = DeltaTable(store.uri_for("T"))
     metrics = dt.history(1)[0]["operationMetrics"]
     assert metrics["num_target_rows_copied"] == 400  # the rest of that one file
-    spread = writer.apply_batch("T", [rec(21, "UPDATE", range(250, 5000, 500))], app="a", version=12)
+    spread = writer.apply_batch(
+        "T", [rec(21, "UPDATE", range(250, 5000, 500))], app="a", version=12
+    )
     assert (spread.files_read, spread.rows_read) == (spread.files_total, 10)
     rows = {r["Id"]: r["V"] for r in read_mirror(store, "T").to_pylist()}
     assert len(rows) == 5000
     assert {i: rows[i] for i in (0, 3099, 3100, 3199, 3250, 3200)} == {
-        0: "1", 3099: "7", 3100: "20", 3199: "20", 3250: "21", 3200: "7"
+        0: "1",
+        3099: "7",
+        3100: "20",
+        3199: "20",
+        3250: "21",
+        3200: "7",
     }
