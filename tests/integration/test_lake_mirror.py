@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -336,12 +335,12 @@ def test_sigkill_after_commit_then_retry_changes_nothing(lake: Lake, tmp_path: P
     assert lake.rows("T") == model_rows(db.rows)
 
 
-def test_sigkill_while_a_merge_writes_its_files(tmp_path: Path) -> None:
-    """A writer SIGKILLed as soon as its merge's first data file appears (before the commit,
-    which comes after every file is written): nothing of the batch is visible, and the rerun
-    merges it once. Local directory: the files are watched in it."""
+def test_sigkill_between_a_merges_files_and_its_commit(tmp_path: Path) -> None:
+    """A writer whose merge wrote its data files but could not commit (a directory stands where
+    its commit file must go) is SIGKILLed: nothing of the batch is visible, its files are
+    garbage for vacuum, and the rerun merges the batch once. Local directory (the blocker is a
+    directory in it)."""
     lake = Lake(open_store(tmp_path / "mirror"), {**os.environ, "PYTHONPATH": str(REPO)})
-    rng = random.Random(2)
     cols = (
         ColumnType("Id", '{"code":"INT64"}', True, 1),
         ColumnType("V", '{"code":"STRING"}', False, 2),
@@ -349,35 +348,35 @@ def test_sigkill_while_a_merge_writes_its_files(tmp_path: Path) -> None:
 
     def batch(ts: int, ids: range) -> list[DataChange]:
         mods = tuple(
-            Mod(json.dumps({"Id": str(i)}), json.dumps({"V": f"v{ts}-{rng.random()}" * 3}), "{}")
-            for i in ids
+            Mod(json.dumps({"Id": str(i)}), json.dumps({"V": f"v{ts}-{i}"}), "{}") for i in ids
         )
         return [DataChange(ts, "0", f"t{ts}", True, "T", cols, mods, "INSERT")]
 
-    big = [batch(10, range(60_000)), batch(20, range(0, 60_000, 2))]
-    path = save(tmp_path / "b.json", big)
+    batches = [batch(10, range(1000)), batch(20, range(0, 2000, 2))]
+    path = save(tmp_path / "b.json", batches)
     table_dir = tmp_path / "mirror" / "T"
-    p = proc(lake, path, "app")
-    seen: set[str] = set()
-    for o in lines(p.stdout):
-        if o.get("batch") == 1:
-            seen = {f.name for f in table_dir.iterdir() if f.suffix == ".parquet"}
-        if o.get("merging") == 2:
-            break
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if any(f.suffix == ".parquet" and f.name not in seen for f in table_dir.iterdir()):
-            break
-    os.kill(p.pid, signal.SIGKILL)
-    finish(p, -signal.SIGKILL)
+    out = finish(proc(lake, path, "app", "--block-commit", "2"), -signal.SIGKILL)
+    blocked = [o for o in out if "blocked" in o]
+    assert blocked, out
     dt = DeltaTable(str(table_dir))
-    assert dt.transaction_version("app") == 1  # killed before its commit
-    first = {r["Id"]: r["V"] for r in read_mirror(lake.store, "T").to_pylist()}
-    assert first == _values(big[0])
+    committed = {a["path"] for a in pa.table(dt.get_add_actions(flatten=True)).to_pylist()}
+    orphans = set(blocked[0]["files"]) - committed
+    assert orphans  # the merge's data files are there ...
+    assert dt.transaction_version("app") == 1  # ... but not its commit
+    assert {r["Id"]: r["V"] for r in read_mirror(lake.store, "T").to_pylist()} == _values(
+        batches[0]
+    )
+    garbage = dt.vacuum(
+        retention_hours=0, enforce_retention_duration=False, dry_run=True, full=True
+    )
+    assert orphans <= {Path(g).name for g in garbage}
+    (table_dir / "_delta_log" / f"{dt.version() + 1:020d}.json").rmdir()
     out = finish(proc(lake, path, "app", "--first", "2"))
     assert [(o["batch"], o["already"]) for o in out if "batch" in o] == [(2, False)]
     after = {r["Id"]: r["V"] for r in read_mirror(lake.store, "T").to_pylist()}
-    assert after == {**_values(big[0]), **_values(big[1])}
+    assert after == {**_values(batches[0]), **_values(batches[1])}
+    again = finish(proc(lake, path, "app", "--first", "2"))
+    assert [(o["batch"], o["already"]) for o in again if "batch" in o] == [(2, True)]
 
 
 def _values(batch: list[DataChange]) -> dict[int, str]:
