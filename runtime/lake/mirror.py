@@ -577,21 +577,20 @@ def _column_types(table: str, records: Sequence[DataChange]) -> dict[str, tuple[
 def _typed_changes(
     changes: list[MirrorChange], types: Mapping[str, tuple[str, bool]]
 ) -> list[MirrorChange]:
-    """``changes`` with their values converted to the mirror's column types (timestamps as int
-    microseconds)."""
-    out = []
-    new = msgspec.structs.replace
+    """``changes`` (fresh from :func:`mirror_changes`, held by nobody else) with their values
+    converted to the mirror's column types (timestamps as int microseconds), in place."""
+    type_of = {name: t for name, (t, _) in types.items()}
     for c in changes:
-        values = {}
-        for name, value in c.values.items():
-            t = types.get(name)
+        values = c.values
+        for name, value in values.items():
+            t = type_of.get(name)
             if t is None:
                 raise MirrorError(
                     f"table {c.table!r}: column {name!r} has a value but no column type"
                 )
-            values[name] = arrow_value(t[0], value)
-        out.append(new(c, values=values))
-    return out
+            if value is not None:
+                values[name] = arrow_value(t, value)
+    return changes
 
 
 def _batch_fields(types: Mapping[str, tuple[str, bool]]) -> list[pa.Field]:
