@@ -11,7 +11,12 @@ How it works, and what was checked on the Cloud Spanner emulator:
   process executes it by rebuilding the transaction with ``BatchSnapshot.from_dict`` (session +
   transaction id), which reads at the same T. The planner must therefore *not* close its batch
   snapshot (closing deletes a non-multiplexed session and invalidates every token);
-  :func:`release_snapshot` does that once every partition is read.
+  :func:`release_snapshot` does that once every partition is read. A read after that (or after
+  the server dropped the session) fails with "Session not found", raised as
+  :class:`SnapshotSessionLost`. On the emulator the planner's session id is ``"0"``.
+- The emulator splits every table into exactly 2 partitions whatever ``partition_size_bytes`` /
+  ``max_partitions`` say, the first empty and the second holding every row (5,600 and 20,000
+  rows tried).
 - Reads, not queries: a ``Read`` returns rows in primary-key order (Spanner's default
   ``ORDER_BY_PRIMARY_KEY``), so a partition re-read at the same T yields the same rows in the
   same order and its chunks are the same chunks. A partitioned query has no such promise (it
@@ -73,6 +78,7 @@ __all__ = [
     "SnapshotChange",
     "SnapshotChunk",
     "SnapshotPartition",
+    "SnapshotSessionLost",
     "SnapshotTooOld",
     "check_retention",
     "classify_read_error",
@@ -95,6 +101,11 @@ _RETENTION_HINT = (
 class SnapshotTooOld(Unrecoverable):
     """The snapshot's read timestamp T is, or would become, older than Spanner keeps versions:
     the snapshot cannot be completed at T."""
+
+
+class SnapshotSessionLost(Unrecoverable):
+    """The batch transaction a partition belongs to is gone (its session was deleted: released,
+    or expired on the server): its token can no longer be read."""
 
 
 class SnapshotPartition(msgspec.Struct, frozen=True):
@@ -452,6 +463,12 @@ def read_partition(
         too_old = classify_read_error(exc, item.read_ts)
         if too_old is not None:
             raise too_old from exc
+        if isinstance(exc, gexc.NotFound) and "session not found" in str(exc).lower():
+            raise SnapshotSessionLost(
+                f"snapshot partition {item.id}: the batch transaction it belongs to (session "
+                f"{item.session!r}) no longer exists ({str(exc).strip()[:300]}); its partitions "
+                "cannot be read any more: the snapshot has to be planned again"
+            ) from exc
         raise
 
 

@@ -35,12 +35,14 @@ from runtime.spanner.snapshot import (
     DEFAULT_RETENTION_S,
     SnapshotChunk,
     SnapshotPartition,
+    SnapshotSessionLost,
     SnapshotTooOld,
     check_retention,
     classify_read_error,
     parse_retention_period,
     plan_snapshot,
     read_partition,
+    release_snapshot,
 )
 
 pytestmark = pytest.mark.spanner
@@ -313,6 +315,17 @@ def test_a_read_at_a_too_old_t_gives_the_clear_error(world: World) -> None:
     with pytest.raises(SnapshotTooOld, match="version_retention_period") as refused:
         list(read_partition(world.database, item, 10))
     assert "maximum timestamp staleness" in str(refused.value)
+
+
+def test_a_released_snapshot_cannot_be_read(world: World) -> None:
+    """Runs last: releasing ends the batch transaction of the module's snapshot too (on the
+    emulator every batch snapshot gets session "0")."""
+    items = plan_snapshot(world.database, ["Everything"], int(time.time() * 1e6))
+    assert sum(c.rows for i in items for c in read_partition(world.database, i, 10_000)) > 0
+    release_snapshot(world.database, items[0])
+    with pytest.raises(SnapshotSessionLost, match="planned again"):
+        for item in items:
+            list(read_partition(world.database, item, 10_000))
 
 
 def test_other_errors_are_not_called_too_old() -> None:
