@@ -64,7 +64,7 @@ import datetime as _dt
 import decimal as _decimal
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -308,26 +308,7 @@ def _type_json(type_pb: Any) -> str:
     return json.dumps(as_dict, separators=(",", ":"), sort_keys=True)
 
 
-def _value(value: Any, code: int, element: int) -> Any:
-    """A raw protobuf ``Value`` as the change stream's JSON value (a Python object for
-    ``json.dumps``): ``code`` is the column's TypeCode, ``element`` its array element's."""
-    kind = value.WhichOneof("kind")
-    if kind == "null_value" or kind is None:
-        return None
-    if kind == "string_value":
-        return value.string_value  # INT64, NUMERIC, DATE, TIMESTAMP, BYTES, JSON, NaN, ...
-    if kind == "number_value":
-        return value.number_value
-    if kind == "bool_value":
-        return value.bool_value
-    if kind == "list_value":
-        return [_value(v, element, 0) for v in value.list_value.values]
-    raise ValueError(f"snapshot: unexpected value kind {kind!r} for type code {code}")
-
-
-def _columns(
-    item: SnapshotPartition, fields: Sequence[Any]
-) -> tuple[tuple[ColumnType, ...], list[tuple[int, int]]]:
+def _columns(item: SnapshotPartition, fields: Sequence[Any]) -> tuple[ColumnType, ...]:
     from google.cloud.spanner_v1 import Type
 
     if [f.name for f in fields] != list(item.columns):
@@ -337,13 +318,11 @@ def _columns(
         )
     keys = set(item.keys)
     types: list[ColumnType] = []
-    codes: list[tuple[int, int]] = []
     for field, ordinal in zip(fields, item.ordinals, strict=True):
         raw = field.type_ if hasattr(field, "type_") else field.type
         pb = Type.pb(raw) if isinstance(raw, Type) else raw  # the client gives raw protobuf
         types.append(ColumnType(field.name, _type_json(pb), field.name in keys, ordinal))
-        codes.append((int(pb.code), int(pb.array_element_type.code)))
-    return tuple(types), codes
+    return tuple(types)
 
 
 def _float_text(x: float) -> str:
@@ -356,6 +335,8 @@ def _float_text(x: float) -> str:
     text = repr(x)
     mantissa, _, _ = text.partition("e")
     n = len(mantissa.lstrip("-").replace(".", "").lstrip("0"))
+    if n < 15:  # both texts of a tie read back as x only when 10**(1-n) <= 2**-52 (an ulp)
+        return text
     exact = _decimal.Decimal(x).as_tuple().digits
     if len(exact) <= n or exact[n] != 5 or any(exact[n + 1 :]) or exact[n - 1] % 2:
         return text
@@ -364,39 +345,27 @@ def _float_text(x: float) -> str:
     return text[:i] + str(int(text[i]) + 1) + text[i + 1 :]
 
 
-def _encode(value: Any, out: list[str]) -> None:
-    if value is None:
-        out.append("null")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif isinstance(value, str):
-        out.append(json.dumps(value, ensure_ascii=False))
-    elif isinstance(value, float):
-        out.append(_float_text(value))
-    elif isinstance(value, list):
-        out.append("[")
-        for i, v in enumerate(value):
-            if i:
-                out.append(",")
-            _encode(v, out)
-        out.append("]")
-    else:
-        raise TypeError(f"snapshot: cannot spell {type(value).__name__} as JSON")
+_encode_str: Callable[[str], str] = (
+    json.encoder.encode_basestring
+)  # json.dumps(s, ensure_ascii=False)
 
 
-def _dumps(obj: dict[str, Any]) -> str:
-    """Compact JSON with sorted keys and non-ASCII kept, floats by :func:`_float_text`."""
-    out = ["{"]
-    for i, name in enumerate(sorted(obj)):
-        if i:
-            out.append(",")
-        out.append(json.dumps(name, ensure_ascii=False))
-        out.append(":")
-        _encode(obj[name], out)
-    out.append("}")
-    return "".join(out)
+def _spell(value: Any) -> str:
+    """A raw protobuf ``Value`` as the change stream's JSON text: a ``string_value`` (INT64,
+    NUMERIC, DATE, TIMESTAMP, BYTES, JSON, a float's NaN / Infinity) as a JSON string, a
+    ``number_value`` by :func:`_float_text`, lists element by element."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return _encode_str(value.string_value)
+    if kind == "null_value" or kind is None:
+        return "null"
+    if kind == "number_value":
+        return _float_text(value.number_value)
+    if kind == "bool_value":
+        return "true" if value.bool_value else "false"
+    if kind == "list_value":
+        return "[" + ",".join([_spell(v) for v in value.list_value.values]) + "]"
+    raise ValueError(f"snapshot: unexpected value kind {kind!r}")
 
 
 def read_partition(
@@ -425,20 +394,20 @@ def read_partition(
             lazy_decode=True,
         )
         column_types: tuple[ColumnType, ...] = ()
-        codes: list[tuple[int, int]] = []
-        names = item.columns
-        keys = set(item.keys)
+        # the JSON objects' members in name order, each with its '"name":' prefix
+        by_name = sorted(range(len(item.columns)), key=lambda i: item.columns[i])
+        prefixes = [_encode_str(name) + ":" for name in item.columns]
+        key_at = [(i, prefixes[i]) for i in by_name if item.columns[i] in item.keys]
+        value_at = [(i, prefixes[i]) for i in by_name if item.columns[i] not in item.keys]
         mods: list[Mod] = []
         chunk = 0
         pending: SnapshotChange | None = None  # held back one chunk to know which is last
         for row in result:
             if not column_types:
-                column_types, codes = _columns(item, result.fields)
-            key_obj: dict[str, Any] = {}
-            new_obj: dict[str, Any] = {}
-            for name, value, (code, element) in zip(names, row, codes, strict=True):
-                (key_obj if name in keys else new_obj)[name] = _value(value, code, element)
-            mods.append(Mod(_dumps(key_obj), _dumps(new_obj), "{}"))
+                column_types = _columns(item, result.fields)
+            keys_text = "{" + ",".join([p + _spell(row[i]) for i, p in key_at]) + "}"
+            values_text = "{" + ",".join([p + _spell(row[i]) for i, p in value_at]) + "}"
+            mods.append(Mod(keys_text, values_text, "{}"))
             if len(mods) == chunk_rows:
                 if pending is not None:
                     yield SnapshotChunk(item.id, chunk - 1, False, pending)
@@ -448,7 +417,7 @@ def read_partition(
                 chunk += 1
                 mods = []
         if not column_types and result.fields:
-            column_types, codes = _columns(item, result.fields)
+            column_types = _columns(item, result.fields)
         if mods or pending is None:
             if pending is not None:
                 yield SnapshotChunk(item.id, chunk - 1, False, pending)
