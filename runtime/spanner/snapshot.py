@@ -36,9 +36,10 @@ How it works, and what was checked on the Cloud Spanner emulator:
 - The JSON spelling is the change stream's: compact, keys sorted, non-ASCII kept, INT64 as a
   string, FLOAT64/FLOAT32 as JSON numbers (a FLOAT32 widened to double, e.g.
   ``0.10000000149011612``; the shortest text that reads back, a tie at that length rounded
-  away from zero as the emulator's change stream does; NaN and infinities as the strings ``"NaN"``, ``"Infinity"``,
-  ``"-Infinity"``, as Spanner sends them), NUMERIC / DATE / TIMESTAMP / BYTES (base64) /
-  JSON as the text Spanner sends on the wire, arrays as JSON arrays, NULL as ``null``.
+  away from zero as the emulator's change stream does; NaN and infinities as the strings
+  ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, as a read returns them), NUMERIC / DATE /
+  TIMESTAMP / BYTES (base64) / JSON as the text a read returns, arrays as JSON arrays, NULL as
+  ``null``.
   Emulator 1.5.28 quirks (its change stream, not this code): it drops the fraction of TIMESTAMP
   values in change records (``...09.1234Z`` becomes ``...09Z``; the snapshot keeps the fraction)
   and sends NaN and infinities as ``null``.
