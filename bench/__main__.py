@@ -24,6 +24,7 @@ SCENARIOS = {
     "faults": "bench.faults",
     "outputstate": "bench.outputstate",
     "report": "bench.report",
+    "mirrormerge": "bench.mirrormerge",
 }
 
 

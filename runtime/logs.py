@@ -105,6 +105,8 @@ def configure(
     root.addHandler(handler)
     root.setLevel(level.upper())
     # The Kafka client is chatty at INFO about every connection; keep it at WARNING unless
-    # debugging.
+    # debugging (then it follows the root again, also after an earlier configure).
     if level.lower() != "debug":
         logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
+    else:
+        logging.getLogger("aiokafka").setLevel(logging.NOTSET)
