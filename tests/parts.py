@@ -1,5 +1,5 @@
 """Where a test finds that a real part it needs is missing (the Cloud Spanner emulator, Java,
-stunnel, a certificate tool), and what then happens: the test skips with the reason, or, when
+stunnel, moto's S3 server, a certificate tool), and what then happens: the test skips with the reason, or, when
 ``SHOAL_REQUIRE_PARTS=1`` (``.ci/run`` sets it), fails with it, so that CI cannot pass with
 real-part tests skipped. Every such decision in the tests goes through :func:`require_part`."""
 

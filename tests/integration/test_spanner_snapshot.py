@@ -44,6 +44,7 @@ from runtime.spanner.snapshot import (
     read_partition,
     release_snapshot,
 )
+from tests.parts import require_part
 
 pytestmark = pytest.mark.spanner
 
@@ -121,7 +122,7 @@ def world() -> Iterator[World]:
         emulator = SpannerEmulator(tables=("T0",))
     except EmulatorUnavailable as exc:
         print(f"SKIP spanner snapshot emulator tests: {exc}")
-        pytest.skip(f"Cloud Spanner emulator unavailable: {exc}")
+        require_part("the Cloud Spanner emulator", str(exc))
     emulator.start()
     try:
         config = emulator.config

@@ -22,14 +22,19 @@ import pytest
 
 from runtime import compat
 from runtime.spark import SparkBridge, SparkConfig
-from runtime.spark.session import java_executable
 from tests.helpers import command_lines, descendants, ps_lines, wait_until
+from tests.parts import require_java
 
 pytestmark = [
     pytest.mark.spark,
     pytest.mark.slow,
-    pytest.mark.skipif(java_executable() is None, reason="local Spark needs Java 17+"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _java() -> None:
+    require_java()
+
 
 SECRET_KEY = "spark.hadoop.fs.s3a.secret.key"
 # '=', ':', '#', a backslash, spaces and a non-ASCII letter: a properties file must escape them
