@@ -275,7 +275,12 @@ class TableSpec(msgspec.Struct, frozen=True, array_like=True):
     old_values: bool
 
     def schema(self) -> pa.Schema:
-        return table_schema(self.columns, self.old_values)
+        return _spec_schema(self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_schema(spec: TableSpec) -> pa.Schema:
+    return table_schema(spec.columns, spec.old_values)
 
 
 def table_spec(changes: Sequence[DataChange]) -> TableSpec:

@@ -4,13 +4,17 @@ of tables, through a PySpark Python data source with an Arrow writer.
 :func:`write_staged_typed` takes a micro-batch as its wire table (``runtime.typed.WIRE``: one
 row per mod, grouped by table, keys and values as JSON text) and each table's
 :class:`~runtime.typed.TableSpec` (its columns and whether it holds old values, decided over
-the whole micro-batch). The wire table enters Spark as an Arrow-backed DataFrame
-(``createDataFrame``), coalesced to the session's default parallelism (no shuffle: each task
-gets a run of whole tables, so a micro-batch of ``n`` tables makes about ``n + tasks - 1``
-files), and is written with ``format("shoal_typed")``:
+the whole micro-batch). The wire table enters Spark as an Arrow-backed DataFrame of **chunks**
+(:func:`wire_chunks`): the wire table cut into as many slices as the session has cores, each
+slice one row holding its Arrow IPC stream (column ``_wire``), one partition per chunk. Spark
+moves each chunk as one binary value: turning a wide table of JSON text into Spark's rows and
+back into Arrow for the Python writer cost about as much as the whole floor write of the same
+rows (``bench typedwrites``, docs/benchmarks.md). The wire table is grouped by table, so each task gets runs of whole
+tables and a micro-batch of ``n`` tables makes at most ``n + tasks - 1`` files. It is written
+with ``format("shoal_typed")``:
 
-* **executors** (:class:`TypedWriter.write`) get Arrow batches of their part of the wire table,
-  turn them into each table's typed rows with ``runtime.typed.tables_from_wire`` (the same
+* **executors** (:class:`TypedWriter.write`) get their chunk, read its slice of the wire table,
+  turn it into each table's typed rows with ``runtime.typed.tables_from_wire`` (the same
   conversion as the in-process ``typed_tables``) and write one parquet file per table under the
   staging location, ``<staging>/<table>/part-<partition>-<attempt>-<random>.parquet``, through
   pyarrow's file systems (:func:`filesystem`: a local path, ``file://``, ``s3://``, ``gs://``),
@@ -35,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -50,6 +55,7 @@ from runtime.typed import TableSpec, decode_specs, encode_specs, tables_from_wir
 from runtime.typed_files import encode_parquet
 
 __all__ = [
+    "CHUNK_COLUMN",
     "NAME",
     "RECEIPT",
     "Receipt",
@@ -61,7 +67,9 @@ __all__ = [
     "TypedWriter",
     "drop_unlisted",
     "filesystem",
+    "read_chunks",
     "read_receipt",
+    "wire_chunks",
     "write_staged_typed",
 ]
 
@@ -72,6 +80,9 @@ NAME = "shoal_typed"
 
 RECEIPT = "_receipt.json"
 """The receipt's name under the staging location (table names start with a letter)."""
+
+CHUNK_COLUMN = "_wire"
+"""The chunks' one column: a slice of the wire table as an Arrow IPC stream."""
 
 
 class TypedWriteError(RuntimeError):
@@ -97,6 +108,9 @@ class TaskFiles(msgspec.Struct, frozen=True):
     pid: int
     host: str
     files: tuple[StagedFile, ...]
+    read_s: float = 0.0  # taking the chunks in and reading them
+    convert_s: float = 0.0  # tables_from_wire
+    write_s: float = 0.0  # encoding and writing the files
 
 
 class Receipt(msgspec.Struct, frozen=True):
@@ -165,16 +179,28 @@ class TypedWriter(DataSourceArrowWriter):
         partition = ctx.partitionId() if ctx is not None else 0
         attempt = ctx.attemptNumber() if ctx is not None else 0
         task_attempt = ctx.taskAttemptId() if ctx is not None else -1
-        batches = [b for b in iterator if b.num_rows]
+        t0 = time.monotonic()
+        slices = [s for batch in iterator for s in read_chunks(batch)]
         files: list[StagedFile] = []
-        if batches:
-            tables = tables_from_wire(pa.Table.from_batches(batches), decode_specs(self.specs_text))
+        t1 = t2 = time.monotonic()
+        if slices:
+            tables = tables_from_wire(pa.concat_tables(slices), decode_specs(self.specs_text))
+            t2 = time.monotonic()
             fs, base = filesystem(self.staging)
             name = f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:12]}.parquet"
             for table, typed in tables.items():
                 files.append(self._write(fs, f"{base}/{table}", name, table, typed))
+        t3 = time.monotonic()
         task = TaskFiles(
-            partition, attempt, task_attempt, os.getpid(), socket.gethostname(), tuple(files)
+            partition,
+            attempt,
+            task_attempt,
+            os.getpid(),
+            socket.gethostname(),
+            tuple(files),
+            read_s=t1 - t0,
+            convert_s=t2 - t1,
+            write_s=t3 - t2,
         )
         return TaskWritten(task)
 
@@ -216,6 +242,36 @@ class TypedChangelog(DataSource):
 
     def writer(self, schema: Any, overwrite: bool) -> TypedWriter:
         return TypedWriter(self.options)
+
+
+def wire_chunks(wire: pa.Table, chunks: int) -> pa.Table:
+    """``wire`` cut into ``chunks`` slices of about equal rows (fewer if it has fewer rows),
+    each an Arrow IPC stream in one row of column :data:`CHUNK_COLUMN`, each row its own
+    record batch (``createDataFrame`` makes one partition of each)."""
+    n = wire.num_rows
+    chunks = max(1, min(chunks, n))
+    batches = []
+    for i in range(chunks):
+        start, end = i * n // chunks, (i + 1) * n // chunks
+        sink = pa.BufferOutputStream()
+        part = wire.slice(start, end - start)
+        with pa.ipc.new_stream(sink, part.schema) as stream:
+            stream.write_table(part)
+        data = sink.getvalue()
+        offsets = pa.array([0, data.size], pa.int32()).buffers()[1]
+        value = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, data])  # no copy
+        batches.append(pa.record_batch([value], names=[CHUNK_COLUMN]))
+    return pa.Table.from_batches(batches)
+
+
+def read_chunks(batch: pa.RecordBatch) -> Iterator[pa.Table]:
+    """The wire table slices of a batch of chunks (:func:`wire_chunks`), as Spark hands them to
+    a task (``binary`` or ``large_binary``)."""
+    column = batch.column(CHUNK_COLUMN)
+    for i in range(batch.num_rows):
+        data = column[i].as_buffer()
+        if data is not None:
+            yield pa.ipc.open_stream(data).read_all()
 
 
 def _put_atomically(fs: pafs.FileSystem, path: str, data: bytes) -> None:
@@ -262,6 +318,7 @@ def _spark_context(spark: Any) -> Any:
         return None
 
 
+_DEFAULT_CHUNKS = 2  # where the session does not tell its parallelism (Spark Connect)
 _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
 
 
@@ -278,7 +335,8 @@ def write_staged_typed(
     """Blocking: write the typed tables of the wire table ``wire`` (``runtime.typed.WIRE``,
     with each table's ``specs``) under ``staging_uri`` in one Spark job, and return the receipt
     of the files Spark committed (every other file under ``staging_uri`` is deleted). No rows:
-    no job. ``partitions``: tasks at most (default: the session's default parallelism);
+    no job. ``partitions``: the chunks, i.e. tasks (default: the session's default
+    parallelism);
     ``source``: the data source class (a subclass under a name of its own, e.g. in a test) and
     ``options`` more options for it."""
     write_id = uuid.uuid4().hex
@@ -288,11 +346,9 @@ def write_staged_typed(
     if source is not TypedChangelog:
         spark.dataSource.register(source)
     sc = _spark_context(spark)
-    if partitions is None and sc is not None:
-        partitions = sc.defaultParallelism
-    df = spark.createDataFrame(wire)
-    if partitions is not None:
-        df = df.coalesce(max(1, partitions))  # no shuffle: each task a run of whole tables
+    if partitions is None:
+        partitions = sc.defaultParallelism if sc is not None else _DEFAULT_CHUNKS
+    df = spark.createDataFrame(wire_chunks(wire, partitions))
     writer = (
         df.write.format(source.name())
         .mode("append")
