@@ -88,9 +88,9 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     exits 0 with exactly the rows the stream produced (none lost, none written twice). In both
     layouts of the embedded path (typed, the default, and generic) Spark writes every
     micro-batch with rows: the bridge starts a new session and writes the batch again. On the
-    streaming path the
-    query dies with the JVM: the bridge starts a new session and a new query, which goes on
-    from the checkpoint (the output read through Spark's sink log, ``_spark_metadata``)."""
+    streaming path the query dies with the JVM: the bridge starts a new session and a new
+    query, which goes on from the checkpoint (the output read through Spark's sink log,
+    ``_spark_metadata``)."""
     out = tmp_path / "out"
     start = _now_us()
     how = ["--spark-path", "streaming"] if layout == "streaming" else ["--output-layout", layout]
