@@ -20,8 +20,13 @@ from the records, done by the bridge off the event loop while the previous micro
 written), ``convert_s`` (``tables_from_wire`` in this process: the executors' CPU work, split
 among their tasks), ``noop`` (the wire table through ``createDataFrame`` and one job into
 Spark's ``noop`` sink, as the chunks the Spark write takes in: the transfer and the job
-without conversion or files) and ``tiny_s``
-(a one-row micro-batch through ``write_staged_typed``: the fixed cost of a write).
+without conversion or files) and ``tiny_s`` (a one-row micro-batch through
+``write_staged_typed``: the fixed cost of a write). The one-row write runs right before each
+timed ``spark`` write: Spark stops Python workers idle for a minute (its
+``PythonWorkerFactory``), and a floor of 300 jobs takes longer than that, so without it the
+``spark`` write after the floor would pay for new workers (3-20 s here, by the load), which a
+running stream, writing every second or so, does not. ``tasks`` (the per-task read, convert and
+write seconds of the last ``spark`` write, from its receipt) shows where a task's time goes.
 
 Last line: ``{"scenario": "typedwrites", "spark_jobs_per_batch": ..., "floor_ratio_2": ...,
 "floor_ratio_300": ..., "many_vs_one": <300 tables against 1, rows/s>, "by_tables": {...}}``.
@@ -78,10 +83,15 @@ def _measure(
     def fresh() -> Path:
         return work / uuid.uuid4().hex
 
+    tasks: list[list[float]] = []
+
     def spark_way() -> None:
         receipt = write_staged_typed(spark, wire, str(fresh()), specs)
         assert receipt.spark_jobs is not None
         jobs.append(receipt.spark_jobs)
+        tasks[:] = [
+            [round(t.read_s, 3), round(t.convert_s, 3), round(t.write_s, 3)] for t in receipt.tasks
+        ]
 
     def floor_way() -> None:
         base = fresh()
@@ -102,6 +112,11 @@ def _measure(
     for r in range(rounds + 1):  # round 0 warms up
         order = list(ways.items()) if r % 2 == 0 else list(reversed(ways.items()))
         for name, way in order:
+            if name == "spark":  # keeps the Python workers (see the module docstring)
+                t0 = time.monotonic()
+                write_staged_typed(spark, one_row, str(fresh()), one_spec)
+                if r:
+                    probes["tiny_s"].append(time.monotonic() - t0)
             t0 = time.monotonic()
             way()
             took = time.monotonic() - t0
@@ -116,10 +131,10 @@ def _measure(
         df = spark.createDataFrame(wire_chunks(wire, parallelism))
         df.write.format("noop").mode("overwrite").save()
         t3 = time.monotonic()
-        write_staged_typed(spark, one_row, str(fresh()), one_spec)
-        t4 = time.monotonic()
         if r:
-            for key, value in zip(probes, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            for key, value in zip(
+                ("wire_s", "convert_s", "noop_s"), (t1 - t0, t2 - t1, t3 - t2), strict=True
+            ):
                 probes[key].append(value)
         for path in work.iterdir():  # what the round wrote
             if path.name != "spark-local":
@@ -131,6 +146,7 @@ def _measure(
         "floor_ratio": round(statistics.median(floor_ratios), 3),
         "floor_ratios": [round(x, 3) for x in floor_ratios],
         **{k: round(statistics.median(v), 3) for k, v in probes.items()},
+        "tasks": tasks,
     }
     print("  " + json.dumps(entry))
     return entry

@@ -9,9 +9,9 @@ the whole micro-batch). The wire table enters Spark as an Arrow-backed DataFrame
 slice one row holding its Arrow IPC stream (column ``_wire``), one partition per chunk. Spark
 moves each chunk as one binary value: turning a wide table of JSON text into Spark's rows and
 back into Arrow for the Python writer cost about as much as the whole floor write of the same
-rows (``bench typedwrites``, docs/benchmarks.md). The wire table is grouped by table, so each task gets runs of whole
-tables and a micro-batch of ``n`` tables makes at most ``n + tasks - 1`` files. It is written
-with ``format("shoal_typed")``:
+rows (``bench typedwrites``, docs/benchmarks.md). The wire table is grouped by table, so each
+task gets runs of whole tables and a micro-batch of ``n`` tables makes at most
+``n + tasks - 1`` files. It is written with ``format("shoal_typed")``:
 
 * **executors** (:class:`TypedWriter.write`) get their chunk, read its slice of the wire table,
   turn it into each table's typed rows with ``runtime.typed.tables_from_wire`` (the same
@@ -311,14 +311,13 @@ def _register(spark: Any) -> None:
 
 
 def _spark_context(spark: Any) -> Any:
-    """The session's SparkContext (None over Spark Connect, which has none)."""
-    try:
-        return spark.sparkContext
-    except Exception:  # Spark Connect: PySparkNotImplementedError / attribute errors
-        return None
+    """The session's SparkContext (None over Spark Connect, which has none: its session raises
+    an ``AttributeError``, ``JVM_ATTRIBUTE_NOT_SUPPORTED``)."""
+    return getattr(spark, "sparkContext", None)
 
 
 _DEFAULT_CHUNKS = 2  # where the session does not tell its parallelism (Spark Connect)
+_MAX_CHUNK_BYTES = 256 << 20
 _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
 
 
@@ -348,6 +347,8 @@ def write_staged_typed(
     sc = _spark_context(spark)
     if partitions is None:
         partitions = sc.defaultParallelism if sc is not None else _DEFAULT_CHUNKS
+    # a chunk is one binary value (Spark and Arrow hold at most 2 GiB in one)
+    partitions = max(partitions, -(-wire.nbytes // _MAX_CHUNK_BYTES))
     df = spark.createDataFrame(wire_chunks(wire, partitions))
     writer = (
         df.write.format(source.name())

@@ -232,3 +232,24 @@ async def test_the_bridge_writes_the_typed_layout_with_one_job_per_micro_batch(
         assert again.stats().rows_deduplicated == 150
         assert again.typed_writes == 0  # nothing left to write: no job
     assert read_output(str(out), dedupe=False).num_rows == 200
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_without_atomic_commits_the_typed_layout_is_written_in_place(
+    spark: Any, tmp_path: Path
+) -> None:
+    """``atomic_commit=False``: each micro-batch is one Spark job too, its tables renamed into
+    ``<table>/batch=<run>-<batch>`` by this process; nothing staged is left behind."""
+    out = tmp_path / "data"
+    records = tuple(rec(100 + i, f"T{i % 7}") for i in range(70))
+    config = SparkConfig(output_dir=str(out), max_rows=10_000, max_age_s=0.05, atomic_commit=False)
+    async with SparkBridge(config, spark=spark) as bridge:
+        assert bridge.committer is None
+        await (await bridge.put(SinkBatch("p", records, 500)))
+        assert bridge.typed_write_jobs == bridge.typed_writes == 1
+    assert [p.name for p in table_dirs(out)] == [f"T{i}" for i in range(7)]
+    assert not any((out / STAGING_DIR).iterdir())
+    expected = typed_tables([("p", records)])
+    for name, table in expected.items():
+        assert comparable(read_table(out, name).drop_columns(["batch"])) == comparable(table)
