@@ -13,6 +13,7 @@ SCENARIOS = {
     "e2e": "bench.e2e",
     "cluster": "bench.cluster",
     "sparkwrites": "bench.sparkwrites",
+    "typedwrites": "bench.typedwrites",
     "dlq": "bench.dlq",
     "scale": "bench.scale",
     "capacity": "bench.capacity",

@@ -53,7 +53,7 @@ import datetime as _dt
 import decimal
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -65,13 +65,21 @@ from runtime.spanner.decode import parse_timestamp
 __all__ = [
     "METADATA",
     "OLD_PREFIX",
+    "WIRE",
+    "TableSpec",
     "TypedError",
     "arrow_type",
     "arrow_value",
     "captures_old_values",
+    "decode_specs",
+    "encode_specs",
     "table_columns",
     "table_schema",
+    "table_spec",
+    "tables_from_wire",
     "typed_tables",
+    "wire_schema",
+    "wire_table",
 ]
 
 OLD_PREFIX = "_old_"
@@ -257,6 +265,38 @@ def table_schema(columns: Sequence[tuple[str, str, bool]], old_values: bool) -> 
 _RECORD_META = METADATA[:4] + METADATA[5:11]  # one value per record (not _mod_index, _columns)
 
 
+class TableSpec(msgspec.Struct, frozen=True, array_like=True):
+    """What a table's typed rows take from the whole micro-batch rather than from each row:
+    its columns (:func:`table_columns`) and whether it holds old values
+    (:func:`captures_old_values`). Rows converted in parts (by Spark's tasks) with the same
+    spec have the same schema."""
+
+    columns: tuple[tuple[str, str, bool], ...]
+    old_values: bool
+
+    def schema(self) -> pa.Schema:
+        return _spec_schema(self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_schema(spec: TableSpec) -> pa.Schema:
+    return table_schema(spec.columns, spec.old_values)
+
+
+def table_spec(changes: Sequence[DataChange]) -> TableSpec:
+    """The spec of one table's records in a micro-batch (all of them)."""
+    columns = tuple(table_columns(changes))
+    for _, type_json, _ in columns:
+        arrow_type(type_json)  # refuses a malformed type here, before any row is converted
+    return TableSpec(columns, captures_old_values(changes))
+
+
+def _text_columns(types: dict[str, str], column_types: Sequence[Any]) -> frozenset[str]:
+    """The columns of a record whose type differs from its table's (it became STRING): their
+    values stay JSON text, like any STRING-typed fallback."""
+    return frozenset(c.name for c in column_types if types.get(c.name) == _STRING != c.type)
+
+
 def _record_metadata(records: Sequence[tuple[str, DataChange]]) -> pa.Table:
     """The per-record metadata columns of every record of a batch, built once for all tables
     (Arrow builds a column far faster than a row at a time)."""
@@ -278,6 +318,53 @@ def _record_metadata(records: Sequence[tuple[str, DataChange]]) -> pa.Table:
 
 
 _Cells = list[tuple[str, Callable[[Any], Any], list[Any]]]  # (column, converter, values)
+_ModText = tuple[str, str, str, frozenset[str]]  # keys, new_values, old_values, text columns
+_NO_TEXT: frozenset[str] = frozenset()
+
+
+def _typed_rows(
+    table: str, spec: TableSpec, meta: pa.Table, mod_index: Any, mods: Iterable[_ModText]
+) -> pa.Table:
+    """The conversion every path shares: the typed table of one table's rows, one per mod.
+    ``meta``: the :data:`_RECORD_META` columns, one row per mod; ``mod_index``: each row's
+    index in its record (an int32 array); ``mods``: per row the mod's JSON texts and the
+    columns whose values stay JSON text (:func:`_text_columns`)."""
+    schema = spec.schema()
+    old = spec.old_values
+    convert: _Cells = [(name, _convert(t), []) for name, t, _ in spec.columns]
+    olds: _Cells = (
+        [(name, _convert(t), []) for name, t, key in spec.columns if not key] if old else []
+    )
+    cells: _Cells = convert + olds
+    written: list[list[str]] = []
+    decode = _json_decoder.decode
+    try:
+        for keys, new_values, old_values, as_text in mods:
+            row = decode(keys)
+            new = decode(new_values)
+            written.append(list(new))
+            row.update(new)
+            before = decode(old_values) if old else row
+            for name, conv, column in convert:
+                value = row.get(name)
+                if value is not None:
+                    value = _json_text(value) if name in as_text else conv(value)
+                column.append(value)
+            for name, conv, column in olds:
+                value = before.get(name)
+                if value is not None:
+                    value = _json_text(value) if name in as_text else conv(value)
+                column.append(value)
+    except (ValueError, TypeError, decimal.InvalidOperation) as exc:
+        raise TypedError(f"table {table}: a value does not fit its column type: {exc!r}") from exc
+    by_name = {name: meta.column(name) for name, _ in _RECORD_META}
+    by_name["_mod_index"] = mod_index
+    by_name["_columns"] = pa.array(written, pa.list_(pa.string()))
+    arrays: list[Any] = [by_name[name] for name, _ in METADATA]
+    fields = list(schema)[len(METADATA) :]
+    for (_, _, values), field in zip(cells, fields, strict=True):
+        arrays.append(_array(values, field.type, field.name))
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _table(
@@ -285,60 +372,28 @@ def _table(
 ) -> pa.Table:
     """The typed table of ``records[i] for i in indices`` (one table's records)."""
     changes = [records[i][1] for i in indices]
-    columns = table_columns(changes)
-    old = captures_old_values(changes)
-    schema = table_schema(columns, old)
-    fix = {name: t for name, t, _ in columns}
-    convert: _Cells = [(name, _convert(t), []) for name, t, _ in columns]
-    olds: _Cells = [(name, _convert(t), []) for name, t, key in columns if not key] if old else []
-    cells: _Cells = convert + olds
+    spec = table_spec(changes)
     row_record: list[int] = []
     mod_index: list[int] = []
-    written: list[list[str]] = []
-    decode = _json_decoder.decode
-    as_text: frozenset[str] = frozenset()
-    last_types: tuple[object, ...] | None = None
-    try:
-        for i, change in zip(indices, changes, strict=True):
-            # a record whose column's type differs from the table's (it became STRING) keeps
-            # the value's JSON text, like any STRING-typed fallback; the decoder interns
-            # column_types, so most records share the previous record's answer
+    for i, change in zip(indices, changes, strict=True):
+        n = len(change.mods)
+        row_record += [i] * n
+        mod_index += range(n)
+    types = {name: t for name, t, _ in spec.columns}
+
+    def mods() -> Iterator[_ModText]:
+        as_text = _NO_TEXT
+        last_types: tuple[object, ...] | None = None
+        for change in changes:
+            # the decoder interns column_types: most records share the previous one's answer
             if change.column_types is not last_types:
                 last_types = change.column_types
-                as_text = frozenset(
-                    c.name for c in last_types if fix.get(c.name) == _STRING != c.type
-                )
-            for k, mod in enumerate(change.mods):
-                row_record.append(i)
-                mod_index.append(k)
-                row = decode(mod.keys)
-                new = decode(mod.new_values)
-                written.append(list(new))
-                row.update(new)
-                before = decode(mod.old_values) if old else row
-                for name, conv, column in convert:
-                    value = row.get(name)
-                    if value is not None:
-                        value = _json_text(value) if name in as_text else conv(value)
-                    column.append(value)
-                for name, conv, column in olds:
-                    value = before.get(name)
-                    if value is not None:
-                        value = _json_text(value) if name in as_text else conv(value)
-                    column.append(value)
-    except (ValueError, TypeError, decimal.InvalidOperation) as exc:
-        raise TypedError(
-            f"table {changes[0].table}: a value does not fit its column type: {exc!r}"
-        ) from exc
+                as_text = _text_columns(types, last_types)
+            for mod in change.mods:
+                yield mod.keys, mod.new_values, mod.old_values, as_text
+
     taken = meta.take(pa.array(row_record, pa.int64()))
-    by_name = {name: taken.column(name) for name, _ in _RECORD_META}
-    by_name["_mod_index"] = pa.array(mod_index, pa.int32())
-    by_name["_columns"] = pa.array(written, pa.list_(pa.string()))
-    arrays: list[Any] = [by_name[name] for name, _ in METADATA]
-    fields = list(schema)[len(METADATA) :]
-    for (_, _, values), field in zip(cells, fields, strict=True):
-        arrays.append(_array(values, field.type, field.name))
-    return pa.Table.from_arrays(arrays, schema=schema)
+    return _typed_rows(changes[0].table, spec, taken, pa.array(mod_index, pa.int32()), mods())
 
 
 def _array(values: list[Any], t: pa.DataType, name: str) -> pa.Array:
@@ -352,14 +407,138 @@ def _array(values: list[Any], t: pa.DataType, name: str) -> pa.Array:
         raise TypedError(f"column {name}: values do not fit {t}: {exc}") from exc
 
 
+def _by_table(records: Sequence[tuple[str, DataChange]]) -> dict[str, list[int]]:
+    by_table: dict[str, list[int]] = {}
+    for i, (_, change) in enumerate(records):
+        by_table.setdefault(change.table, []).append(i)
+    return by_table
+
+
 def typed_tables(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> dict[str, pa.Table]:
     """Per table name, the typed rows of ``entries`` ((partition token, records), in order):
     one row per mod, in the order the records came."""
     records = [(token, change) for token, changes in entries for change in changes]
-    by_table: dict[str, list[int]] = {}
-    for i, (_, change) in enumerate(records):
-        by_table.setdefault(change.table, []).append(i)
     if not records:
         return {}
+    by_table = _by_table(records)
     meta = _record_metadata(records)
     return {name: _table(records, by_table[name], meta) for name in sorted(by_table)}
+
+
+# --- the wire: the same conversion from an Arrow table of JSON text -------------------------
+
+WIRE: tuple[tuple[str, pa.DataType], ...] = (
+    ("_table", pa.string()),
+    ("_commit_ts", pa.int64()),  # microseconds since the epoch
+    *((name, t) for name, t in _RECORD_META if name != "_commit_ts"),
+    ("_mod_index", pa.int32()),
+    ("_keys", pa.string()),
+    ("_new_values", pa.string()),
+    ("_old_values", pa.string()),
+    ("_text_columns", pa.list_(pa.string())),  # null: none (see _text_columns)
+)
+"""The wire table: a micro-batch's mods as one Arrow table of plain types (what Spark takes in
+as it is: ``string``, not ``large_string``), one row per mod, grouped by table (tables by
+name, each table's rows in the order the records came). With each table's :class:`TableSpec`
+it holds everything :func:`typed_tables` needs: :func:`tables_from_wire` turns it into the
+same tables, also in parts (any slices of it, each with the specs of the whole)."""
+
+
+def wire_schema() -> pa.Schema:
+    return pa.schema([pa.field(name, t) for name, t in WIRE])
+
+
+def wire_table(
+    entries: Iterable[tuple[str, Sequence[DataChange]]],
+) -> tuple[pa.Table, dict[str, TableSpec]]:
+    """The wire table of ``entries`` ((partition token, records), in order) and each table's
+    spec, decided over all of its records."""
+    records = [(token, change) for token, changes in entries for change in changes]
+    cols: list[list[Any]] = [[] for _ in WIRE]
+    table_col, ts, mod_type, txn, seq, token_col, tag, nrec, npart, vct, system = cols[:11]
+    mod_index, keys, new, old, text = cols[11:]
+    specs: dict[str, TableSpec] = {}
+    by_table = _by_table(records)
+    for name in sorted(by_table):
+        indices = by_table[name]
+        changes = [records[i][1] for i in indices]
+        spec = specs[name] = table_spec(changes)
+        types = {column: t for column, t, _ in spec.columns}
+        as_text: list[str] | None = None
+        last_types: tuple[object, ...] | None = None
+        for i in indices:
+            token, change = records[i]
+            if change.column_types is not last_types:
+                last_types = change.column_types
+                as_text = sorted(_text_columns(types, last_types)) or None
+            for k, mod in enumerate(change.mods):
+                table_col.append(name)
+                ts.append(change.commit_ts)
+                mod_type.append(change.mod_type)
+                txn.append(change.server_transaction_id)
+                seq.append(change.record_sequence)
+                token_col.append(token)
+                tag.append(change.transaction_tag)
+                nrec.append(change.number_of_records_in_transaction)
+                npart.append(change.number_of_partitions_in_transaction)
+                vct.append(change.value_capture_type)
+                system.append(change.is_system_transaction)
+                mod_index.append(k)
+                keys.append(mod.keys)
+                new.append(mod.new_values)
+                old.append(mod.old_values)
+                text.append(as_text)
+    schema = wire_schema()
+    arrays = [pa.array(values, f.type) for f, values in zip(schema, cols, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=schema), specs
+
+
+_spec_encoder = msgspec.json.Encoder()
+_spec_decoder = msgspec.json.Decoder(dict[str, TableSpec])
+
+
+def encode_specs(specs: dict[str, TableSpec]) -> str:
+    return _spec_encoder.encode(specs).decode()
+
+
+def decode_specs(text: str | bytes) -> dict[str, TableSpec]:
+    try:
+        return _spec_decoder.decode(text)
+    except msgspec.DecodeError as exc:
+        raise TypedError(f"not the typed tables' specs: {exc}") from exc
+
+
+def tables_from_wire(wire: pa.Table, specs: dict[str, TableSpec]) -> dict[str, pa.Table]:
+    """Per table name, the typed rows of a wire table (or a part of one: :data:`WIRE`) with the
+    micro-batch's ``specs``: what :func:`typed_tables` gives for the same records."""
+    wire = wire.cast(wire_schema())  # e.g. large_string from Spark, nullability
+    names = wire.column("_table").to_pylist()
+    by_table: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        by_table.setdefault(name, []).append(i)
+    out: dict[str, pa.Table] = {}
+    for name in sorted(by_table):
+        spec = specs.get(name)
+        if spec is None:
+            raise TypedError(f"table {name}: the wire holds rows of it but no spec")
+        indices = by_table[name]
+        if indices[-1] - indices[0] + 1 == len(indices):  # grouped by table: one slice
+            part = wire.slice(indices[0], len(indices))
+        else:
+            part = wire.take(pa.array(indices, pa.int64()))
+        meta_columns = [part.column(n) for n, _ in _RECORD_META]
+        meta_columns[0] = meta_columns[0].cast(METADATA[0][1])  # int micros → timestamp
+        meta = pa.Table.from_arrays(meta_columns, names=[n for n, _ in _RECORD_META])
+        texts = (
+            _NO_TEXT if t is None else frozenset(t)
+            for t in part.column("_text_columns").to_pylist()
+        )
+        mods = zip(
+            part.column("_keys").to_pylist(),
+            part.column("_new_values").to_pylist(),
+            part.column("_old_values").to_pylist(),
+            texts,
+            strict=True,
+        )
+        out[name] = _typed_rows(name, spec, meta, part.column("_mod_index"), mods)
+    return out

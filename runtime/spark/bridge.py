@@ -56,9 +56,11 @@ futures, so a crash anywhere loses nothing.
   place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
 * The default output's layout (``SparkConfig.output_layout``): **typed** (the default on the
   embedded path without ``dead_letter``, to a path this process writes) is the typed per-table
-  changelog, ``<table>/batch=<id>/``, written by pyarrow on the driver and committed by the same
-  atomic committer (``runtime.spark.typed_output``); **generic** is the layout described above,
-  written by Spark (the streaming path and the RQ/DLQ always write it).
+  changelog, ``<table>/batch=<id>/``: each micro-batch with rows is one Spark job whatever the
+  number of tables, its executors converting the rows and writing every table's files into the
+  staging directory (``runtime.spark.datasource``), then committed by the same atomic
+  committer (``runtime.spark.typed_output``); **generic** is the layout described above (the
+  streaming path and the RQ/DLQ always write it).
 * ``foreach_batch(df, batch_id)`` gets a run-local batch number; a ``foreach_batch`` taking a
   third parameter gets ``(df, batch_id, identity)`` with the deterministic batch identity,
   stable across re-delivery: key an idempotent write on it (docs/operations.md).
@@ -100,7 +102,7 @@ from runtime.spark.keyed import (
     spark_records,
 )
 from runtime.spark.output import write_default, write_staged
-from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_table
+from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_records, warm_table
 from runtime.spark.session import SparkStartError, abandon_start, start_session, warm
 from runtime.spark.supervisor import SessionSupervisor, SparkJobTimeout, SparkLost, cancel_jobs
 from runtime.spark.typed_output import TypedBatch, typed_tails
@@ -197,6 +199,8 @@ class SparkBridge:
         self._retry_sends: list[PendingSend] = []
         self._retry_kick: asyncio.Event | None = None
         self._rows_parked = self._rows_retried = self._isolation_runs = 0
+        # typed micro-batches written through Spark (with a known job count) and their jobs
+        self.typed_writes = self.typed_write_jobs = 0
         # counters
         self._puts = self._rows_in = self._rows_dedup = self._rows_committed = 0
         self._batches_committed = self._batches_failed = self._attempts_failed = 0
@@ -235,12 +239,7 @@ class SparkBridge:
         try:
             async with asyncio.timeout(cfg.start_timeout_s):
                 await asyncio.to_thread(warm, self.spark)
-            if (
-                self.foreach_batch is None
-                and cfg.path == "embedded"
-                and cfg.remote is None
-                and self.layout == "generic"
-            ):
+            if self.foreach_batch is None and cfg.path == "embedded" and cfg.remote is None:
                 await asyncio.to_thread(self._warm_write, None)
             if self.committer is not None:
                 await asyncio.to_thread(self.committer.recover)
@@ -362,8 +361,8 @@ class SparkBridge:
                 else await asyncio.to_thread(supervisor.dead_because, None)
             )
             if supervisor is not None and dead is not None:
-                # No job since needed the session (the typed layout writes without Spark), so
-                # nothing was lost with it; stop() would only fail on the dead JVM.
+                # No job since needed the session (a job would have found it dead), so nothing
+                # was lost with it; stop() would only fail on the dead JVM.
                 log.warning("%r: Spark's session was lost before the end: %s", self, dead)
                 await asyncio.to_thread(supervisor.forget)
             else:
@@ -540,11 +539,16 @@ class SparkBridge:
             self._queue.put_nowait(_STOP)
 
     def _warm_write(self, spark: Any = None) -> None:
-        """Blocking: one tiny write through the default sink (the first costs seconds)."""
+        """Blocking: one tiny write through the default sink (the first costs seconds; the
+        typed layout's also registers its data source with the session)."""
         target = tempfile.mkdtemp(prefix="shoal-spark-warm-")
         spark = self.spark if spark is None else spark
         try:
-            write_default(spark.createDataFrame(warm_table()), target, "warm")
+            if self.layout == "typed":
+                batch = TypedBatch([("warm", warm_records())], 1)
+                batch.write_in_place(spark, target, "warm")
+            else:
+                write_default(spark.createDataFrame(warm_table()), target, "warm")
         except Exception as exc:
             raise SparkStartError(f"Spark cannot write parquet: {exc}") from exc
         finally:
@@ -880,7 +884,7 @@ class SparkBridge:
         as done. A thread that does not end after the cancel is a session that cannot be
         trusted with the batch again (it may still commit it): :class:`SparkLost`."""
         limit = self.config.job_timeout_s
-        if limit is None or isinstance(table, TypedBatch):  # pyarrow writes: no Spark job
+        if limit is None:
             await asyncio.to_thread(run, *args)
             return
         job = asyncio.ensure_future(asyncio.to_thread(run, *args))
@@ -1195,7 +1199,8 @@ class SparkBridge:
         assert identity is not None
         moves: list[tuple[str, str]] = []
         if isinstance(table, TypedBatch):
-            moves = table.stage(committer, identity)
+            moves = table.stage(self.spark, committer, identity)
+            self._count_typed_write(table)
         elif table.num_rows:
             staging = committer.staging(identity)
             df = self._frames.get(cut.batch_id)
@@ -1214,6 +1219,12 @@ class SparkBridge:
             identity, moves, [(e.token, e.records, e.watermark) for e in cut.entries], fence=keys
         )
 
+    def _count_typed_write(self, batch: TypedBatch) -> None:
+        receipt = batch.receipt
+        if batch.num_rows and receipt is not None and receipt.spark_jobs is not None:
+            self.typed_writes += 1
+            self.typed_write_jobs += receipt.spark_jobs
+
     def _dataframe(self, table: Any) -> Any:
         if table.num_rows == 0:
             # Spark Connect cannot infer a schema from an empty table (CANNOT_INFER_EMPTY_SCHEMA);
@@ -1226,7 +1237,9 @@ class SparkBridge:
     def _run_batch(self, batch_id: int, table: Any, identity: str) -> None:
         """In a worker thread: one attempt of one micro-batch."""
         if isinstance(table, TypedBatch):
-            table.write_in_place(self.config.output_dir, f"{self.run_id}-{batch_id:010d}")
+            name = f"{self.run_id}-{batch_id:010d}"
+            table.write_in_place(self.spark, self.config.output_dir, name)
+            self._count_typed_write(table)
             return
         df = self._dataframe(table)
         if self.foreach_batch is not None:

@@ -35,6 +35,7 @@ __all__ = [
     "row_key",
     "to_arrow",
     "to_columns",
+    "warm_records",
     "warm_table",
 ]
 
@@ -274,8 +275,8 @@ class Batcher:
         return entries
 
 
-def warm_table() -> Any:
-    """One made-up row, to warm Spark's path before traffic."""
+def warm_records() -> list[DataChange]:
+    """One made-up record of one row, to warm Spark's paths before traffic."""
     from protocol.records import ColumnType, Mod
 
     change = DataChange(
@@ -288,4 +289,9 @@ def warm_table() -> Any:
         mods=(Mod('{"Id":0}', "{}", "{}"),),
         mod_type="INSERT",
     )
-    return to_arrow([("warm", [change])])
+    return [change]
+
+
+def warm_table() -> Any:
+    """One made-up row, to warm Spark's path before traffic."""
+    return to_arrow([("warm", warm_records())])

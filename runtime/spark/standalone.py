@@ -163,6 +163,10 @@ class StandaloneCluster:
             )
         self._procs.append((name, proc))
 
+    def pids(self) -> dict[str, int]:
+        """The process id of each daemon (``master``, ``worker-<i>``) while it runs."""
+        return {name: proc.pid for name, proc in self._procs if proc.poll() is None}
+
     def log_tail(self, name: str, chars: int = 3000) -> str:
         path = self.work_dir / f"{name}.log"
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""

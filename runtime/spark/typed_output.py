@@ -1,15 +1,16 @@
 """The Spark bridge's typed default output (``SparkConfig.output_layout = "typed"``): the typed
 per-table changelog of ``runtime.typed``, one directory per table (``<table>/batch=<id>/``).
 
-A micro-batch's typed tables are built off the event loop when it is cut (:class:`TypedBatch`)
-and written by pyarrow on the driver, every table in one pass, with no Spark job at all: a
-Spark write costs a job (~0.2–0.6 s fixed) per distinct schema, so a stream over hundreds of
-tables would cost hundreds of jobs per micro-batch (docs/benchmarks.md has the figures). The
-files are staged and committed by the same atomic committer as the generic layout
-(``runtime.commit``: ``_staging/<id>/<table>/``, manifest, one rename per table
+A micro-batch is turned into its wire table and its tables' specs off the event loop when it is
+cut (:class:`TypedBatch`), then written by Spark in **one job whatever the number of tables**
+(``runtime.spark.datasource``): the executors convert the rows into each table's typed rows and
+write the files under the committer's staging directory, the driver writes the receipt of the
+files it committed. The staged tables are then committed by the same atomic committer as the
+generic layout (``runtime.commit``: ``_staging/<id>/<table>/``, manifest, one rename per table
 directory, progress files), so the output stays exactly once. The output directory must be a
-file system this process writes (local, or shared with the cluster); Spark reads it as any
-parquet directory (docs/reading-output.md).
+file system this process and Spark's executors both write (local, or shared with the cluster);
+Spark reads it as any parquet directory (docs/reading-output.md). The file sink
+(``--sink files``) writes the same layout with pyarrow in its own process.
 """
 
 from __future__ import annotations
@@ -22,22 +23,26 @@ from typing import Any
 from protocol.commit import STAGING_DIR
 from protocol.records import DataChange
 from runtime.commit import Committer
-from runtime.typed import TypedError, typed_tables
-from runtime.typed_files import read_changes, write_tables
+from runtime.spark.datasource import Receipt, write_staged_typed
+from runtime.typed import TableSpec, TypedError, wire_table
+from runtime.typed_files import read_changes
 
 __all__ = ["TypedBatch", "typed_tails"]
 
 
 class TypedBatch:
-    """One micro-batch's typed tables, built when it is cut (``error``: why they could not be;
-    raised when the batch is written, so it fails like a failed Spark batch)."""
+    """One micro-batch for the typed output, built when it is cut: its wire table and its
+    tables' specs (``error``: why they could not be built; raised when the batch is written, so
+    it fails like a failed Spark batch). ``receipt``: what the last write staged."""
 
     def __init__(self, fresh: Sequence[tuple[str, Sequence[DataChange]]], rows: int) -> None:
         self.num_rows = rows
-        self.tables: dict[str, Any] = {}
+        self.wire: Any = None
+        self.specs: dict[str, TableSpec] = {}
         self.error: TypedError | None = None
+        self.receipt: Receipt | None = None
         try:
-            self.tables = typed_tables(fresh)
+            self.wire, self.specs = wire_table(fresh)
         except TypedError as exc:
             self.error = exc
 
@@ -45,22 +50,33 @@ class TypedBatch:
         if self.error is not None:
             raise self.error
 
-    def stage(self, committer: Committer, identity: str) -> list[tuple[str, str]]:
-        """Write the tables under the committer's staging directory of ``identity``; the moves
-        to commit (none without rows)."""
-        self._check()
-        if not self.num_rows:
-            return []
-        staging = committer.staging(identity)
+    def _write(self, spark: Any, staging: Path) -> list[str]:
+        """One Spark job: the tables under ``staging``; the tables written."""
         try:
-            return write_tables(staging, committer.staged(identity), identity, self.tables)
+            receipt = write_staged_typed(spark, self.wire, str(staging), self.specs)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        self.receipt = receipt
+        missing = sorted(set(self.specs) - set(receipt.tables))
+        if missing:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise TypedError(f"Spark's typed write staged no file of tables {missing[:10]}")
+        return receipt.tables
 
-    def write_in_place(self, output_dir: str, name: str) -> None:
-        """Without atomic commits: write each table's ``batch=<name>`` directory (a re-run of
-        the same batch replaces its own directories), each by one rename."""
+    def stage(self, spark: Any, committer: Committer, identity: str) -> list[tuple[str, str]]:
+        """Write the tables through Spark under the committer's staging directory of
+        ``identity``; the moves to commit (none, and no Spark job, without rows)."""
+        self._check()
+        if not self.num_rows:
+            return []
+        tables = self._write(spark, committer.staging(identity))
+        staged = committer.staged(identity)
+        return [(f"{staged}/{t}", f"{t}/batch={identity}") for t in tables]
+
+    def write_in_place(self, spark: Any, output_dir: str, name: str) -> None:
+        """Without atomic commits: write each table's ``batch=<name>`` directory through Spark
+        (a re-run of the same batch replaces its own directories), each by one rename."""
         self._check()
         if not self.num_rows:
             return
@@ -68,12 +84,12 @@ class TypedBatch:
         staging = root / STAGING_DIR / name
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            for staged, final in write_tables(staging, f"{STAGING_DIR}/{name}", name, self.tables):
-                target = root / final
+            for table in self._write(spark, staging):
+                target = root / table / f"batch={name}"
                 if target.exists():
                     shutil.rmtree(target)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                (root / staged).rename(target)
+                (staging / table).rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

@@ -245,10 +245,11 @@ async def test_default_config_on_a_fresh_output_dir_writes_through_our_server(
 async def test_typed_default_over_connect_holds_each_change_once(
     connect_server: ConnectServer, tmp_path: Path
 ) -> None:
-    """The default layout over Connect is the typed changelog, written by this process and
-    committed atomically (no Spark job per micro-batch): every change of the stream is in its
-    table's directory once, a restarted bridge that is handed the unacked tail again writes
-    nothing twice, and Spark reads the tables back through the Connect session."""
+    """The default layout over Connect is the typed changelog, written by the server's
+    executors (one Spark job per micro-batch, through shoal's data source, registered over the
+    Connect session) and committed atomically by this process: every change of the stream is
+    in its table's directory once, a restarted bridge that is handed the unacked tail again
+    writes nothing twice, and Spark reads the tables back through the Connect session."""
     out = tmp_path / "out"
     records = _records(seed=26)
     token, changes = next(iter(records.items()))

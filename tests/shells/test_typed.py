@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import itertools
 import math
 from typing import Any
 
@@ -17,10 +18,16 @@ from runtime.typed import (
     TypedError,
     arrow_type,
     arrow_value,
+    decode_specs,
+    encode_specs,
     table_columns,
     table_schema,
+    tables_from_wire,
     typed_tables,
+    wire_schema,
+    wire_table,
 )
+from tests.fixtures.typed_records import all_types_entries, comparable
 
 UTC = dt.UTC
 
@@ -262,3 +269,33 @@ def test_a_value_that_does_not_fit_is_a_clear_error() -> None:
     record = change(1, "INSERT", (Mod('{"K1":"a","K2":"one"}', "{}", "{}"),))
     with pytest.raises(TypedError, match="one"):
         typed_tables([("p", [record])])
+
+
+def test_the_wire_gives_the_same_tables_whole_and_in_parts() -> None:
+    """The wire table (runtime.typed.WIRE: what Spark's executors get) with the tables' specs
+    converts into exactly the tables typed_tables builds from the records, covering every
+    Spanner type, a column added and a column whose type changed within the batch; also cut
+    into parts anywhere (as Spark's tasks get it) and the parts' tables concatenated."""
+    entries = all_types_entries()
+    expected = {name: comparable(table) for name, table in typed_tables(entries).items()}
+    wire, specs = wire_table(entries)
+    assert wire.schema == wire_schema()
+    assert wire.num_rows == sum(len(c.mods) for _, cs in entries for c in cs)
+    specs = decode_specs(encode_specs(specs))  # as the option Spark carries
+    whole = tables_from_wire(wire, specs)
+    assert {name: comparable(table) for name, table in whole.items()} == expected
+    for cuts in ([5], [1, 2, 3], [7, 19, 20]):
+        bounds = [0, *cuts, wire.num_rows]
+        parts: dict[str, list[pa.Table]] = {}
+        for start, end in itertools.pairwise(bounds):
+            for name, table in tables_from_wire(wire.slice(start, end - start), specs).items():
+                parts.setdefault(name, []).append(table)
+        joined = {name: comparable(pa.concat_tables(ts)) for name, ts in parts.items()}
+        assert joined == expected, cuts
+
+
+def test_a_wire_table_without_its_tables_spec_is_refused() -> None:
+    wire, specs = wire_table(all_types_entries(1))
+    del specs["Changed"]
+    with pytest.raises(TypedError, match="Changed"):
+        tables_from_wire(wire, specs)

@@ -1,0 +1,429 @@
+"""Spark writes the typed per-table changelog: one Spark job per micro-batch, whatever the number
+of tables, through a PySpark Python data source with an Arrow writer.
+
+:func:`write_staged_typed` takes a micro-batch as its wire table (``runtime.typed.WIRE``: one
+row per mod, grouped by table, keys and values as JSON text) and each table's
+:class:`~runtime.typed.TableSpec` (its columns and whether it holds old values, decided over
+the whole micro-batch). The wire table enters Spark as an Arrow-backed DataFrame of **chunks**
+(:func:`wire_chunks`): the wire table cut into as many slices as the session has cores, each
+slice one row holding its Arrow IPC stream (column ``_wire``), one partition per chunk. Spark
+moves each chunk as one binary value: turning a wide table of JSON text into Spark's rows and
+back into Arrow for the Python writer cost about as much as the whole floor write of the same
+rows (``bench typedwrites``, docs/benchmarks.md). The wire table is grouped by table, so each
+task gets runs of whole tables and a micro-batch of ``n`` tables makes at most
+``n + tasks - 1`` files. It is written with ``format("shoal_typed")``:
+
+* **executors** (:class:`TypedWriter.write`) get their chunk, read its slice of the wire table,
+  turn it into each table's typed rows with ``runtime.typed.tables_from_wire`` (the same
+  conversion as the in-process ``typed_tables``) and write one parquet file per table under the
+  staging location, ``<staging>/<table>/part-<partition>-<attempt>-<random>.parquet``, through
+  pyarrow's file systems (:func:`filesystem`: a local path, ``file://``, ``s3://``, ``gs://``),
+  and return a commit message listing their files (table, path, rows, bytes) with the writing
+  process's pid and host;
+* the **driver** (:meth:`TypedWriter.commit`, run once per write in a Python process Spark's
+  JVM starts, not in the caller's) writes the receipt ``<staging>/_receipt.json`` (one object
+  written at once: a temporary file renamed on a local file system, one PUT on an object store)
+  listing exactly the files of the task attempts Spark committed; :meth:`TypedWriter.abort`
+  deletes the files its messages list.
+
+Back in the caller, :func:`write_staged_typed` reads the receipt (of this write: a random write
+id ties them), checks it holds every row of the wire table, and deletes every other file under
+the staging location (those of failed task attempts). What is staged is then committed by the
+caller (the Spark bridge: ``runtime.commit``'s renames). The class must be importable where
+Spark runs Python (the executors, the driver's planning and commit processes): shoal installed
+there, or its directory on their ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pyarrow.fs as pafs
+from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+
+from runtime.typed import TableSpec, decode_specs, encode_specs, tables_from_wire
+from runtime.typed_files import encode_parquet
+
+__all__ = [
+    "CHUNK_COLUMN",
+    "NAME",
+    "RECEIPT",
+    "Receipt",
+    "StagedFile",
+    "TaskFiles",
+    "TaskWritten",
+    "TypedChangelog",
+    "TypedWriteError",
+    "TypedWriter",
+    "drop_unlisted",
+    "filesystem",
+    "read_chunks",
+    "read_receipt",
+    "wire_chunks",
+    "write_staged_typed",
+]
+
+log = logging.getLogger("shoal.spark")
+
+NAME = "shoal_typed"
+"""The data source's name (``df.write.format(NAME)``)."""
+
+RECEIPT = "_receipt.json"
+"""The receipt's name under the staging location (table names start with a letter)."""
+
+CHUNK_COLUMN = "_wire"
+"""The chunks' one column: a slice of the wire table as an Arrow IPC stream."""
+
+
+class TypedWriteError(RuntimeError):
+    """A typed write whose outcome is not what Spark reported (no receipt, rows missing)."""
+
+
+class StagedFile(msgspec.Struct, frozen=True):
+    """One file a task wrote: its table, its path in the file system of the staging location,
+    its rows and bytes."""
+
+    table: str
+    path: str
+    rows: int
+    bytes: int
+
+
+class TaskFiles(msgspec.Struct, frozen=True):
+    """What one task attempt wrote, and where it ran."""
+
+    partition: int
+    attempt: int
+    task_attempt_id: int
+    pid: int
+    host: str
+    files: tuple[StagedFile, ...]
+    read_s: float = 0.0  # taking the chunks in and reading them
+    convert_s: float = 0.0  # tables_from_wire
+    write_s: float = 0.0  # encoding and writing the files
+
+
+class Receipt(msgspec.Struct, frozen=True):
+    """The files of one write that Spark committed (every task attempt it counted), written by
+    the driver's commit; ``spark_jobs``: the Spark jobs the write ran, as counted by the caller
+    (None where it cannot tell: Spark Connect)."""
+
+    write_id: str
+    tasks: tuple[TaskFiles, ...]
+    spark_jobs: int | None = None
+
+    @property
+    def files(self) -> list[StagedFile]:
+        return [f for task in self.tasks for f in task.files]
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    @property
+    def tables(self) -> list[str]:
+        """The tables with files, by name."""
+        return sorted({f.table for f in self.files})
+
+
+_receipt_encoder = msgspec.json.Encoder()
+_receipt_decoder = msgspec.json.Decoder(Receipt)
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The file system of a location and the location's path in it: a local path, ``file://``,
+    ``s3://``, ``gs://`` (credentials from the standard environment and credential chains).
+    The one place the typed write opens a file system, in executors and in the caller."""
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path.rstrip("/")
+
+
+def _is_local(fs: pafs.FileSystem) -> bool:
+    return bool(fs.type_name == "local")
+
+
+@dataclass(frozen=True)
+class TaskWritten(WriterCommitMessage):
+    """A task's commit message (pickled by Spark back to the driver)."""
+
+    task: TaskFiles
+
+
+class TypedWriter(DataSourceArrowWriter):
+    """Writes each task's typed tables (see the module docstring). Options: ``staging`` (the
+    staging location), ``specs`` (the tables' specs, ``runtime.typed.encode_specs``) and
+    ``write_id``."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        try:
+            self.staging = options["staging"]
+            self.specs_text = options["specs"]
+            self.write_id = options["write_id"]
+        except KeyError as exc:
+            raise TypedWriteError(f"the {NAME} data source needs the option {exc}") from None
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskWritten:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        partition = ctx.partitionId() if ctx is not None else 0
+        attempt = ctx.attemptNumber() if ctx is not None else 0
+        task_attempt = ctx.taskAttemptId() if ctx is not None else -1
+        t0 = time.monotonic()
+        slices = [s for batch in iterator for s in read_chunks(batch)]
+        files: list[StagedFile] = []
+        t1 = t2 = time.monotonic()
+        if slices:
+            tables = tables_from_wire(pa.concat_tables(slices), decode_specs(self.specs_text))
+            t2 = time.monotonic()
+            fs, base = filesystem(self.staging)
+            name = f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:12]}.parquet"
+            for table, typed in tables.items():
+                files.append(self._write(fs, f"{base}/{table}", name, table, typed))
+        t3 = time.monotonic()
+        task = TaskFiles(
+            partition,
+            attempt,
+            task_attempt,
+            os.getpid(),
+            socket.gethostname(),
+            tuple(files),
+            read_s=t1 - t0,
+            convert_s=t2 - t1,
+            write_s=t3 - t2,
+        )
+        return TaskWritten(task)
+
+    def _write(
+        self, fs: pafs.FileSystem, directory: str, name: str, table: str, typed: pa.Table
+    ) -> StagedFile:
+        data = encode_parquet(typed)
+        if _is_local(fs):
+            fs.create_dir(directory, recursive=True)
+        path = f"{directory}/{name}"
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+        return StagedFile(table, path, typed.num_rows, data.size)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        tasks = []
+        for message in messages:
+            if not isinstance(message, TaskWritten):
+                raise TypedWriteError(f"a task of write {self.write_id} sent {message!r}")
+            tasks.append(message.task)
+        receipt = Receipt(self.write_id, tuple(sorted(tasks, key=lambda t: t.partition)))
+        fs, base = filesystem(self.staging)
+        _put_atomically(fs, f"{base}/{RECEIPT}", _receipt_encoder.encode(receipt))
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        fs, _ = filesystem(self.staging)
+        for message in messages:
+            if isinstance(message, TaskWritten):
+                for f in message.task.files:
+                    _delete(fs, f.path)
+
+
+class TypedChangelog(DataSource):
+    """The ``shoal_typed`` data source: write only (:class:`TypedWriter`)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def writer(self, schema: Any, overwrite: bool) -> TypedWriter:
+        return TypedWriter(self.options)
+
+
+def wire_chunks(wire: pa.Table, chunks: int) -> pa.Table:
+    """``wire`` cut into ``chunks`` slices of about equal rows (fewer if it has fewer rows),
+    each an Arrow IPC stream in one row of column :data:`CHUNK_COLUMN`, each row its own
+    record batch (``createDataFrame`` makes one partition of each)."""
+    n = wire.num_rows
+    chunks = max(1, min(chunks, n))
+    batches = []
+    for i in range(chunks):
+        start, end = i * n // chunks, (i + 1) * n // chunks
+        sink = pa.BufferOutputStream()
+        part = wire.slice(start, end - start)
+        with pa.ipc.new_stream(sink, part.schema) as stream:
+            stream.write_table(part)
+        data = sink.getvalue()
+        offsets = pa.array([0, data.size], pa.int32()).buffers()[1]
+        value = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, data])  # no copy
+        batches.append(pa.record_batch([value], names=[CHUNK_COLUMN]))
+    return pa.Table.from_batches(batches)
+
+
+def read_chunks(batch: pa.RecordBatch) -> Iterator[pa.Table]:
+    """The wire table slices of a batch of chunks (:func:`wire_chunks`), as Spark hands them to
+    a task (``binary`` or ``large_binary``)."""
+    column = batch.column(CHUNK_COLUMN)
+    for i in range(batch.num_rows):
+        data = column[i].as_buffer()
+        if data is not None:
+            yield pa.ipc.open_stream(data).read_all()
+
+
+def _put_atomically(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Readers see all of ``data`` at ``path`` or nothing: a local file is written aside and
+    renamed; an object store's PUT is atomic by itself."""
+    if not _is_local(fs):
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+        return
+    directory, _, name = path.rpartition("/")
+    fs.create_dir(directory, recursive=True)
+    tmp = f"{directory}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+    with fs.open_output_stream(tmp) as out:
+        out.write(data)
+    fs.move(tmp, path)
+
+
+def _delete(fs: pafs.FileSystem, path: str) -> bool:
+    """Delete a file; False if it was not there."""
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# --- the caller's side -----------------------------------------------------------------------
+
+_registered: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _register(spark: Any) -> None:
+    """Register the data source with ``spark`` once (a replaced session needs it again)."""
+    if spark not in _registered:
+        spark.dataSource.register(TypedChangelog)
+        _registered.add(spark)
+
+
+def _spark_context(spark: Any) -> Any:
+    """The session's SparkContext (None over Spark Connect, which has none: its session raises
+    an ``AttributeError``, ``JVM_ATTRIBUTE_NOT_SUPPORTED``)."""
+    return getattr(spark, "sparkContext", None)
+
+
+_DEFAULT_CHUNKS = 2  # where the session does not tell its parallelism (Spark Connect)
+_MAX_CHUNK_BYTES = 256 << 20
+_JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
+
+
+def write_staged_typed(
+    spark: Any,
+    wire: pa.Table,
+    staging_uri: str,
+    specs: Mapping[str, TableSpec],
+    *,
+    partitions: int | None = None,
+    source: type[TypedChangelog] = TypedChangelog,
+    options: Mapping[str, str] | None = None,
+) -> Receipt:
+    """Blocking: write the typed tables of the wire table ``wire`` (``runtime.typed.WIRE``,
+    with each table's ``specs``) under ``staging_uri`` in one Spark job, and return the receipt
+    of the files Spark committed (every other file under ``staging_uri`` is deleted). No rows:
+    no job. ``partitions``: the chunks, i.e. tasks (default: the session's default
+    parallelism);
+    ``source``: the data source class (a subclass under a name of its own, e.g. in a test) and
+    ``options`` more options for it."""
+    write_id = uuid.uuid4().hex
+    if wire.num_rows == 0:
+        return Receipt(write_id, (), spark_jobs=0)
+    _register(spark)
+    if source is not TypedChangelog:
+        spark.dataSource.register(source)
+    sc = _spark_context(spark)
+    if partitions is None:
+        partitions = sc.defaultParallelism if sc is not None else _DEFAULT_CHUNKS
+    # a chunk is one binary value (Spark and Arrow hold at most 2 GiB in one)
+    partitions = max(partitions, -(-wire.nbytes // _MAX_CHUNK_BYTES))
+    df = spark.createDataFrame(wire_chunks(wire, partitions))
+    writer = (
+        df.write.format(source.name())
+        .mode("append")
+        .options(**(options or {}))
+        .option("staging", staging_uri)
+        .option("specs", encode_specs(dict(specs)))
+        .option("write_id", write_id)
+    )
+    group = f"shoal-typed-{write_id}"
+    saved: list[str | None] = []
+    if sc is not None:
+        saved = [sc.getLocalProperty(p) for p in _JOB_PROPERTIES]
+        sc.setJobGroup(group, f"shoal: typed micro-batch ({wire.num_rows} rows)")
+    try:
+        writer.save()
+    finally:
+        if sc is not None:
+            for prop, value in zip(_JOB_PROPERTIES, saved, strict=True):
+                sc.setLocalProperty(prop, value)
+    jobs = None if sc is None else len(sc.statusTracker().getJobIdsForGroup(group))
+    receipt = read_receipt(staging_uri, write_id)
+    if receipt.rows != wire.num_rows:
+        raise TypedWriteError(
+            f"Spark committed {receipt.rows} rows of a micro-batch of {wire.num_rows} under "
+            f"{staging_uri}"
+        )
+    dropped = drop_unlisted(staging_uri, receipt)
+    if dropped:
+        log.warning(
+            "typed write %s: deleted %d files of failed task attempts", write_id, len(dropped)
+        )
+    return msgspec.structs.replace(receipt, spark_jobs=jobs)
+
+
+def read_receipt(staging_uri: str, write_id: str) -> Receipt:
+    """The receipt of write ``write_id`` under ``staging_uri``."""
+    fs, base = filesystem(staging_uri)
+    try:
+        with fs.open_input_stream(f"{base}/{RECEIPT}") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise TypedWriteError(
+            f"Spark reported write {write_id} done but {staging_uri}/{RECEIPT} is missing: the "
+            "staging location must be one this process reads as the Spark driver writes it"
+        ) from None
+    try:
+        receipt = _receipt_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise TypedWriteError(f"{staging_uri}/{RECEIPT} is not a receipt: {exc}") from exc
+    if receipt.write_id != write_id:
+        raise TypedWriteError(
+            f"{staging_uri}/{RECEIPT} is the receipt of write {receipt.write_id}, not {write_id}"
+        )
+    return receipt
+
+
+def drop_unlisted(staging_uri: str, receipt: Receipt) -> list[str]:
+    """Delete every file under ``staging_uri`` that ``receipt`` does not list (the receipt
+    itself excepted) and, on a local file system, directories left empty; the paths deleted."""
+    fs, base = filesystem(staging_uri)
+    keep = {f.path for f in receipt.files} | {f"{base}/{RECEIPT}"}
+    infos: Sequence[pafs.FileInfo] = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    dropped = [
+        info.path
+        for info in infos
+        if info.type == pafs.FileType.File and info.path not in keep and _delete(fs, info.path)
+    ]
+    if _is_local(fs):
+        listed = {f.path.rpartition("/")[0] for f in receipt.files}
+        for info in sorted(infos, key=lambda i: i.path, reverse=True):
+            if (
+                info.type == pafs.FileType.Directory
+                and info.path not in listed
+                and not fs.get_file_info(pafs.FileSelector(info.path))
+            ):
+                fs.delete_dir(info.path)
+    return dropped
