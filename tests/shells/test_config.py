@@ -280,3 +280,22 @@ def test_sasl_password_with_the_embedded_broker_exits_2_naming_it(
     assert len(lines) == 1, err
     assert lines[0].startswith("shoal: error: kafka.sasl_password (--kafka-sasl-password)")
     assert "pw-7Yq-not-shown" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--sink", "kafka", "--table-format", "delta"], "--sink files"),
+        (["--sink", "files", "--table-format", "delta", "--output-layout", "generic"], "typed"),
+        (["--sink", "spark", "--table-format", "delta"], "not built yet"),
+        (["--sink", "files", "--output-dir", "s3://"], "output_dir"),
+    ],
+)
+def test_table_format_and_output_urls_are_checked_at_start(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        _load(argv)  # loading checks the options
+
+
+def test_delta_on_an_object_store_with_the_file_sink_is_accepted() -> None:
+    config = _load(["--sink", "files", "--table-format", "delta", "--output-dir", "s3://b/p"])
+    assert (config.run.table_format, config.run.output_dir) == ("delta", "s3://b/p")
