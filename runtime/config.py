@@ -574,7 +574,8 @@ SECTION_TITLES: Final = {
 }
 CONFIG_ENV: Final = "SHOAL_CONFIG"
 # SHOAL_* variables that are not options but are read elsewhere.
-_FOREIGN_ENV: Final = frozenset({CONFIG_ENV, "SHOAL_SPANNER_EMULATOR"})
+# not options: the config file, the emulator binary, the tests' required-parts switch (.ci/run)
+_FOREIGN_ENV: Final = frozenset({CONFIG_ENV, "SHOAL_SPANNER_EMULATOR", "SHOAL_REQUIRE_PARTS"})
 _SECRET_FIELDS: Final = frozenset({"sasl_password", "ssl_keyfile_password"})
 
 

@@ -149,48 +149,6 @@ async def test_control_without_a_fence_the_late_commit_writes_twice(tmp_path: Pa
     assert set(rows.values()) == {2}  # the hole the fence closes
 
 
-class _Frame:
-    def count(self) -> int:
-        return 1
-
-
-class _NoSpark:
-    """A session stand-in: the typed layout is written by pyarrow, no Spark job."""
-
-    def createDataFrame(self, table: object) -> _Frame:
-        return _Frame()
-
-
-@pytest.mark.asyncio
-@pytest.mark.timeout(60)
-async def test_the_spark_bridge_refuses_a_micro_batch_holding_a_fenced_batch(
-    tmp_path: Path,
-) -> None:
-    """The Spark bridge fences through the same committer: a fenced batch still buffered is
-    refused with its micro-batch when the old bridge commits it (at close here), after the new
-    owner wrote the same records: each row is in the output once."""
-    from runtime.spark import BridgeError, SparkBridge, SparkConfig
-
-    batch = SinkBatch("p", (_typed(1), _typed(2)), T0 + 2000)
-    out = tmp_path / "out"
-    held = SparkConfig(output_dir=str(out), max_rows=10_000, max_age_s=3600)  # cut at close
-    async with SparkBridge(held, spark=_NoSpark()) as old:
-        assert old.layout == "typed"
-        abandoned = await old.put(batch)
-        assert await old.fence([batch]) == [False]
-        # the new owner (another bridge over the output, as another process) writes it
-        config = SparkConfig(output_dir=str(out), max_rows=10_000, max_age_s=0.02)
-        async with SparkBridge(config, spark=_NoSpark()) as new:
-            assert await new.durable_position("p") is None
-            again = SinkBatch("p", batch.records, batch.watermark)
-            await (await new.put(again))
-    with pytest.raises(BridgeError, match="fenced"):
-        abandoned.result()
-    assert old.stats().fenced_refused == 1
-    rows = Counter(r["commit_ts"] for r in read_rows(out))
-    assert rows == Counter({T0 + 1000: 1, T0 + 2000: 1})
-
-
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_refused_micro_batch_holds_back_its_partitions_until_they_re_read(
@@ -249,38 +207,3 @@ async def test_a_partition_back_from_another_process_is_not_held_back(tmp_path: 
     await later
     rows = Counter(r["commit_ts"] for r in read_rows(tmp_path))
     assert rows == Counter({T0 + 1000: 1, T0 + 2000: 1, T0 + 3000: 1})
-
-
-@pytest.mark.asyncio
-@pytest.mark.timeout(60)
-async def test_the_spark_bridge_lets_a_new_reader_of_a_refused_partition_go_on(
-    tmp_path: Path,
-) -> None:
-    """The bridge's gap left by a refused micro-batch (here: it held a fenced batch) holds back
-    the partition's continuations, until a new reader of it asks for its position: it goes on
-    from what is committed (here another bridge, as another process, wrote the records)."""
-    from runtime.spark import SparkBridge, SparkConfig
-
-    out = tmp_path / "out"
-    config = SparkConfig(output_dir=str(out), max_rows=2, max_age_s=3600)
-    records = [_typed(i) for i in range(1, 5)]
-    async with SparkBridge(config, spark=_NoSpark()) as here:
-        p1 = SinkBatch("p", (records[0],), T0 + 1000)
-        first = await here.put(p1)
-        assert await here.fence([p1]) == [False]
-        second = await here.put(SinkBatch("p", (records[1],), T0 + 2000))  # cut: refused
-        await _wait(lambda: first.done() and second.done(), "the refused micro-batch")
-        assert first.exception() is not None
-        assert second.exception() is not None
-        refused = await here.put(SinkBatch("p", (records[2],), T0 + 3000))
-        assert refused.exception() is not None  # past the gap
-        there = SparkConfig(output_dir=str(out), max_rows=10, max_age_s=0.02)
-        async with SparkBridge(there, spark=_NoSpark()) as elsewhere:
-            await (await elsewhere.put(SinkBatch("p", tuple(records[:3]), T0 + 3000)))
-        position = await here.durable_position("p")  # a new reader of p here
-        assert position is not None
-        assert position.ts == T0 + 3000
-        later = await here.put(SinkBatch("p", (records[3],), T0 + 4000))  # written at close
-    await later
-    rows = Counter(r["commit_ts"] for r in read_rows(out))
-    assert rows == Counter({T0 + 1000 * i: 1 for i in range(1, 5)})
