@@ -69,7 +69,7 @@ def test_a_spanner_run_whose_filter_matches_no_watched_table_warns(
          "--source", "spanner", "--spanner-emulator-host", churn_emulator.host,
          "--spanner-project", cfg.project, "--spanner-instance", cfg.instance,
          "--spanner-database", cfg.database, "--spanner-change-stream", ONLY_SINGERS,
-         "--tables", "Albums", "--duration", "3", "--output-dir", str(tmp_path / "out"),
+         "--tables", "Albums", "--duration", "10", "--output-dir", str(tmp_path / "out"),
          "--summary-json", str(tmp_path / "summary.json")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False,
     )  # fmt: skip
