@@ -41,11 +41,11 @@ def _run(
     )  # fmt: skip
 
 
-async def _create(bootstrap: str, topic: str, partitions: int) -> None:
+async def _create(bootstrap: str, topic: str, partitions: int, *, replicas: int = 1) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(topic, partitions, 1)])
+        await admin.create_topics([NewTopic(topic, partitions, replicas)])
     finally:
         await admin.close()
 
@@ -82,7 +82,13 @@ def test_a_replication_factor_other_than_the_option_is_one_warning(
 ) -> None:
     """The sync topic exists with 1 replica (as ``status`` used to create it); a start with
     ``--kafka-replication-factor 3`` (two tasks) warns once about it and creates the heartbeat
-    topic with 3. Then a start with the factor 1 warns about the heartbeat topic only."""
+    topic with 3. Then, for a connector whose heartbeat topic exists with 3 replicas, a start with
+    the factor 1 warns about the heartbeat topic only.
+
+    The second start is a connector of its own: the embedded broker (Tansu) accepts 3 replicas
+    on its single node, which a real Kafka refuses, and then does not let a second generation of
+    the group form on that topic (the rejoin waits out its rebalance); a real Kafka never gets
+    there."""
     connector = f"rf-{uuid.uuid4().hex[:8]}"
     asyncio.run(_sync_topic(kafka_broker.bootstrap, connector))
     three = _run(
@@ -95,9 +101,12 @@ def test_a_replication_factor_other_than_the_option_is_one_warning(
     assert "--kafka-replication-factor" in warned[0]
     assert not _warnings(three.stderr, heartbeat_topic(connector))  # created with 3 here
 
-    one = _run(kafka_broker, connector, tmp_path / "b")
+    other = f"rf-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_sync_topic(kafka_broker.bootstrap, other))
+    asyncio.run(_create(kafka_broker.bootstrap, heartbeat_topic(other), 1, replicas=3))
+    one = _run(kafka_broker, other, tmp_path / "b")
     assert one.returncode == 0, one.stdout + one.stderr
-    assert not _warnings(one.stderr, sync_topic(connector))
-    hb = _warnings(one.stderr, heartbeat_topic(connector))
+    assert not _warnings(one.stderr, sync_topic(other))
+    hb = _warnings(one.stderr, heartbeat_topic(other))
     assert len(hb) == 1, one.stderr
     assert "replication factor 3, not kafka.replication_factor 1" in hb[0]
