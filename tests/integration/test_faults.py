@@ -80,14 +80,15 @@ def _kill_jvm(pid: int) -> int:
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["generic", "typed", "streaming"])
+@pytest.mark.parametrize("layout", ["typed", "streaming"])
 def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     tmp_path: Path, layout: str
 ) -> None:
     """The local Spark JVM is SIGKILLed after the first micro-batch committed; the bounded run
-    exits 0 with exactly the rows the stream produced (none lost, none written twice). In both
-    layouts of the embedded path (typed, the default, and generic) Spark writes every
-    micro-batch with rows: the bridge starts a new session and writes the batch again. On the
+    exits 0 with exactly the rows the stream produced (none lost, none written twice). On the
+    embedded path (the typed layout, the default; the generic layout goes through the same
+    supervisor and session restart) Spark writes every micro-batch with rows: the bridge starts
+    a new session and writes the batch again. On the
     streaming path the query dies with the JVM: the bridge starts a new session and a new
     query, which goes on from the checkpoint (the output read through Spark's sink log,
     ``_spark_metadata``)."""
@@ -96,7 +97,7 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     how = ["--spark-path", "streaming"] if layout == "streaming" else ["--output-layout", layout]
     proc = _cli(
         [
-            *("--duration", "30", "--drain-timeout", "240", *how),
+            *("--duration", "20", "--drain-timeout", "240", *how),
             *SIM,
             *("--sim-start-ts", str(start), "--output-dir", str(out)),
             *("--summary-json", str(tmp_path / "summary.json"), "--progress", "on"),
@@ -120,7 +121,7 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     ids = _ids(out / "data")
     assert len(ids) == len(set(ids)), "rows written twice"
     model = _model(start)
-    cut = assert_one_cut(model, ids, earliest=start + 30_000_000, latest=ended)
+    cut = assert_one_cut(model, ids, earliest=start + 20_000_000, latest=ended)
     produced = stream_rows(model, cut)
     summary = _summary(tmp_path / "summary.json")
     assert summary.caught_up
