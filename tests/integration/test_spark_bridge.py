@@ -10,7 +10,7 @@ one bridge, which would otherwise drop a re-read the hand-off should never have 
 test that replays on purpose (a restart over records the last run wrote) says so.
 
 A real kill -9 of a task process is tested with the file sink (test_exactly_once_kill.py), and
-of Spark's JVM in test_faults.py."""
+of Spark's JVM in test_faults_spark.py."""
 
 from __future__ import annotations
 
