@@ -28,8 +28,10 @@ At the end, after a quiet period without faults and without partition churn:
 Each simulated reader runs the real reader core (``protocol/reader.py``) against the model as
 its source and a simulated sink that commits each batch after a delay, in order, or fails it
 (``sink_fail_p``), and refuses the batches of a task whose lease ran out; a reader ending with
-batches in flight fences them (none of them has passed its commit point here, so all are
-dropped, counted in ``batches_fenced``). The sink keeps each
+batches in flight fences them, counted in ``batches_fenced``. With ``ack_delay_steps`` a
+committed batch's acknowledgement reaches its reader some steps after the commit point, so a
+fence can find batches already past it (the fence race): they count as committed in the fence's
+answer (``BatchesFenced.committed``, ``fence_committed``). The sink keeps each
 partition's position atomically with every batch it commits; a crashed task's committed batches
 stay committed, and a new owner starts from the newer of the sync log's and the sink's position
 (a kill -9 between the sink's commit and the watermark's publication writes nothing twice).
@@ -181,6 +183,10 @@ class SimParams(msgspec.Struct, frozen=True):
     epoch_rules: bool = True
     max_log_delay_steps: int = 3
     commit_delay_steps: tuple[int, int] = (1, 8)
+    # a committed batch's acknowledgement reaches its reader this many steps after its commit
+    # point (the fence race; drawn from a generator of its own, so (0, 0) keeps every seed's
+    # history as it was)
+    ack_delay_steps: tuple[int, int] = (0, 0)
     split_p: float = 0.08
     move_p: float = 0.05
     merge_p: float = 0.08
@@ -254,13 +260,15 @@ class SimResult(msgspec.Struct, frozen=True):
     resets: int = 0
     read_on_answer: int = 0  # readers a rejoined task started before its generation's epoch
     sink_failures: int = 0  # batches the simulated sink failed (sink_fail_p, or a lapsed lease)
+    # batches a fence found past their commit point (ack_delay_steps: the fence race)
+    fence_committed: int = 0
 
 
 class _Reader:
     """One simulated partition reader: a :class:`ReaderCore`, its source query (the model read
     step by step) and its batches in the simulated sink, committed in order."""
 
-    __slots__ = ("committed_ids", "core", "inflight", "pos", "query", "token")
+    __slots__ = ("acking", "committed_ids", "core", "inflight", "pos", "query", "token")
 
     def __init__(self, token: str, core: ReaderCore) -> None:
         self.token = token
@@ -269,6 +277,8 @@ class _Reader:
         self.pos = 0  # where the running query reads next
         # (due step, batch id, records, watermark): the sink commits them in order
         self.inflight: deque[tuple[int, int, tuple[DataChange, ...], int]] = deque()
+        # (due step, batch id): past the commit point, the acknowledgement still on its way
+        self.acking: deque[tuple[int, int]] = deque()
         # what this reader got committed, and what it started past: none may come again
         self.committed_ids: set[Identity] = set()
 
@@ -384,6 +394,7 @@ class Simulation:
             else functools.partial(plan, hold_handoffs=params.hold_handoffs)
         )
         self.sink_rng = Random(f"sink:{params.seed}")
+        self.ack_rng = Random(f"ack:{params.seed}")
         self.lag_rng = Random(f"lag:{params.seed}")
         # the sink's own durable record: each partition's position, moved atomically with
         # every batch it commits (docs/design.md#exactly-once-output, rule 2)
@@ -781,13 +792,18 @@ class Simulation:
                     held = BatchesFenced(held=False)
                     self.reader_do(node, reader, reader.core.handle(held, self.now()))
                 case FenceBatches():
-                    # the sink's fence (protocol/commit.py, CommitFences): a batch in flight
-                    # here has not reached its commit point, so every one is fenced
-                    fenced = set(command.batches)
-                    kept = [b for b in reader.inflight if b[1] not in fenced]
+                    # the sink's fence (protocol/commit.py, CommitFences): a batch past its
+                    # commit point (its acknowledgement on its way) is committed, every one
+                    # still in flight is fenced
+                    asked = set(command.batches)
+                    passed = tuple(b for _, b in reader.acking if b in asked)
+                    reader.acking = deque(a for a in reader.acking if a[1] not in asked)
+                    kept = [b for b in reader.inflight if b[1] not in asked]
                     self.stats["batches_fenced"] += len(reader.inflight) - len(kept)
+                    self.stats["fence_committed"] += len(passed)
                     reader.inflight = deque(kept)
-                    self.reader_do(node, reader, reader.core.handle(BatchesFenced(), self.now()))
+                    answer = BatchesFenced(committed=passed)
+                    self.reader_do(node, reader, reader.core.handle(answer, self.now()))
                 case Report():
                     event = command.event
                     if isinstance(event, ReaderCommitted):
@@ -836,6 +852,9 @@ class Simulation:
         it right before the commit point, so a zombie commits nothing). A failed batch fails
         every later one of the reader too (they commit in order). Committed records count as
         delivered, whatever becomes of the reader after."""
+        while reader.acking and reader.acking[0][0] <= self.step:
+            _, acked = reader.acking.popleft()
+            self.reader_do(node, reader, reader.core.handle(BatchCommitted(acked), self.now()))
         lease = node.core.lease_valid(self.now())
         while reader.inflight and reader.inflight[0][0] <= self.step:
             _, batch, records, watermark = reader.inflight.popleft()
@@ -861,6 +880,13 @@ class Simulation:
                 self.delivered[records[0].identity] += 1  # the teeth: a row written twice
             durable = self.sink_tails.setdefault(reader.token, PartitionTail())
             durable.commit(watermark, records)
+            lo, hi = self.p.ack_delay_steps
+            if hi > 0:
+                due = self.step + self.ack_rng.randint(lo, hi)
+                if reader.acking:
+                    due = max(due, reader.acking[-1][0])
+                reader.acking.append((due, batch))
+                continue
             self.reader_do(node, reader, reader.core.handle(BatchCommitted(batch), self.now()))
 
     def run_readers(self, node: _Node) -> None:
@@ -1061,6 +1087,7 @@ class Simulation:
             resets=self.stats["resets"],
             read_on_answer=self.stats["read_on_answer"],
             sink_failures=self.stats["sink_failures"],
+            fence_committed=self.stats["fence_committed"],
         )
 
     def final_checks(self) -> None:
