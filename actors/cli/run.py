@@ -713,7 +713,12 @@ class Pipeline:
         )
         self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path{where})")
         bridge: Any = await stack.enter_async_context(
-            spark_module.SparkBridge(settings, rq_driver=self._leads, permit=self._leased)
+            spark_module.SparkBridge(
+                settings,
+                rq_driver=self._leads,
+                permit=self._leased,
+                mark=lambda: max(self._completeness_written, -1),
+            )
         )
         self._bridge = bridge
         return cast(Sink, bridge)
