@@ -212,6 +212,10 @@ class SparkBridge:
         self._rows_parked = self._rows_retried = self._isolation_runs = 0
         # typed micro-batches written through Spark (with a known job count) and their jobs
         self.typed_writes = self.typed_write_jobs = 0
+        # when the first batch with records came and the last micro-batch with rows committed
+        # (time.monotonic()): the span the output was being written
+        self.first_put_at: float | None = None
+        self.last_commit_at: float | None = None
         # counters
         self._puts = self._rows_in = self._rows_dedup = self._rows_committed = 0
         self._batches_committed = self._batches_failed = self._attempts_failed = 0
@@ -435,6 +439,8 @@ class SparkBridge:
                 self._puts_refused += 1
                 raise BridgeError(f"{self!r} stopped")
             now = time.monotonic()
+            if self.first_put_at is None and batch.records:
+                self.first_put_at = now
             self._batcher.add(batch, now)
             self._futures[id(batch)] = future
             self._put_at[id(batch)] = now
@@ -1077,6 +1083,8 @@ class SparkBridge:
         self._last_batch_id = cut.batch_id
         now = time.monotonic()
         self._last_latency = now - cut.first_put
+        if rows:
+            self.last_commit_at = now
         for i, entry in enumerate(cut.entries):
             waits = (parked or {}).get(i)
             if waits:
