@@ -55,12 +55,17 @@ futures, so a crash anywhere loses nothing.
   (a shared or local file system); ``SparkConfig.atomic_commit=False`` writes straight into
   place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
 * The default output's layout (``SparkConfig.output_layout``): **typed** (the default on the
-  embedded path without ``dead_letter``, to a path this process writes) is the typed per-table
-  changelog, ``<table>/batch=<id>/``: each micro-batch with rows is one Spark job whatever the
-  number of tables, its executors converting the rows and writing every table's files into the
-  staging directory (``runtime.spark.datasource``), then committed by the same atomic
-  committer (``runtime.spark.typed_output``); **generic** is the layout described above (the
-  streaming path and the RQ/DLQ always write it).
+  embedded path without ``dead_letter``, to a path this process writes or an ``s3://``,
+  ``gs://`` or ``file://`` URI) is the typed per-table changelog: each micro-batch with rows is
+  one Spark job whatever the number of tables, its executors converting the rows and writing
+  every table's files (``runtime.spark.datasource``), then committed by the same atomic
+  committer (``runtime.spark.typed_output``): ``<table>/batch=<id>/`` directories moved into
+  place (renamed, or copied on an object store), or with ``SparkConfig.table_format = "delta"``
+  one Delta table per table, the files written straight into it and made visible by one
+  idempotent Delta commit per table and micro-batch (``runtime.lake.delta``; the completeness
+  watermark ``mark()`` in its commit info): exactly once on an object store too. **generic**
+  is the layout described above (the streaming path and the RQ/DLQ always write it; Spark's
+  own URLs such as ``s3a://`` get it, written in place).
 * ``foreach_batch(df, batch_id)`` gets a run-local batch number; a ``foreach_batch`` taking a
   third parameter gets ``(df, batch_id, identity)`` with the deterministic batch identity,
   stable across re-delivery: key an idempotent write on it (docs/operations.md).
@@ -558,14 +563,21 @@ class SparkBridge:
             self._queue.put_nowait(_STOP)
 
     def _warm_write(self, spark: Any = None) -> None:
-        """Blocking: one tiny write through the default sink (the first costs seconds; the
-        typed layout's also registers its data source with the session)."""
+        """Blocking: one tiny write through the default sink, into a temporary directory (the
+        first costs seconds; the typed layout's also registers its data source with the session
+        and starts a Python worker per core, each importing what the Delta path needs with
+        ``table_format`` delta)."""
         target = tempfile.mkdtemp(prefix="shoal-spark-warm-")
         spark = self.spark if spark is None else spark
         try:
             if self.layout == "typed":
-                batch = TypedBatch([("warm", warm_records())], 1)
-                batch.write_in_place(spark, target, "warm")
+                sc = getattr(spark, "sparkContext", None)
+                rows = max(1, sc.defaultParallelism if sc is not None else 1)
+                batch = TypedBatch([("warm", warm_records(rows))], rows)
+                if self.config.table_format == "delta":
+                    batch.write_unlisted_delta_files(spark, target)
+                else:
+                    batch.write_in_place(spark, target, "warm")
             else:
                 write_default(spark.createDataFrame(warm_table()), target, "warm")
         except Exception as exc:

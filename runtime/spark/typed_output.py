@@ -125,6 +125,13 @@ class TypedBatch:
             )
         return [], [(t, files[t], self.specs[t].schema()) for t in sorted(files)]
 
+    def write_unlisted_delta_files(self, spark: Any, root: str) -> Receipt:
+        """Write the tables as Delta data files into ``root``'s table directories, committing
+        nothing (to warm Spark's Python workers up for the Delta path)."""
+        self._check()
+        staging = f"{root}/{STAGING_DIR}/warm"
+        return self._write(spark, staging, lambda: None, tables_uri=root, batch="warm")
+
     def write_in_place(self, spark: Any, output_dir: str, name: str) -> None:
         """Without atomic commits: write each table's ``batch=<name>`` directory through Spark
         (a re-run of the same batch replaces its own directories), each by one rename."""
