@@ -5,12 +5,14 @@ one of each for the module.
 * The bridge: each micro-batch is one Spark job whose executors write every table's data files
   straight into the Delta tables' directories, then one Delta commit per table (the micro-batch
   as an application transaction, the completeness watermark in the commit info); a column new
-  in a later micro-batch merges into the table; a new bridge over the output resumes from the
-  progress kept in the store and writes nothing twice; a fenced micro-batch is refused at its
-  commit point and its data files deleted.
+  in a later micro-batch merges into the table; a fenced micro-batch is refused at its commit
+  point and its data files deleted.
+* The default table format (parquet) on the object store: staged by the executors in the
+  store, copied into place by the committer.
 * A process SIGKILLed between a micro-batch's data files and its commit leaves nothing of it
-  visible (its files are in the tables' directories, in no Delta log), and the restart commits
-  it exactly once.
+  visible (its files are in the tables' directories, in no Delta log); the restart resumes from
+  the progress kept in the store (the committed micro-batch handed in again is dropped) and
+  commits the other exactly once.
 * The command line end to end: a bounded run exits by itself with every row of its window in
   the Delta tables exactly once, read back with delta-rs (the check has its control), and no
   credential in anything it printed.
@@ -44,6 +46,7 @@ from runtime.lake.store import open_store
 from runtime.ports import SinkBatch
 from runtime.spark import BridgeError, SparkBridge
 from runtime.spark.session import start_session
+from runtime.typed_files import output_identities
 from tests.fixtures.s3 import S3Server, s3_server
 from tests.helpers import REPO, assert_catches_a_double
 from tests.integration.test_cli_bounds import SIM, _exactly, _expected, _rfc3339, _window
@@ -186,14 +189,6 @@ async def test_each_micro_batch_is_one_job_and_one_delta_commit_per_table(
     }  # the new column merged; older rows hold null
     assert "Note" not in _table(uri, "T1").schema().to_arrow().names
 
-    # a new bridge (a restart) given everything again: its progress is in the store
-    async with SparkBridge(config(uri), spark=spark) as again:
-        for batch in (first, second):
-            await (await again.put(batch))
-        assert again.stats().rows_deduplicated == 60
-        assert again.typed_writes == 0
-    check(_ids(uri))
-
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(300)
@@ -203,21 +198,17 @@ async def test_a_fenced_micro_batch_is_refused_and_its_data_files_deleted(
     """A batch its reader fenced before the commit point: the executors wrote its files, the
     committer refuses it and deletes them; nothing of it is visible."""
     uri = s3_server.uri("fence/data")
-    first, second = micro_batches()
-    settings = config(uri)
-    async with SparkBridge(settings, spark=spark) as bridge:
-        await (await bridge.put(first))
-        before = {name: _data_files(uri, name) for name in TABLES}
-    held = msgspec.structs.replace(settings, max_age_s=600.0)  # cut only at the close
+    _, second = micro_batches()
+    held = msgspec.structs.replace(config(uri), max_age_s=600.0)  # cut only at the close
     async with SparkBridge(held, spark=spark) as bridge:
         future = await bridge.put(second)
         assert await bridge.fence([second]) == [False]  # held: not past its commit point
     with pytest.raises(BridgeError, match="fenced"):
         await future
-    assert bridge.typed_writes == 1  # the executors wrote it...
+    assert bridge.typed_writes == 1  # the executors wrote its files...
     assert bridge.stats().fenced_refused == 1
-    assert {name: _data_files(uri, name) for name in TABLES} == before  # ...and it was dropped
-    _exactly_once(_expected_ids([first]))(_ids(uri))
+    assert all(not _data_files(uri, name) for name in TABLES)  # ...and they were deleted
+    assert _ids(uri) == []
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
@@ -227,6 +218,28 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):  # it ended with its parent
             os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=30)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_parquet_tables_on_s3_are_committed_by_copy(spark: Any, s3_server: S3Server) -> None:
+    """The default table format on an object store: staged by the executors in the store,
+    copied into ``<table>/batch=<id>/`` by the committer; nothing left staged."""
+    uri = s3_server.uri("parquet/data")
+    first, _ = micro_batches()
+    settings = msgspec.structs.replace(config(uri), table_format="parquet")
+    async with SparkBridge(settings, spark=spark) as bridge:
+        assert bridge.layout == "typed"
+        assert bridge.committer is not None
+        await (await bridge.put(first))
+    expected = {(r.commit_ts, r.server_transaction_id, r.record_sequence) for r in first.records}
+    assert output_identities(uri) == expected
+    store = open_store(uri)
+    assert [e.path for e in store.list_files("_staging")] == []
+    assert {d for d in store.list_dirs() if not d.startswith("_")} == set(TABLES)
+    for name in TABLES:
+        (batch,) = store.list_dirs(name)  # one micro-batch: one batch=<identity> per table
+        assert batch.startswith("batch=b")
 
 
 def _killed_before_commit(uri: str, s3: S3Server, tmp_path: Path) -> dict[str, Any]:
