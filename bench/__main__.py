@@ -26,6 +26,7 @@ SCENARIOS = {
     "outputstate": "bench.outputstate",
     "report": "bench.report",
     "mirrormerge": "bench.mirrormerge",
+    "lake": "bench.lake",
 }
 
 

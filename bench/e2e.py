@@ -16,9 +16,11 @@ Phases on one local Spark session (started and warmed first, not timed):
    once the three task nodes formed their group): the nodes, over in-memory coordination,
    read them and put them into the bridge (the simulated source serves records its model
    generated before the clock starts, as the floor's tables and the raw phase's records are:
-   the seeded generator is a stand-in for Spanner, whose decoding ``bench spanner`` measures), which writes its default output (the typed
-   per-table layout, written by pyarrow; ``--output-layout generic``: Spark's write, as in
-   raw); timed from the first put until every row is committed.
+   the seeded generator is a stand-in for Spanner, whose decoding ``bench spanner``
+   measures), which writes its default output (the typed per-table layout, one Spark job per
+   micro-batch whose executors write every table, ``runtime.spark.datasource``;
+   ``--output-layout generic``: Spark's partitioned write, as in raw); timed from the first
+   put until every row is committed.
 
 Phases 0–2 run ``--rounds`` times (default 3), interleaved (floor, pyarrow, raw, e2e, then
 again), on the same rows: the machine's load drifts between rounds, so ``ratio`` and
@@ -30,8 +32,10 @@ JSON), the rates the medians of the rounds' rates.
    micro-batch holding it (its reader's future resolved).
 
 Last line: ``{"scenario": "e2e", "records_per_s", "raw_spark_records_per_s", "ratio",
-"spark_floor_records_per_s", "floor_ratio", "pyarrow_records_per_s", "latency_p50_s",
-"latency_p99_s", ...}`` (``ratio``: e2e against raw; ``floor_ratio``: e2e against the floor).
+"spark_floor_records_per_s", "floor_ratio", "spark_jobs_per_batch", "pyarrow_records_per_s",
+"latency_p50_s", "latency_p99_s", ...}`` (``ratio``: e2e against raw; ``floor_ratio``: e2e
+against the floor; ``spark_jobs_per_batch``: the Spark jobs per micro-batch with rows of the
+typed output over the e2e phases, null for the generic layout).
 
 ``--tables N --vs-one-table`` runs only the e2e phase, over a stream of N tables and over one of
 one table (the same number of records and seed), alternately for ``--rounds`` rounds, and
@@ -220,8 +224,10 @@ async def _settled(nodes: list[TaskNode], partitions: int, timeout: float = 120.
 
 async def e2e_phase(
     spark: Any, config: SparkConfig, model: StreamModel, end_ts: int, total_rows: int
-) -> tuple[float, int]:
-    """Seconds from the first put until every row committed, and the rows in the output.
+) -> tuple[float, int, tuple[int, int]]:
+    """Seconds from the first put until every row committed, the rows in the output, and the
+    Spark jobs of the typed micro-batches with rows and those micro-batches (0, 0 for the
+    generic layout, whose writes count no jobs).
 
     The stream stays at its start (no records, heartbeats only) until the three nodes have
     formed their group and own every root; only then does its clock jump to ``end_ts``, so a
@@ -257,9 +263,10 @@ async def e2e_phase(
                 raise
             done = time.monotonic()
         stats = bridge.stats()
+        jobs = (bridge.typed_write_jobs, bridge.typed_writes)
     assert timed.first_put is not None
-    print(f"  bridge: {stats}")
-    return done - timed.first_put, read_output(config.output_dir).num_rows
+    print(f"  bridge: {stats}; Spark jobs {jobs[0]} for {jobs[1]} typed micro-batches")
+    return done - timed.first_put, read_output(config.output_dir).num_rows, jobs
 
 
 async def latency_phase(
@@ -284,6 +291,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _jobs_per_batch(jobs: list[tuple[int, int]]) -> float | None:
+    """Spark jobs per micro-batch with rows over the e2e phases (None: no typed micro-batch,
+    e.g. the generic layout)."""
+    batches = sum(b for _, b in jobs)
+    return round(sum(j for j, _ in jobs) / batches, 3) if batches else None
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -301,12 +315,20 @@ def _rows(stream: list[tuple[str, DataChange]]) -> int:
 
 
 def _e2e_rate(
-    spark: Any, config: SparkConfig, model: StreamModel, end_ts: int, expect: tuple[int, int]
+    spark: Any,
+    config: SparkConfig,
+    model: StreamModel,
+    end_ts: int,
+    expect: tuple[int, int],
+    jobs: list[tuple[int, int]] | None = None,
 ) -> float:
     """One e2e phase over ``params``'s stream up to ``end_ts`` (``expect``: its records and
-    rows): records/s. The output must hold every row; it is removed afterwards."""
+    rows): records/s. The output must hold every row; it is removed afterwards. ``jobs``
+    gets the phase's (Spark jobs, typed micro-batches with rows)."""
     records, rows = expect
-    e2e_s, out_rows = uvloop.run(e2e_phase(spark, config, model, end_ts, rows))
+    e2e_s, out_rows, phase_jobs = uvloop.run(e2e_phase(spark, config, model, end_ts, rows))
+    if jobs is not None:
+        jobs.append(phase_jobs)
     rate = records / e2e_s
     print(f"  e2e: {e2e_s:.2f}s, {rate:,.0f} records/s, {out_rows} rows in the output")
     if out_rows != rows:
@@ -428,6 +450,7 @@ def main(argv: list[str]) -> int:
 
         tables = arrow_batches(stream, args.max_rows)
         floor, pyarrow_, raw, e2e = [], [], [], []
+        jobs: list[tuple[int, int]] = []
         for r in range(args.rounds):
             # one round: each phase once, back to back, on the same rows; the machine's load
             # drifts between rounds, so ratios are taken per round
@@ -447,7 +470,7 @@ def main(argv: list[str]) -> int:
                 max_age_s=args.max_age,
                 output_layout=args.output_layout,
             )
-            e2e.append(_e2e_rate(spark, config, model, end_ts, (total_records, total_rows)))
+            e2e.append(_e2e_rate(spark, config, model, end_ts, (total_records, total_rows), jobs))
             for name in ("floor", "pyarrow", "raw"):
                 shutil.rmtree(work / name, ignore_errors=True)
         del tables
@@ -478,6 +501,7 @@ def main(argv: list[str]) -> int:
                 "ratio": round(_median(ratios), 3),
                 "spark_floor_records_per_s": round(_median(floor)),
                 "floor_ratio": round(_median(floor_ratios), 3),
+                "spark_jobs_per_batch": _jobs_per_batch(jobs),
                 "pyarrow_records_per_s": round(_median(pyarrow_)),
                 "ratio_per_round": [round(x, 3) for x in ratios],
                 "floor_ratio_per_round": [round(x, 3) for x in floor_ratios],

@@ -33,6 +33,7 @@ SCENARIOS: list[tuple[str, list[str], list[str], int]] = [
     ("chaos", ["--quick"], [], 1800),
     ("backfill", ["--quick"], [], 900),
     ("outputstate", ["--quick"], [], 900),
+    ("lake", ["--quick"], [], 2400),
 ]
 
 # (scenario, figure, goal text, check)
@@ -42,6 +43,7 @@ GOALS: list[tuple[str, str, str, Any]] = [
     ("e2e", "ratio", ">= 0.8 of raw Spark", lambda v: v >= 0.8),
     ("e2e", "latency_p50_s", "< 1 s", lambda v: v < 1.0),
     ("e2e", "floor_ratio", ">= 0.7 of Spark's own floor", lambda v: v >= 0.7),
+    ("e2e", "spark_jobs_per_batch", "0.9-1.0", lambda v: v is not None and 0.9 <= v <= 1.0),
     ("dlq", "healthy_ratio", "healthy keys unaffected (~1.0)", lambda v: v >= 0.9),
     ("dlq", "lost", "0", lambda v: v == 0),
     ("scale", "replay_s", "< 2 s", lambda v: v < 2.0),
@@ -66,6 +68,12 @@ GOALS: list[tuple[str, str, str, Any]] = [
     ("outputstate", "rerun_exit", "a re-run of a finished run exits 0", lambda v: v == 0),
     ("outputstate", "silent_stuck", "0", lambda v: v == 0),
     ("outputstate", "refused_start_ok", "refused on every broker", lambda v: v is True),
+    ("lake", "lost", "0", lambda v: v == 0),
+    ("lake", "duplicates", "0", lambda v: v == 0),
+    ("lake", "killed", ">= 1 run SIGKILLed mid-run", lambda v: v >= 1),
+    ("lake", "exited_by_itself", "every run exits 0 by itself", lambda v: v is True),
+    ("lake", "spark_jobs_per_batch", "0.9-1.0", lambda v: v is not None and 0.9 <= v <= 1.0),
+    ("lake", "floor_ratio", ">= 0.8 of Spark's floor into the store", lambda v: v >= 0.8),
 ]
 
 

@@ -887,11 +887,20 @@ def _check_output(config: ShoalConfig) -> None:
                 "table_format delta (--table-format) needs output_layout typed "
                 "(--output-layout): a Delta table per Spanner table"
             )
-        if run.sink == "spark":
+        if run.sink == "spark" and (config.spark.path != "embedded" or config.spark.dead_letter):
             raise ConfigError(
-                "table_format delta (--table-format) is written by --sink files for now: the "
-                "Spark sink's Delta commits are not built yet (docs/reading-output.md)"
+                "table_format delta (--table-format) with --sink spark is written on the "
+                "embedded path (spark.path) without spark.dead_letter, which write the generic "
+                "layout"
             )
+        if run.sink == "spark" and is_url(run.output_dir):
+            scheme = run.output_dir.split("://", 1)[0].lower()
+            if scheme not in ("s3", "gs", "gcs", "file"):
+                raise ConfigError(
+                    f"table_format delta (--table-format) with --sink spark: output_dir "
+                    f"(--output-dir) {scheme}:// is Spark's own URL; give s3://, gs:// or "
+                    "file:// (written through shoal's store layer)"
+                )
     if is_url(run.output_dir):
         from runtime.lake.store import StoreError, open_store
 

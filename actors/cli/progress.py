@@ -142,6 +142,11 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     errors: dict[str, int] = {}
     records_filtered: int = 0  # dropped by the table / mod-type filters
     warnings: dict[str, int] = {}  # e.g. filters that match no table, a start in the future
+    # --sink spark: micro-batches with rows written by Spark's typed write, the Spark jobs they
+    # ran, and the seconds from the first record handed to Spark to the last commit
+    spark_writes: int | None = None
+    spark_jobs: int | None = None
+    sink_write_s: float | None = None
 
 
 def format_summary(s: RunSummary) -> str:
@@ -158,6 +163,8 @@ def format_summary(s: RunSummary) -> str:
         )
     if s.rows_written is not None:
         lines.append(f"  rows written: {s.rows_written}")
+    if s.spark_writes:
+        lines.append(f"  Spark jobs: {s.spark_jobs} for {s.spark_writes} micro-batches with rows")
     if s.records_filtered:
         lines.append(f"  records filtered out: {s.records_filtered}")
     lines.append(

@@ -713,7 +713,12 @@ class Pipeline:
         )
         self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path{where})")
         bridge: Any = await stack.enter_async_context(
-            spark_module.SparkBridge(settings, rq_driver=self._leads, permit=self._leased)
+            spark_module.SparkBridge(
+                settings,
+                rq_driver=self._leads,
+                permit=self._leased,
+                mark=lambda: max(self._completeness_written, -1),
+            )
         )
         self._bridge = bridge
         return cast(Sink, bridge)
@@ -1139,9 +1144,17 @@ class Pipeline:
             rows = stats.rows
             if stats.duplicates_dropped:
                 errors["duplicates_dropped_by_sink"] = stats.duplicates_dropped
+        spark_figures: dict[str, Any] = {}
         if self._bridge is not None:
-            spark = self._bridge.stats()
+            bridge = self._bridge
+            spark = bridge.stats()
             rows = spark.rows_committed
+            spark_figures = {
+                "spark_writes": bridge.typed_writes,
+                "spark_jobs": bridge.typed_write_jobs,
+            }
+            if bridge.first_put_at is not None and bridge.last_commit_at is not None:
+                spark_figures["sink_write_s"] = bridge.last_commit_at - bridge.first_put_at
             counts = {
                 "duplicate_rows_dropped_by_spark": spark.rows_deduplicated,
                 "spark_batches_failed": spark.batches_failed,
@@ -1174,6 +1187,7 @@ class Pipeline:
             errors=errors,
             records_filtered=final.records_filtered,
             warnings=dict(self.warnings),
+            **spark_figures,
         )
 
 

@@ -561,6 +561,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "output_layout": "generic"
         if sc.path == "streaming" or sc.dead_letter
         else config.run.output_layout,
+        "table_format": config.run.table_format,
         "restarts": sc.restarts,
         "job_timeout_s": sc.job_timeout_s or None,
         "start_timeout_s": sc.start_timeout_s,

@@ -55,12 +55,17 @@ futures, so a crash anywhere loses nothing.
   (a shared or local file system); ``SparkConfig.atomic_commit=False`` writes straight into
   place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
 * The default output's layout (``SparkConfig.output_layout``): **typed** (the default on the
-  embedded path without ``dead_letter``, to a path this process writes) is the typed per-table
-  changelog, ``<table>/batch=<id>/``: each micro-batch with rows is one Spark job whatever the
-  number of tables, its executors converting the rows and writing every table's files into the
-  staging directory (``runtime.spark.datasource``), then committed by the same atomic
-  committer (``runtime.spark.typed_output``); **generic** is the layout described above (the
-  streaming path and the RQ/DLQ always write it).
+  embedded path without ``dead_letter``, to a path this process writes or an ``s3://``,
+  ``gs://`` or ``file://`` URI) is the typed per-table changelog: each micro-batch with rows is
+  one Spark job whatever the number of tables, its executors converting the rows and writing
+  every table's files (``runtime.spark.datasource``), then committed by the same atomic
+  committer (``runtime.spark.typed_output``): ``<table>/batch=<id>/`` directories moved into
+  place (renamed, or copied on an object store), or with ``SparkConfig.table_format = "delta"``
+  one Delta table per table, the files written straight into it and made visible by one
+  idempotent Delta commit per table and micro-batch (``runtime.lake.delta``; the completeness
+  watermark ``mark()`` in its commit info): exactly once on an object store too. **generic**
+  is the layout described above (the streaming path and the RQ/DLQ always write it; Spark's
+  own URLs such as ``s3a://`` get it, written in place).
 * ``foreach_batch(df, batch_id)`` gets a run-local batch number; a ``foreach_batch`` taking a
   third parameter gets ``(df, batch_id, identity)`` with the deterministic batch identity,
   stable across re-delivery: key an idempotent write on it (docs/operations.md).
@@ -86,7 +91,7 @@ import msgspec
 from protocol.commit import batch_identity, records_identity
 from protocol.dedup import Position
 from protocol.records import DataChange
-from runtime.commit import CommitIncomplete, CommitRefused, Committer
+from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
 from runtime.kafka.retry_queue import PendingSend, RetryQueue, RetryQueueError
 from runtime.ports import SinkBatch
 from runtime.spark.config import BridgeError, BridgeStats, ForeachBatch, SparkConfig
@@ -134,6 +139,7 @@ class SparkBridge:
         spark: Any = None,
         rq_driver: Callable[[], bool] | None = None,
         permit: Callable[[], bool] | None = None,
+        mark: Callable[[], int] | None = None,
     ) -> None:
         if config.max_rows < 1 or config.max_age_s <= 0 or config.max_inflight_batches < 1:
             raise ValueError("max_rows, max_age_s and max_inflight_batches must be positive")
@@ -149,14 +155,24 @@ class SparkBridge:
         # the default output's atomic commits (embedded path, no RQ): see the module docstring
         self.committer: Committer | None = None
         self.layout = _layout(config, foreach_batch is not None)
+        # the connector's completeness watermark now (micros), for each Delta commit's metadata
+        self._mark = mark
         if (
             foreach_batch is None
             and config.path == "embedded"
             and config.dead_letter is None
             and config.atomic_commit
-            and ":/" not in config.output_dir
+            and (_is_path(config.output_dir) or self.layout == "typed")
         ):
             self.committer = Committer(config.output_dir, connector=config.connector, permit=permit)
+        if config.table_format == "delta" and (
+            foreach_batch is not None or self.layout != "typed" or self.committer is None
+        ):
+            raise ValueError(
+                "table_format='delta' is the typed default output committed by the bridge: the "
+                "embedded path without foreach_batch, dead_letter or atomic_commit=False, to a "
+                "directory or an s3://, gs:// or file:// URI"
+            )
         self.spark: Any = spark
         self._owns_spark = spark is None
         self.run_id = f"{time.time_ns():020d}"
@@ -201,6 +217,10 @@ class SparkBridge:
         self._rows_parked = self._rows_retried = self._isolation_runs = 0
         # typed micro-batches written through Spark (with a known job count) and their jobs
         self.typed_writes = self.typed_write_jobs = 0
+        # when the first batch with records came and the last micro-batch with rows committed
+        # (time.monotonic()): the span the output was being written
+        self.first_put_at: float | None = None
+        self.last_commit_at: float | None = None
         # counters
         self._puts = self._rows_in = self._rows_dedup = self._rows_committed = 0
         self._batches_committed = self._batches_failed = self._attempts_failed = 0
@@ -242,6 +262,8 @@ class SparkBridge:
             if self.foreach_batch is None and cfg.path == "embedded" and cfg.remote is None:
                 await asyncio.to_thread(self._warm_write, None)
             if self.committer is not None:
+                if not self.committer.store.is_local:  # reachable and writable: now, not later
+                    await asyncio.to_thread(self.committer.store.check)
                 await asyncio.to_thread(self.committer.recover)
                 for legacy in self.committer.legacy_state():
                     log.warning(
@@ -422,6 +444,8 @@ class SparkBridge:
                 self._puts_refused += 1
                 raise BridgeError(f"{self!r} stopped")
             now = time.monotonic()
+            if self.first_put_at is None and batch.records:
+                self.first_put_at = now
             self._batcher.add(batch, now)
             self._futures[id(batch)] = future
             self._put_at[id(batch)] = now
@@ -539,14 +563,21 @@ class SparkBridge:
             self._queue.put_nowait(_STOP)
 
     def _warm_write(self, spark: Any = None) -> None:
-        """Blocking: one tiny write through the default sink (the first costs seconds; the
-        typed layout's also registers its data source with the session)."""
+        """Blocking: one tiny write through the default sink, into a temporary directory (the
+        first costs seconds; the typed layout's also registers its data source with the session
+        and starts a Python worker per core, each importing what the Delta path needs with
+        ``table_format`` delta)."""
         target = tempfile.mkdtemp(prefix="shoal-spark-warm-")
         spark = self.spark if spark is None else spark
         try:
             if self.layout == "typed":
-                batch = TypedBatch([("warm", warm_records())], 1)
-                batch.write_in_place(spark, target, "warm")
+                sc = getattr(spark, "sparkContext", None)
+                rows = max(1, sc.defaultParallelism if sc is not None else 1)
+                batch = TypedBatch([("warm", warm_records(rows))], rows)
+                if self.config.table_format == "delta":
+                    batch.write_unlisted_delta_files(spark, target)
+                else:
+                    batch.write_in_place(spark, target, "warm")
             else:
                 write_default(spark.createDataFrame(warm_table()), target, "warm")
         except Exception as exc:
@@ -1064,6 +1095,8 @@ class SparkBridge:
         self._last_batch_id = cut.batch_id
         now = time.monotonic()
         self._last_latency = now - cut.first_put
+        if rows:
+            self.last_commit_at = now
         for i, entry in enumerate(cut.entries):
             waits = (parked or {}).get(i)
             if waits:
@@ -1192,31 +1225,41 @@ class SparkBridge:
 
     def _run_committed(self, cut: Cut, table: Any, identity: str | None) -> None:
         """In a worker thread: one attempt of micro-batch ``cut`` into the default output,
-        committed atomically (see the module docstring); Spark partitions it by table, and each
-        ``table=<t>`` is renamed to ``table=<t>/batch=<identity>``."""
+        committed atomically (see the module docstring): the typed layout through
+        ``TypedBatch.stage`` (parquet or Delta tables); the generic one partitioned by table by
+        Spark, each ``table=<t>`` renamed to ``table=<t>/batch=<identity>``."""
         committer = self.committer
         assert committer is not None
         assert identity is not None
         moves: list[tuple[str, str]] = []
+        tables: list[TableWrite] = []
         if isinstance(table, TypedBatch):
-            moves = table.stage(self.spark, committer, identity)
+            moves, tables = table.stage(self.spark, committer, identity, self.config.table_format)
             self._count_typed_write(table)
         elif table.num_rows:
             staging = committer.staging(identity)
             df = self._frames.get(cut.batch_id)
             write_staged(df if df is not None else self._dataframe(table), str(staging))
-            tables = sorted(p.name for p in staging.glob("table=*") if p.is_dir())
-            if not tables:
+            staged = sorted(p.name for p in staging.glob("table=*") if p.is_dir())
+            if not staged:
                 raise BridgeError(
                     f"Spark wrote {table.num_rows} rows but {staging} holds none here: over "
                     "Spark Connect or on a cluster the output must be on a file system this "
                     "process shares with the executors (or set SparkConfig.atomic_commit=False)"
                 )
             rel = committer.staged(identity)
-            moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in tables]
+            moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in staged]
         keys = [k for e in cut.entries if (k := self._fence_keys.get(id(e))) is not None]
+        metadata = None
+        if tables and self._mark is not None:
+            metadata = {"shoal.low_watermark_us": self._mark()}
         committer.commit(
-            identity, moves, [(e.token, e.records, e.watermark) for e in cut.entries], fence=keys
+            identity,
+            moves,
+            [(e.token, e.records, e.watermark) for e in cut.entries],
+            fence=keys,
+            tables=tables,
+            metadata=metadata,
         )
 
     def _count_typed_write(self, batch: TypedBatch) -> None:
@@ -1290,6 +1333,22 @@ class SparkBridge:
         self._fence_keys.clear()
 
 
+_STORE_SCHEMES = ("s3://", "gs://", "gcs://", "file://")
+
+
+def _is_path(output_dir: str) -> bool:
+    """Whether ``output_dir`` is a path (not a URL)."""
+    return ":/" not in output_dir
+
+
+def _store_output(output_dir: str) -> bool:
+    """Whether the typed output can be written to ``output_dir`` through pyarrow's file systems
+    (by the executors, and committed by this process: ``runtime.lake.store``): a path, or an
+    ``s3://``, ``gs://`` or ``file://`` URI. Other URLs (``s3a://``, ``hdfs://``) are Spark's
+    own, written by Spark in place (the generic layout)."""
+    return _is_path(output_dir) or output_dir.lower().startswith(_STORE_SCHEMES)
+
+
 def _layout(config: SparkConfig, has_foreach: bool) -> str:
     """The default output's layout (see the module docstring); refuses typed where it cannot be
     written."""
@@ -1297,12 +1356,12 @@ def _layout(config: SparkConfig, has_foreach: bool) -> str:
         not has_foreach
         and config.path == "embedded"
         and config.dead_letter is None
-        and ":/" not in config.output_dir
+        and _store_output(config.output_dir)
     )
     if config.output_layout == "typed" and not typed_ok and not has_foreach:
         raise ValueError(
             "output_layout='typed' is written on the embedded path without dead_letter, to a "
-            "path this process writes; use output_layout='generic' here"
+            "directory or an s3://, gs:// or file:// URI; use output_layout='generic' here"
         )
     return config.output_layout or ("typed" if typed_ok else "generic")
 

@@ -57,6 +57,10 @@ class SparkConfig(msgspec.Struct, frozen=True):
     # dead_letter to a path this process writes) or "generic" (one schema, JSON text); None:
     # typed where it can be written, else generic
     output_layout: Literal["typed", "generic"] | None = None
+    # the typed default output's table format: "parquet" (batch=<id> directories per table) or
+    # "delta" (one Delta table per table, each micro-batch one idempotent Delta commit per table:
+    # exactly once on object stores too; runtime/spark/typed_output.py)
+    table_format: Literal["parquet", "delta"] = "parquet"
 
 
 class BridgeStats(msgspec.Struct, frozen=True):

@@ -29,7 +29,17 @@ task gets runs of whole tables and a micro-batch of ``n`` tables makes at most
 Back in the caller, :func:`write_staged_typed` reads the receipt (of this write: a random write
 id ties them), checks it holds every row of the wire table, and deletes every other file under
 the staging location (those of failed task attempts). What is staged is then committed by the
-caller (the Spark bridge: ``runtime.commit``'s renames). The class must be importable where
+caller (the Spark bridge: ``runtime.commit``'s renames, or copies on an object store).
+
+**Delta tables** (``tables_uri``): the executors write each table's file straight into the
+Delta table's directory, ``<tables>/<table>/part-<batch>-<write>p<partition>a<attempt>.parquet``
+(invisible to readers until a Delta commit names it), with the statistics of its add action
+from the footer they just wrote; the staging location holds only the receipt. The caller
+commits the receipt's files as one Delta transaction per table (the Spark bridge:
+``runtime.commit``'s ``tables=``, idempotent by its application transaction); files of task
+attempts Spark did not count, or of a write that failed, are found by the write's id in their
+name and deleted (:func:`drop_write`); a process killed before its commit leaves files that no
+Delta log names (``VACUUM`` removes them). The class must be importable where
 Spark runs Python (the executors, the driver's planning and commit processes): shoal installed
 there, or its directory on their ``PYTHONPATH``.
 """
@@ -65,7 +75,9 @@ __all__ = [
     "TypedChangelog",
     "TypedWriteError",
     "TypedWriter",
+    "data_file_name",
     "drop_unlisted",
+    "drop_write",
     "filesystem",
     "read_chunks",
     "read_receipt",
@@ -90,13 +102,16 @@ class TypedWriteError(RuntimeError):
 
 
 class StagedFile(msgspec.Struct, frozen=True):
-    """One file a task wrote: its table, its path in the file system of the staging location,
-    its rows and bytes."""
+    """One file a task wrote: its table, its path in the file system of the staging location
+    (of the tables' location, with ``tables``), its rows and bytes; with ``tables`` also when it
+    was written (epoch ms) and its Delta statistics (``runtime.lake.delta.parquet_stats``)."""
 
     table: str
     path: str
     rows: int
     bytes: int
+    modified_ms: int = 0
+    stats: str | None = None
 
 
 class TaskFiles(msgspec.Struct, frozen=True):
@@ -162,7 +177,7 @@ class TaskWritten(WriterCommitMessage):
 class TypedWriter(DataSourceArrowWriter):
     """Writes each task's typed tables (see the module docstring). Options: ``staging`` (the
     staging location), ``specs`` (the tables' specs, ``runtime.typed.encode_specs``) and
-    ``write_id``."""
+    ``write_id``; ``tables`` and ``batch`` for Delta tables (:func:`write_staged_typed`)."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
         try:
@@ -171,6 +186,10 @@ class TypedWriter(DataSourceArrowWriter):
             self.write_id = options["write_id"]
         except KeyError as exc:
             raise TypedWriteError(f"the {NAME} data source needs the option {exc}") from None
+        self.tables = options.get("tables")
+        self.batch = options.get("batch", "")
+        if self.tables is not None and not self.batch:
+            raise TypedWriteError(f"the {NAME} data source's option tables needs batch")
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskWritten:
         from pyspark import TaskContext
@@ -186,8 +205,12 @@ class TypedWriter(DataSourceArrowWriter):
         if slices:
             tables = tables_from_wire(pa.concat_tables(slices), decode_specs(self.specs_text))
             t2 = time.monotonic()
-            fs, base = filesystem(self.staging)
-            name = f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:12]}.parquet"
+            if self.tables is not None:  # Delta: straight into each table's directory
+                fs, base = filesystem(self.tables)
+                name = data_file_name(self.batch, self.write_id, partition, attempt)
+            else:
+                fs, base = filesystem(self.staging)
+                name = f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:12]}.parquet"
             for table, typed in tables.items():
                 files.append(self._write(fs, f"{base}/{table}", name, table, typed))
         t3 = time.monotonic()
@@ -207,13 +230,18 @@ class TypedWriter(DataSourceArrowWriter):
     def _write(
         self, fs: pafs.FileSystem, directory: str, name: str, table: str, typed: pa.Table
     ) -> StagedFile:
-        data = encode_parquet(typed)
+        stats: str | None = None
+        if self.tables is None:
+            data = encode_parquet(typed)
+        else:
+            data, stats = _encode_with_stats(typed)
         if _is_local(fs):
             fs.create_dir(directory, recursive=True)
         path = f"{directory}/{name}"
         with fs.open_output_stream(path) as out:
             out.write(data)
-        return StagedFile(table, path, typed.num_rows, data.size)
+        modified_ms = int(time.time() * 1000)
+        return StagedFile(table, path, typed.num_rows, data.size, modified_ms, stats)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         tasks = []
@@ -242,6 +270,30 @@ class TypedChangelog(DataSource):
 
     def writer(self, schema: Any, overwrite: bool) -> TypedWriter:
         return TypedWriter(self.options)
+
+
+def data_file_name(batch: str, write_id: str, partition: int, attempt: int) -> str:
+    """The name of a Delta data file a task writes: ``part-<batch>-<write>p<task>a<attempt>``
+    (the micro-batch can be told from it, as from ``runtime.typed_files.delta_file_name``;
+    :func:`drop_write` finds a write's files by the prefix before ``p``)."""
+    return f"{_write_prefix(batch, write_id)}p{partition:05d}a{attempt}.parquet"
+
+
+def _write_prefix(batch: str, write_id: str) -> str:
+    return f"part-{batch}-{write_id[:16]}"
+
+
+def _encode_with_stats(table: pa.Table) -> tuple[pa.Buffer, str]:
+    """A Delta data file's bytes (as :func:`runtime.typed_files.encode_parquet`) and the
+    statistics of its add action, from the footer just written."""
+    import pyarrow.parquet as pq
+
+    from runtime.lake.delta import parquet_stats
+
+    sink = pa.BufferOutputStream()
+    collector: list[Any] = []
+    pq.write_table(table, sink, metadata_collector=collector)
+    return sink.getvalue(), parquet_stats(collector[0], table.schema)
 
 
 def wire_chunks(wire: pa.Table, chunks: int) -> pa.Table:
@@ -330,6 +382,8 @@ def write_staged_typed(
     partitions: int | None = None,
     source: type[TypedChangelog] = TypedChangelog,
     options: Mapping[str, str] | None = None,
+    tables_uri: str | None = None,
+    batch: str = "",
 ) -> Receipt:
     """Blocking: write the typed tables of the wire table ``wire`` (``runtime.typed.WIRE``,
     with each table's ``specs``) under ``staging_uri`` in one Spark job, and return the receipt
@@ -337,7 +391,13 @@ def write_staged_typed(
     no job. ``partitions``: the chunks, i.e. tasks (default: the session's default
     parallelism);
     ``source``: the data source class (a subclass under a name of its own, e.g. in a test) and
-    ``options`` more options for it."""
+    ``options`` more options for it.
+
+    ``tables_uri`` (Delta tables): the tasks write each table's files straight into
+    ``<tables_uri>/<table>/`` (named by ``batch``, :func:`data_file_name`, with their Delta
+    statistics), not under ``staging_uri``, which then holds only the receipt; nothing there is
+    visible until a Delta commit names the files. Files of task attempts Spark did not commit,
+    and of a write that failed, are deleted (:func:`drop_write`)."""
     write_id = uuid.uuid4().hex
     if wire.num_rows == 0:
         return Receipt(write_id, (), spark_jobs=0)
@@ -358,30 +418,49 @@ def write_staged_typed(
         .option("specs", encode_specs(dict(specs)))
         .option("write_id", write_id)
     )
+    if tables_uri is not None:
+        writer = writer.option("tables", tables_uri).option("batch", batch)
     group = f"shoal-typed-{write_id}"
     saved: list[str | None] = []
     if sc is not None:
         saved = [sc.getLocalProperty(p) for p in _JOB_PROPERTIES]
         sc.setJobGroup(group, f"shoal: typed micro-batch ({wire.num_rows} rows)")
     try:
-        writer.save()
-    finally:
-        if sc is not None:
-            for prop, value in zip(_JOB_PROPERTIES, saved, strict=True):
-                sc.setLocalProperty(prop, value)
-    jobs = None if sc is None else len(sc.statusTracker().getJobIdsForGroup(group))
-    receipt = read_receipt(staging_uri, write_id)
-    if receipt.rows != wire.num_rows:
-        raise TypedWriteError(
-            f"Spark committed {receipt.rows} rows of a micro-batch of {wire.num_rows} under "
-            f"{staging_uri}"
-        )
+        try:
+            writer.save()
+        finally:
+            if sc is not None:
+                for prop, value in zip(_JOB_PROPERTIES, saved, strict=True):
+                    sc.setLocalProperty(prop, value)
+        jobs = None if sc is None else len(sc.statusTracker().getJobIdsForGroup(group))
+        receipt = _whole_receipt(staging_uri, write_id, wire.num_rows)
+    except BaseException:
+        if tables_uri is not None:
+            try:
+                drop_write(tables_uri, sorted(specs), batch, write_id)
+            except Exception as exc:  # the write's own error is the one to raise
+                log.warning("typed write %s: deleting its files failed: %s", write_id, exc)
+        raise
     dropped = drop_unlisted(staging_uri, receipt)
+    if tables_uri is not None:
+        retried = sorted({f.table for t in receipt.tasks if t.attempt for f in t.files})
+        if retried:  # a task that ran again may have left files of its failed attempt
+            dropped += drop_write(tables_uri, retried, batch, write_id, keep=receipt)
     if dropped:
         log.warning(
             "typed write %s: deleted %d files of failed task attempts", write_id, len(dropped)
         )
     return msgspec.structs.replace(receipt, spark_jobs=jobs)
+
+
+def _whole_receipt(staging_uri: str, write_id: str, rows: int) -> Receipt:
+    """The receipt of write ``write_id``, which must hold all ``rows`` rows."""
+    receipt = read_receipt(staging_uri, write_id)
+    if receipt.rows != rows:
+        raise TypedWriteError(
+            f"Spark committed {receipt.rows} rows of a micro-batch of {rows} under {staging_uri}"
+        )
+    return receipt
 
 
 def read_receipt(staging_uri: str, write_id: str) -> Receipt:
@@ -404,6 +483,39 @@ def read_receipt(staging_uri: str, write_id: str) -> Receipt:
             f"{staging_uri}/{RECEIPT} is the receipt of write {receipt.write_id}, not {write_id}"
         )
     return receipt
+
+
+def drop_write(
+    tables_uri: str,
+    tables: Sequence[str],
+    batch: str,
+    write_id: str,
+    *,
+    keep: Receipt | None = None,
+) -> list[str]:
+    """Delete the files write ``write_id`` of ``batch`` left in the directories of ``tables``
+    under ``tables_uri`` (Delta data files, :func:`data_file_name`), except those ``keep``
+    lists; the paths deleted. Other writes' files (another micro-batch's, another process's)
+    are never touched: the name holds the write's random id."""
+    fs, base = filesystem(tables_uri)
+    listed = set() if keep is None else {f.path for f in keep.files}
+    prefix = _write_prefix(batch, write_id)
+    dropped: list[str] = []
+    for table in tables:
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", allow_not_found=True))
+        except OSError as exc:
+            log.warning("typed write %s: listing table %s failed: %s", write_id, table, exc)
+            continue
+        dropped.extend(
+            info.path
+            for info in infos
+            if info.type == pafs.FileType.File
+            and info.base_name.startswith(prefix)
+            and info.path not in listed
+            and _delete(fs, info.path)
+        )
+    return dropped
 
 
 def drop_unlisted(staging_uri: str, receipt: Receipt) -> list[str]:

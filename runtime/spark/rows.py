@@ -275,8 +275,8 @@ class Batcher:
         return entries
 
 
-def warm_records() -> list[DataChange]:
-    """One made-up record of one row, to warm Spark's paths before traffic."""
+def warm_records(rows: int = 1) -> list[DataChange]:
+    """One made-up record of ``rows`` rows, to warm Spark's paths before traffic."""
     from protocol.records import ColumnType, Mod
 
     change = DataChange(
@@ -286,7 +286,7 @@ def warm_records() -> list[DataChange]:
         is_last_record_in_transaction_in_partition=True,
         table="_warm",
         column_types=(ColumnType("Id", '{"code":"INT64"}', True, 1),),
-        mods=(Mod('{"Id":0}', "{}", "{}"),),
+        mods=tuple(Mod(f'{{"Id":{i}}}', "{}", "{}") for i in range(rows)),
         mod_type="INSERT",
     )
     return [change]

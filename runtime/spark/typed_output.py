@@ -1,28 +1,42 @@
 """The Spark bridge's typed default output (``SparkConfig.output_layout = "typed"``): the typed
-per-table changelog of ``runtime.typed``, one directory per table (``<table>/batch=<id>/``).
+per-table changelog of ``runtime.typed``, one directory per table — ``<table>/batch=<id>/``
+(parquet, the default table format) or one Delta table per table (``SparkConfig.table_format
+= "delta"``).
 
 A micro-batch is turned into its wire table and its tables' specs off the event loop when it is
 cut (:class:`TypedBatch`), then written by Spark in **one job whatever the number of tables**
 (``runtime.spark.datasource``): the executors convert the rows into each table's typed rows and
-write the files under the committer's staging directory, the driver writes the receipt of the
-files it committed. The staged tables are then committed by the same atomic committer as the
-generic layout (``runtime.commit``: ``_staging/<id>/<table>/``, manifest, one rename per table
-directory, progress files), so the output stays exactly once. The output directory must be a
-file system this process and Spark's executors both write (local, or shared with the cluster);
-Spark reads it as any parquet directory (docs/reading-output.md). The file sink
-(``--sink files``) writes the same layout with pyarrow in its own process.
+write the files, the driver writes the receipt of the files it committed. The micro-batch is
+then committed by the same committer as the generic layout (``runtime.commit``), so the output
+stays exactly once:
+
+* parquet: the files are staged under ``_staging/<connector>/<id>/<table>/``; the manifest moves
+  each table directory into place (one rename on a file system, a copy on an object store) and
+  records the partitions' progress;
+* Delta: the files are written straight into each table's directory (invisible until
+  committed), and the manifest's Delta commits — one per table, carrying the micro-batch as an
+  idempotent application transaction, with the completeness watermark in the commit info —
+  make them visible, on any store.
+
+The output may be a directory this process and Spark's executors both write (local, or shared
+with the cluster) or an object store (``s3://``, ``gs://``; every process reaches it through
+pyarrow's file systems with its own credential chain). Spark reads it as any parquet
+directory, or as Delta tables (docs/reading-output.md). The file sink (``--sink files``) writes
+the same layout with pyarrow in its own process.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from protocol.commit import STAGING_DIR
+from protocol.commit import STAGING_DIR, DataFile
 from protocol.records import DataChange
-from runtime.commit import Committer
+from runtime.commit import Committer, TableWrite
 from runtime.spark.datasource import Receipt, write_staged_typed
 from runtime.typed import TableSpec, TypedError, wire_table
 from runtime.typed_files import read_changes
@@ -50,29 +64,73 @@ class TypedBatch:
         if self.error is not None:
             raise self.error
 
-    def _write(self, spark: Any, staging: Path) -> list[str]:
-        """One Spark job: the tables under ``staging``; the tables written."""
+    def _write(
+        self,
+        spark: Any,
+        staging: str,
+        drop: Callable[[], None],
+        *,
+        tables_uri: str | None = None,
+        batch: str = "",
+    ) -> Receipt:
+        """One Spark job: the tables under ``staging`` (or into ``tables_uri``'s Delta tables,
+        the receipt under ``staging``); ``drop()`` removes what it staged if it fails."""
         try:
-            receipt = write_staged_typed(spark, self.wire, str(staging), self.specs)
+            receipt = write_staged_typed(
+                spark, self.wire, staging, self.specs, tables_uri=tables_uri, batch=batch
+            )
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            drop()
             raise
         self.receipt = receipt
         missing = sorted(set(self.specs) - set(receipt.tables))
         if missing:
-            shutil.rmtree(staging, ignore_errors=True)
+            drop()
             raise TypedError(f"Spark's typed write staged no file of tables {missing[:10]}")
-        return receipt.tables
+        return receipt
 
-    def stage(self, spark: Any, committer: Committer, identity: str) -> list[tuple[str, str]]:
-        """Write the tables through Spark under the committer's staging directory of
-        ``identity``; the moves to commit (none, and no Spark job, without rows)."""
+    def stage(
+        self, spark: Any, committer: Committer, identity: str, table_format: str = "parquet"
+    ) -> tuple[list[tuple[str, str]], list[TableWrite]]:
+        """Write the tables through Spark for the committer's batch ``identity`` (none, and no
+        Spark job, without rows): parquet, under its staging directory (on any store), and
+        the moves to commit; ``delta``, straight into each Delta table's directory (only the
+        receipt staged), and the Delta commits (``runtime.commit.Committer.commit``'s
+        ``tables=``: each table's data files and its schema)."""
         self._check()
         if not self.num_rows:
-            return []
-        tables = self._write(spark, committer.staging(identity))
-        staged = committer.staged(identity)
-        return [(f"{staged}/{t}", f"{t}/batch={identity}") for t in tables]
+            return [], []
+        store = committer.store
+        staged = committer.prepare_staging(identity)
+        if table_format != "delta":
+            receipt = self._write(spark, store.uri_for(staged), lambda: store.delete_tree(staged))
+            return [(f"{staged}/{t}", f"{t}/batch={identity}") for t in receipt.tables], []
+        receipt = self._write(
+            spark,
+            store.uri_for(staged),
+            lambda: store.delete_tree(staged),
+            tables_uri=store.uri_for(),
+            batch=identity,
+        )
+        files: dict[str, list[DataFile]] = {}
+        for f in receipt.files:
+            files.setdefault(f.table, []).append(
+                DataFile(
+                    path=f.path.rpartition("/")[2],
+                    size=f.bytes,
+                    num_records=f.rows,
+                    modification_time_ms=f.modified_ms,
+                    stats=f.stats or json.dumps({"numRecords": f.rows}),
+                )
+            )
+        return [], [(t, files[t], self.specs[t].schema()) for t in sorted(files)]
+
+    def write_unlisted_delta_files(self, spark: Any, root: str) -> Receipt:
+        """Write the tables as Delta data files into ``root``'s table directories, committing
+        nothing (to warm Spark's Python workers up for the Delta path)."""
+        self._check()
+        staging = f"{root}/{STAGING_DIR}/warm"
+        return self._write(spark, staging, lambda: None, tables_uri=root, batch="warm")
 
     def write_in_place(self, spark: Any, output_dir: str, name: str) -> None:
         """Without atomic commits: write each table's ``batch=<name>`` directory through Spark
@@ -84,7 +142,8 @@ class TypedBatch:
         staging = root / STAGING_DIR / name
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            for table in self._write(spark, staging):
+            drop = functools.partial(shutil.rmtree, staging, ignore_errors=True)
+            for table in self._write(spark, str(staging), drop).tables:
                 target = root / table / f"batch={name}"
                 if target.exists():
                     shutil.rmtree(target)

@@ -166,7 +166,13 @@ class FailingOnce(TypedChangelog):
 
 
 @pytest.mark.timeout(300)
-def test_a_failed_task_attempts_files_are_not_committed(spark: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("delta", [False, True], ids=["staged", "delta"])
+def test_a_failed_task_attempts_files_are_not_committed(
+    spark: Any, tmp_path: Path, delta: bool
+) -> None:
+    """A task attempt that wrote its files and failed: its files are in no receipt and are
+    deleted, under the staging location or (``delta``: written straight into the Delta
+    tables' directories) in the tables."""
     entries = _many(3, 3_000)
     wire, specs = wire_table(entries)
     side = tmp_path / "side"
@@ -179,6 +185,8 @@ def test_a_failed_task_attempts_files_are_not_committed(spark: Any, tmp_path: Pa
         specs,
         source=FailingOnce,
         options={"side": str(side)},
+        tables_uri=str(tmp_path / "tables") if delta else None,
+        batch="b1",
     )
     failed = [p for f in side.iterdir() for p in f.read_text().split()]
     assert failed, "the failing attempt wrote nothing: the check would prove nothing"
@@ -186,6 +194,9 @@ def test_a_failed_task_attempts_files_are_not_committed(spark: Any, tmp_path: Pa
     listed = {f.path for f in receipt.files}
     assert listed.isdisjoint(failed)
     assert not any(Path(p).exists() for p in failed)  # deleted once the receipt was read
+    if delta:
+        assert all(Path(p).parent.parent == tmp_path / "tables" for p in failed)
+        assert all(f.stats is not None for f in receipt.files)  # each add action's statistics
     got = _staged(receipt)
     expected = typed_tables(entries)
     assert {n: comparable(t) for n, t in got.items()} == {

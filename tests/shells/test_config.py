@@ -287,7 +287,9 @@ def test_sasl_password_with_the_embedded_broker_exits_2_naming_it(
     [
         (["--sink", "kafka", "--table-format", "delta"], "--sink files"),
         (["--sink", "files", "--table-format", "delta", "--output-layout", "generic"], "typed"),
-        (["--sink", "spark", "--table-format", "delta"], "not built yet"),
+        (["--sink", "spark", "--table-format", "delta", "--spark-path", "streaming"], "embedded"),
+        (["--sink", "spark", "--table-format", "delta", "--spark-dead-letter"], "dead_letter"),
+        (["--sink", "spark", "--table-format", "delta", "--output-dir", "s3a://b/p"], "s3://"),
         (["--sink", "files", "--output-dir", "s3://"], "output_dir"),
     ],
 )
@@ -296,6 +298,11 @@ def test_table_format_and_output_urls_are_checked_at_start(argv: list[str], need
         _load(argv)  # loading checks the options
 
 
-def test_delta_on_an_object_store_with_the_file_sink_is_accepted() -> None:
-    config = _load(["--sink", "files", "--table-format", "delta", "--output-dir", "s3://b/p"])
-    assert (config.run.table_format, config.run.output_dir) == ("delta", "s3://b/p")
+@pytest.mark.parametrize("sink", ["files", "spark"])
+def test_delta_on_an_object_store_is_accepted(sink: str) -> None:
+    config = _load(["--sink", sink, "--table-format", "delta", "--output-dir", "s3://b/p"])
+    assert (config.run.sink, config.run.table_format, config.run.output_dir) == (
+        sink,
+        "delta",
+        "s3://b/p",
+    )

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from runtime.spark import SparkConfig
+from runtime.spark import SparkBridge, SparkConfig
 from runtime.spark.bridge import _layout
 
 
@@ -22,3 +22,28 @@ def test_the_layout_is_typed_where_it_can_be_written() -> None:
     kw: dict[str, Any] = {"output_dir": "hdfs://nn/out", "output_layout": "typed"}
     with pytest.raises(ValueError, match="typed"):
         _layout(SparkConfig(**kw), has_foreach=False)
+
+
+@pytest.mark.parametrize("where", ["s3://b/o", "gs://b/o", "file:///tmp/o", "relative/o"])
+def test_the_typed_layout_goes_to_paths_and_pyarrow_stores(where: str) -> None:
+    assert _layout(SparkConfig(output_dir=where), has_foreach=False) == "typed"
+
+
+def test_delta_tables_are_the_committed_typed_output() -> None:
+    """``table_format='delta'`` is written only where the bridge commits the typed output; on
+    an object store it gets a committer over the store (no Spark is started here)."""
+    refused: list[dict[str, Any]] = [
+        {"output_layout": "generic"},
+        {"atomic_commit": False},
+        {"path": "streaming"},
+        {"output_dir": "s3a://b/o"},
+    ]
+    for kw in refused:
+        with pytest.raises(ValueError, match="delta"):
+            SparkBridge(SparkConfig(table_format="delta", **kw))
+    with pytest.raises(ValueError, match="delta"):
+        SparkBridge(SparkConfig(table_format="delta"), foreach_batch=lambda df, batch_id: None)
+    bridge = SparkBridge(SparkConfig(table_format="delta", output_dir="s3://b/o"))
+    assert bridge.layout == "typed"
+    assert bridge.committer is not None
+    assert bridge.committer.store.uri_for() == "s3://b/o"
