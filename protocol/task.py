@@ -196,6 +196,10 @@ class Rules(msgspec.Struct, frozen=True):
     # longer keeps its partitions unread through every recovery. Off: it keeps what it adopted
     # once it answered (the histories the regression seeds were found in).
     reset_answered_fresh: bool = True
+    # A finished snapshot partition leaves its owner's state only once the CIM records it done
+    # (protocol/snapshot.py, rule 4); the teeth test removes it at once: the log never learns it
+    # was read, and the snapshot never completes.
+    snapshot_done_before_removal: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -1295,7 +1299,10 @@ class TaskCore:
             if (
                 token not in offered
                 and lifecycle.removable(part, self._member_lookup)
-                and snapshots.removable(part, self.cim.snapshot)
+                and (
+                    snapshots.removable(part, self.cim.snapshot)
+                    or not self.config.rules.snapshot_done_before_removal
+                )
             ):
                 del self.mine[token]
                 self.retired.add(token)
