@@ -13,7 +13,8 @@ adapter of :mod:`runtime.spanner.snapshot` as the tasks use it (``protocol/snaps
   with ``read_partition`` in a worker thread of its own pool, a chunk at a time (the reader
   asks for the next chunk once it has handled the last), and turns each chunk into one
   ``DataChange`` with mod type ``SNAPSHOT`` and commit timestamp T. An empty chunk (an empty
-  partition's) is not sent: the partition ends with nothing in it.
+  partition's) is not sent: the partition ends with nothing in it. While a chunk takes longer
+  than ``heartbeat_s`` it sends a heartbeat at T (:func:`in_thread`).
 
 The blocking client's calls run in the pool (``threads`` at once): reading many partitions at
 once never takes the default executor's threads, which the file sink's commits use.
@@ -24,14 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar, cast
 
 import msgspec
 
 from protocol.messages import SnapshotItem, SnapshotPlan
-from protocol.records import ChangeRecord, DataChange
+from protocol.records import ChangeRecord, DataChange, Heartbeat
 from protocol.snapshot import work_token
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.snapshot import (
@@ -43,9 +44,18 @@ from runtime.spanner.snapshot import (
     read_partition,
 )
 
-__all__ = ["SpannerSnapshots", "as_record", "describe", "partition_of", "snapshot_plan"]
+__all__ = [
+    "SpannerSnapshots",
+    "as_record",
+    "describe",
+    "in_thread",
+    "partition_of",
+    "snapshot_plan",
+]
 
 log = logging.getLogger("shoal.snapshot")
+
+C = TypeVar("C")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SnapshotPartition)
@@ -91,11 +101,13 @@ class SpannerSnapshots:
         *,
         chunk_rows: int = 10_000,
         threads: int = 8,
+        heartbeat_s: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if threads < 1 or chunk_rows < 1:
-            raise ValueError("threads and chunk_rows must be at least 1")
+        if threads < 1 or chunk_rows < 1 or heartbeat_s <= 0:
+            raise ValueError("threads and chunk_rows must be at least 1, heartbeat_s positive")
         self.chunk_rows = chunk_rows
+        self.heartbeat_s = heartbeat_s
         self.config = config
         self._tables = tables
         self._clock = clock
@@ -154,38 +166,20 @@ class SpannerSnapshots:
         self, item: SnapshotItem, chunk_rows: int
     ) -> AsyncIterator[Sequence[ChangeRecord]]:
         partition = partition_of(item)
-        chunks: Iterator[SnapshotChunk] | None = None
 
-        def start() -> Iterator[SnapshotChunk]:
+        def chunks() -> Iterator[SnapshotChunk]:
             return read_partition(self._db(), partition, chunk_rows)
 
-        def step() -> SnapshotChunk | None:
-            assert chunks is not None
-            return next(chunks, None)
-
-        loop = asyncio.get_running_loop()
-        pending: asyncio.Future[SnapshotChunk | None] | None = None
-        try:
-            chunks = await self._run(start)
-            while True:
-                pending = loop.run_in_executor(self._pool, step)
-                chunk = await pending
-                pending = None
-                if chunk is None:
-                    return
-                self.chunks += 1
-                if chunk.rows:
-                    self.rows += chunk.rows
-                    yield (as_record(chunk.change),)
-        finally:
-            if pending is not None:
-                # cancelled while a chunk was being read: the generator runs in a pool thread
-                # until that chunk is in; close it only then (a running one cannot be closed)
-                await asyncio.wait({pending})
-            if chunks is not None:
-                close: Any = getattr(chunks, "close", None)
-                if close is not None:
-                    await self._run(close)
+        async for chunk in in_thread(
+            self._pool, chunks, self.heartbeat_s, Heartbeat(partition.read_ts)
+        ):
+            if isinstance(chunk, Heartbeat):
+                yield (chunk,)
+                continue
+            self.chunks += 1
+            if chunk.rows:
+                self.rows += chunk.rows
+                yield (as_record(chunk.change),)
 
     async def close(self) -> None:
         def close() -> None:
@@ -213,3 +207,44 @@ def snapshot_plan(
     ``chunk_rows`` rows."""
     items = tuple(describe(p) for p in partitions)
     return SnapshotPlan(read_ts=read_ts, total=len(items), chunk_rows=chunk_rows, items=items)
+
+
+async def in_thread(
+    pool: Executor, make: Callable[[], Iterator[C]], heartbeat_s: float, heartbeat: Heartbeat
+) -> AsyncGenerator[C | Heartbeat, None]:
+    """The items of the blocking iterator ``make()`` returns, each taken in a thread of ``pool``
+    (the next one only when the consumer asks for it), and ``heartbeat`` whenever one takes
+    longer than ``heartbeat_s``: a partition whose next chunk waits for a thread (more
+    partitions read at once than the pool has threads) or for Spanner is not taken for a
+    stalled query (the reader's rule 9); a heartbeat at T does not move its position. Closed
+    early (a stop, a cancelled query), it lets the item being taken finish, then closes the
+    iterator in the pool (a running generator cannot be closed)."""
+    loop = asyncio.get_running_loop()
+    items: Iterator[C] | None = None
+    end = object()
+
+    def step() -> object:
+        assert items is not None
+        return next(items, end)
+
+    pending: asyncio.Future[object] | None = None
+    try:
+        items = await loop.run_in_executor(pool, make)
+        while True:
+            pending = loop.run_in_executor(pool, step)
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=heartbeat_s)
+                if done:
+                    break
+                yield heartbeat
+            item = pending.result()
+            pending = None
+            if item is end:
+                return
+            yield cast(C, item)
+    finally:
+        if pending is not None:
+            await asyncio.wait({pending})
+        close: Any = getattr(items, "close", None)
+        if close is not None:
+            await loop.run_in_executor(pool, close)
