@@ -7,7 +7,9 @@ from the :class:`~runtime.ports.SnapshotSource` — what it needs (its
 connector's consolidated state through ``lookup`` — and every other query goes to the change
 stream. A snapshot partition's query ignores the start and end it is given: its records are all
 at T, and a reader resuming it reads it again from its first chunk, dropping the chunks already
-committed (the reader's rule 2).
+committed (the reader's rule 2). A query of a snapshot partition the consolidated state records
+done (``done``: every chunk was committed by the reader that finished it) ends at once with
+nothing: its reader finishes it without writing anything again.
 """
 
 from __future__ import annotations
@@ -34,11 +36,17 @@ class SnapshotRouting:
     """See the module docstring."""
 
     def __init__(
-        self, inner: ChangeStreamSource, snapshots: SnapshotSource, lookup: SnapshotLookup
+        self,
+        inner: ChangeStreamSource,
+        snapshots: SnapshotSource,
+        lookup: SnapshotLookup,
+        done: Callable[[str], bool] = lambda token: False,
     ) -> None:
         self.inner = inner
         self.snapshots = snapshots
         self.lookup = lookup
+        self.done = done
+        self.ended_done = 0  # queries of partitions already done, ended at once
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
@@ -48,6 +56,9 @@ class SnapshotRouting:
                 yield batch
             return
         found = self.lookup(token)
+        if found is None and self.done(token):
+            self.ended_done += 1
+            return
         if found is None:
             raise UnknownSnapshotPartition(
                 f"snapshot partition {token}: no snapshot recorded in this process's sync-topic "

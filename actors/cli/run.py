@@ -614,7 +614,7 @@ class Pipeline:
             spanner, tables, chunk_rows=self.config.run.snapshot_chunk_rows
         )
         stack.push_async_callback(snapshots.close)
-        return SnapshotRouting(source, snapshots, self._snapshot_item)
+        return SnapshotRouting(source, snapshots, self._snapshot_item, self._snapshot_done)
 
     def _snapshot_item(self, token: str) -> tuple[SnapshotItem, int] | None:
         """A snapshot partition's description, from any task's consolidated state."""
@@ -627,6 +627,13 @@ class Pipeline:
             if item is not None and state.plan is not None:
                 return item, state.plan.chunk_rows
         return None
+
+    def _snapshot_done(self, token: str) -> bool:
+        """Whether any task's consolidated state records the snapshot partition done."""
+        return any(
+            t.node.task is not None and t.node.task.core.cim.snapshot.done(token)
+            for t in self.tasks
+        )
 
     def _sim_source(self) -> ChangeStreamSource:
         from runtime.sim.source import SimulatedSource
