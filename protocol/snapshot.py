@@ -4,10 +4,11 @@ here; the CIM (``protocol/cim.py``), the planner, the task core, the completenes
 the end of a bounded run call these functions.
 
 1. **T.** A connector that first starts with a snapshot reads it at T, its stream start
-   (``--start-at``, else the leader's now): the leader that plans the connector's first epoch
-   asks its shell for the snapshot's partitions at T (``RequestPlan.snapshot``), and its epoch
-   message records both the stream's start (``stream_start`` = T) and the snapshot
-   (:class:`~protocol.messages.SnapshotPlan`): both or neither. A plan whose epoch never lands
+   (``--start-at``, else when the leader's process started): the leader that plans the
+   connector's first epoch asks its shell for the snapshot's partitions at T
+   (``RequestPlan.snapshot``), and its epoch message records both the stream's start
+   (``stream_start`` = T) and the snapshot (:class:`~protocol.messages.SnapshotPlan`): both or
+   neither. A plan whose epoch never lands
    (fenced) records nothing, and the next plan fixes T again; once recorded, the first record
    wins (:meth:`SnapshotState.record`).
 2. **The stream starts after T.** The snapshot holds every commit at or before T, so the change
