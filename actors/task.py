@@ -23,6 +23,7 @@ due does not wake. It also renews the core's lease from the membership before it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -481,19 +482,20 @@ class LeaderActor(Actor[PlanRequest]):
         cim = Cim()
         cim.apply(message.snapshot.as_of + 1, message.snapshot)
         result = await asyncio.to_thread(
-            planner.plan,
-            cim,
-            request.members,
-            self.task.core.me,
-            request.generation,
-            self.task.clock(),
-            self.cap,
-            Random(self.rng.getrandbits(64)),
-            roots,
-            stream_start,
-            request.reset,
-            True,
-            snapshot,
+            functools.partial(
+                planner.plan,
+                cim,
+                request.members,
+                self.task.core.me,
+                request.generation,
+                self.task.clock(),
+                self.cap,
+                Random(self.rng.getrandbits(64)),
+                roots,
+                stream_start,
+                request.reset,
+                snapshot=snapshot,
+            )
         )
         log.info(
             "leader %s: epoch %d plan: %d offers, %d adopted, reset %s%s",
