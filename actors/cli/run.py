@@ -605,8 +605,9 @@ class Pipeline:
             watched = await _watched_tables(source)
             if watched is None:
                 raise RunFailed(
-                    "snapshot: the change stream's tables could not be read (a PostgreSQL-"
-                    "dialect database is not supported by --snapshot yet)"
+                    "snapshot: the change stream's tables could not be read from the "
+                    "database's information schema (the log says why; a PostgreSQL-dialect "
+                    "database is not supported by --snapshot yet)"
                 )
             return tuple(t for t in watched if self._filter.keeps_table(t))
 
@@ -904,7 +905,7 @@ class Pipeline:
             where = f"its output's {state.start_file}"
             raise ConfigError(self._conflict(StartConflict(conflict.start_us, -1), where))
         self._start_recorded = recorded
-        self._started_before = -1 if recorded is None else recorded.start_us  # (this run's aside)
+        self._started_before = -1 if recorded is None else recorded.start_us  # (not this run's own)
         mark = await asyncio.to_thread(state.read_mark)
         if mark is not None:
             # never write a mark below one a reader may have seen: a restart whose sync topic is
