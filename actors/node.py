@@ -32,7 +32,7 @@ from protocol import epochs, messages
 from protocol.bounds import empty_first_window, nothing_left
 from protocol.messages import CheckpointMessage
 from protocol.task import Drain, SyncRead, TaskConfig
-from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
+from runtime.ports import ChangeStreamSource, Membership, Sink, SnapshotSource, SyncLog
 
 log = logging.getLogger("shoal.node")
 
@@ -50,6 +50,10 @@ class NodeConfig(msgspec.Struct, frozen=True):
     # an end (--end-at): refuse to run, before joining the group, a first start (no start in
     # the sync topic) whose stream start lies after it: it would read nothing (EmptyWindow)
     end_at: int = -1
+    # where the connector first started by its output's own record (-1: none, or no output
+    # that keeps one): with a snapshot asked and none in the sync topic, such a connector is
+    # refused one (SnapshotConflict), as one whose sync topic records its start
+    output_start: int = -1
     replay_timeout: float = 60.0
     publish_timeout: float = 10.0
     # an owned partition whose committed watermark stands still this long, though nothing
@@ -72,6 +76,18 @@ class StartConflict(ValueError):
         )
         self.recorded = recorded
         self.requested = requested
+
+
+class SnapshotConflict(ValueError):
+    """A snapshot is asked of a connector that already started without one: a snapshot is
+    taken only when a connector first starts (``protocol/snapshot.py``, rule 1)."""
+
+    def __init__(self, recorded: int) -> None:
+        super().__init__(
+            f"the connector already started at {recorded} (Unix micros) without a snapshot in "
+            "its sync topic"
+        )
+        self.recorded = recorded
 
 
 class EmptyWindow(ValueError):
@@ -113,8 +129,12 @@ class TaskNode:
         source: ChangeStreamSource,
         sink: Sink,
         rng: Random | None = None,
+        snapshots: SnapshotSource | None = None,
     ) -> None:
+        """``snapshots``: where the leader plans the connector's snapshot when it first starts
+        with ``config.task.snapshot`` (``source`` reads its partitions)."""
         self.config = config
+        self._snapshots = snapshots
         self._sync_log = sync_log
         self._join = join
         self._source = source
@@ -170,6 +190,11 @@ class TaskNode:
             raise StartConflict(recorded, cfg.require_start)
         if empty_first_window(recorded, stream_start, cfg.end_at):
             raise EmptyWindow(stream_start, cfg.end_at)
+        started = recorded if recorded >= 0 else cfg.output_start
+        if cfg.task.snapshot and started >= 0 and task.core.cim.snapshot.plan is None:
+            # a snapshot is taken only at a connector's first start (protocol/snapshot.py):
+            # planned again over an output with state, its partitions could differ
+            raise SnapshotConflict(started)
         self.membership = await self._join(self.task_id)
         # A membership that can (KafkaMembership) learns the newest epoch in the sync topic, so
         # that its group's epochs stay newer than it when Kafka's generations start over. Set
@@ -181,7 +206,13 @@ class TaskNode:
                 lambda: core.cim.epoch,
                 lambda: epochs.Logged(core.cim.epoch, core.cim.leader, core.cim.members),
             )
-        leader = LeaderActor(task, self._source, cfg.task.cap, Random(self._rng.getrandbits(64)))
+        leader = LeaderActor(
+            task,
+            self._source,
+            cfg.task.cap,
+            Random(self._rng.getrandbits(64)),
+            snapshots=self._snapshots,
+        )
         await sup.spawn(leader)
         task.leader = leader
         sup.start_soon(task.membership_loop(self.membership), name=f"group:{self.task_id}")

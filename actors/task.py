@@ -10,7 +10,9 @@ goes to the ``LeaderActor`` with an immutable snapshot of the CIM.
 
 ``LeaderActor`` computes the epoch plan off the task's loop (in a thread: a plan over ten
 thousand partitions must not stall the mailbox), discovering the root partitions first when the
-stream was never started, and tells the task ``PlanReady``.
+stream was never started (and, asked to, planning the connector's snapshot at the stream's
+start, the roots then starting after it: ``protocol/snapshot.py``), and tells the task
+``PlanReady``.
 
 ``TaskActor.timer_loop`` is the task's only timer, as aioquic's ``get_timer()``: it sleeps until
 the core's ``next_deadline()`` or until the core handled another event (which may move the
@@ -21,6 +23,7 @@ due does not wake. It also renews the core's lease from the membership before it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -34,6 +37,7 @@ import msgspec
 from actors.kernel import Actor, MailboxFull, Supervisor
 from actors.reader import PartitionReader
 from protocol import messages, planner
+from protocol import snapshot as snapshots
 from protocol import trace as tracing
 from protocol.cim import Cim
 from protocol.events import Ids
@@ -58,7 +62,14 @@ from protocol.task import (
     TaskTick,
     own_state_ts,
 )
-from runtime.ports import ChangeStreamSource, Membership, Sink, SyncLog
+from runtime.ports import (
+    ChangeStreamSource,
+    Membership,
+    Sink,
+    SnapshotSource,
+    SyncLog,
+    Unrecoverable,
+)
 
 log = logging.getLogger("shoal.task")
 
@@ -435,13 +446,19 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
 
 class LeaderActor(Actor[PlanRequest]):
     def __init__(
-        self, task: TaskActor, source: ChangeStreamSource, cap: int, rng: Random | None = None
+        self,
+        task: TaskActor,
+        source: ChangeStreamSource,
+        cap: int,
+        rng: Random | None = None,
+        snapshots: SnapshotSource | None = None,
     ) -> None:
         super().__init__(f"leader:{task.core.me}", capacity=16)
         self.task = task
         self.source = source
         self.cap = cap
         self.rng = rng or Random()
+        self.snapshots = snapshots
 
     async def receive(self, message: PlanRequest) -> None:
         from protocol.task import PlanReady
@@ -449,31 +466,45 @@ class LeaderActor(Actor[PlanRequest]):
         request = message.request
         roots: tuple[Partition, ...] = ()
         stream_start = -1
+        snapshot = None
         if request.need_roots:
-            stream_start = self.task.stream_start
-            roots = await self.discover_roots(stream_start)
+            stream_start = roots_at = self.task.stream_start
+            if request.snapshot:
+                if self.snapshots is None:
+                    raise Unrecoverable(
+                        "snapshot: this source cannot take a snapshot (a Spanner database or "
+                        "the emulator can)"
+                    )
+                # T is the stream's start; the stream's roots start after it
+                snapshot = await self.snapshots.plan_snapshot(stream_start)
+                roots_at = snapshots.stream_after(stream_start)
+            roots = await self.discover_roots(roots_at)
         cim = Cim()
         cim.apply(message.snapshot.as_of + 1, message.snapshot)
         result = await asyncio.to_thread(
-            planner.plan,
-            cim,
-            request.members,
-            self.task.core.me,
-            request.generation,
-            self.task.clock(),
-            self.cap,
-            Random(self.rng.getrandbits(64)),
-            roots,
-            stream_start,
-            request.reset,
+            functools.partial(
+                planner.plan,
+                cim,
+                request.members,
+                self.task.core.me,
+                request.generation,
+                self.task.clock(),
+                self.cap,
+                Random(self.rng.getrandbits(64)),
+                roots,
+                stream_start,
+                request.reset,
+                snapshot=snapshot,
+            )
         )
         log.info(
-            "leader %s: epoch %d plan: %d offers, %d adopted, reset %s",
+            "leader %s: epoch %d plan: %d offers, %d adopted, reset %s%s",
             self.task.core.me,
             request.generation,
             len(result.offers),
             len(result.adopt),
             list(result.reset),
+            "" if snapshot is None else f", snapshot at {snapshot.read_ts} ({snapshot.total})",
         )
         await self.task.tell(PlanReady(result))
 

@@ -1,6 +1,9 @@
 """``python -m bench sim --seeds N``: run N seeds of the deterministic fault simulator (in
 parallel processes) and report how many passed. A failing seed is printed with its violation so
-it can be replayed with ``--seed``."""
+it can be replayed with ``--seed``.
+
+Every connector starts with a snapshot of ``--snapshot-partitions`` partitions (8 by default;
+0: none, the histories the simulator's tests run by default), read while the faults go on."""
 
 from __future__ import annotations
 
@@ -38,12 +41,23 @@ def _init_worker(memory_bytes: int) -> None:
 
 
 def run_guarded(
-    seed: int, seconds: int = SEED_SECONDS, append_fail_p: float = 0.0, sink_fail_p: float = 0.0
+    seed: int,
+    seconds: int = SEED_SECONDS,
+    append_fail_p: float = 0.0,
+    sink_fail_p: float = 0.0,
+    snapshot_partitions: int = 0,
 ) -> SimResult:
     """One seed under a wall-time budget (and the worker's memory limit)."""
     signal.alarm(seconds)
     try:
-        return run(SimParams(seed=seed, append_fail_p=append_fail_p, sink_fail_p=sink_fail_p))
+        return run(
+            SimParams(
+                seed=seed,
+                append_fail_p=append_fail_p,
+                sink_fail_p=sink_fail_p,
+                snapshot_partitions=snapshot_partitions,
+            )
+        )
     except _SeedTimeout:
         return SimResult(seed=seed, passed=False, violation=f"seed ran over {seconds} s")
     except MemoryError:
@@ -52,10 +66,15 @@ def run_guarded(
         signal.alarm(0)
 
 
-def _run_range(args: tuple[int, int, float, float]) -> list[SimResult]:
-    start, stop, append_fail_p, sink_fail_p = args
+def _run_range(args: tuple[int, int, float, float, int]) -> list[SimResult]:
+    start, stop, append_fail_p, sink_fail_p, snapshot_partitions = args
     return [
-        run_guarded(seed, append_fail_p=append_fail_p, sink_fail_p=sink_fail_p)
+        run_guarded(
+            seed,
+            append_fail_p=append_fail_p,
+            sink_fail_p=sink_fail_p,
+            snapshot_partitions=snapshot_partitions,
+        )
         for seed in range(start, stop)
     ]
 
@@ -80,6 +99,12 @@ def main(argv: list[str]) -> int:
         help="chance that the simulated sink fails a batch (the reader re-reads; default 0)",
     )
     parser.add_argument(
+        "--snapshot-partitions",
+        type=int,
+        default=8,
+        help="the connector starts with a snapshot of this many partitions (0: none; default 8)",
+    )
+    parser.add_argument(
         "--memory-gb",
         type=float,
         default=WORKER_MEMORY_BYTES / (1 << 30),
@@ -89,7 +114,10 @@ def main(argv: list[str]) -> int:
     if args.seed is not None:
         result = run(
             SimParams(
-                seed=args.seed, append_fail_p=args.append_fail_p, sink_fail_p=args.sink_fail_p
+                seed=args.seed,
+                append_fail_p=args.append_fail_p,
+                sink_fail_p=args.sink_fail_p,
+                snapshot_partitions=args.snapshot_partitions,
             )
         )
         print(result)
@@ -98,7 +126,13 @@ def main(argv: list[str]) -> int:
     seeds = 50 if args.quick else args.seeds
     chunk = max(1, min(50, seeds // (args.jobs * 4) or 1))
     ranges = [
-        (s, min(s + chunk, args.first + seeds), args.append_fail_p, args.sink_fail_p)
+        (
+            s,
+            min(s + chunk, args.first + seeds),
+            args.append_fail_p,
+            args.sink_fail_p,
+            args.snapshot_partitions,
+        )
         for s in range(args.first, args.first + seeds, chunk)
     ]
     started = time.perf_counter()
@@ -140,6 +174,12 @@ def main(argv: list[str]) -> int:
                 # how often the rules of docs/design.md that only some histories need ran
                 "resets": sum(r.resets for r in results),
                 "read_on_answer": sum(r.read_on_answer for r in results),
+                # the snapshot: its partitions, chunks in the sink, readers that resumed a
+                # partition another reader had begun, faults while it was not done
+                "snapshot_partitions": args.snapshot_partitions,
+                "snapshot_chunks": sum(r.snapshot_chunks for r in results),
+                "snapshot_resumed": sum(r.snapshot_resumed for r in results),
+                "snapshot_faults": sum(r.snapshot_faults for r in results),
             }
         )
     )

@@ -12,7 +12,9 @@ says so:
 3. no task's share section holds an offer (an offered partition, a child or one dealt out by
    the leader, is not in its new owner's state yet), and
 4. no unfinished orphan waits for the leader's offer (``Cim`` rule 5c: a dropped task's claim
-   the epoch's plan did not deal out).
+   the epoch's plan did not deal out), and
+5. every partition of the connector's snapshot, if it has one, is done
+   (``protocol/snapshot.py``, rule 5).
 
 A child is registered in the same state message that finishes its parent (in the finder's own
 state or as an offer in its share section), and the roots arrive in the epoch message that
@@ -30,7 +32,7 @@ __all__ = ["empty_first_window", "nothing_left"]
 
 def nothing_left(cim: Cim) -> bool:
     """Whether the CIM shows a started stream with every partition finished (the rules above)."""
-    if cim.stream_start < 0:
+    if cim.stream_start < 0 or not cim.snapshot.complete():
         return False
     if any(p.status != "finished" for p in cim.orphans.values()):
         return False  # an orphan the leader is to offer (Cim rule 5c)

@@ -38,6 +38,9 @@ task's CIM is the same at the same offset):
 6. A ``checkpoint`` seeds an empty CIM (a replay that starts at the checkpoint); a CIM that has
    already applied the checkpoint's ``as_of`` offset ignores it.
 7. ``marker`` messages change nothing.
+8. The connector's snapshot (``protocol/snapshot.py``) is recorded by the epoch that carries it
+   (the first one wins) and seeded by a checkpoint; a snapshot partition is done once an
+   applied state shows it finished (:attr:`Cim.snapshot`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from protocol.messages import (
     SyncMessage,
     TaskState,
 )
+from protocol.snapshot import SnapshotState
 
 
 class TaskView(msgspec.Struct):
@@ -104,6 +108,7 @@ class Cim:
         self.tasks: dict[str, TaskView] = {}
         self.orphans: dict[str, Partition] = {}  # rule 5c
         self.reset: tuple[str, ...] = ()  # the current epoch's reset members (rule 5d)
+        self.snapshot = SnapshotState()  # rule 8
         self.ignored: Counter[str] = Counter()
         self._fence = fence_epochs
         self._keep_answers = keep_later_answers  # off only in the simulator's teeth test
@@ -137,6 +142,8 @@ class Cim:
                 self.members = tuple(message.members)
                 if message.stream_start >= 0:
                     self.stream_start = message.stream_start
+                if message.snapshot is not None:
+                    self.snapshot.record(message.snapshot)  # rule 8
                 live = set(message.members)
                 self.reset = tuple(t for t in message.reset if t in live)
                 best = self._newest_watermarks()
@@ -263,6 +270,7 @@ class Cim:
                 result = self._ignore("older-state")
                 continue
             apply_state(view, state)
+            self.snapshot.fold(state.data)  # rule 8
         return result
 
     def _load_checkpoint(self, message: CheckpointMessage) -> None:
@@ -281,6 +289,9 @@ class Cim:
             [self.epoch, *(view.epoch_seen for view in self.tasks.values())]
         )
         self.orphans = {part.token: part for part in message.orphans}
+        self.snapshot = SnapshotState()
+        if message.snapshot is not None:
+            self.snapshot.record(message.snapshot)
 
     # -- queries -------------------------------------------------------------------------------
     def view(self, task: str) -> TaskView:
@@ -348,6 +359,7 @@ class Cim:
                 for task, view in sorted(self.tasks.items())
             ),
             orphans=tuple(self.orphans[t] for t in sorted(self.orphans)),
+            snapshot=self.snapshot.checkpoint(),
         )
 
     def validate(self) -> None:

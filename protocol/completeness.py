@@ -12,6 +12,9 @@ task publishes a partition's position only after the sink committed everything b
   over is known; a child not in the CIM yet (registered by a message still on its way) bounds T
   by the finished parent's final watermark.
 * With no partition known at all there is no T yet (``None``): the connector has not started.
+* A connector that started with a snapshot at read timestamp S has T at most ``S - 1`` until
+  every snapshot partition is done (``protocol/snapshot.py``, rule 5): the rows as of S are the
+  changes at or before S.
 
 T is the minimum of those bounds over every partition of every task. Every task computes the
 same T from the same log, so any of them may export it.
@@ -81,6 +84,9 @@ def low_watermark(cim: Cim, end: int | None = None) -> int | None:
         else:
             limit = part.resume_ts() - 1
         bound = limit if bound is None else min(bound, limit)
+    snapshot = cim.snapshot.bound()
+    if snapshot is not None:
+        bound = snapshot if bound is None else min(bound, snapshot)
     if bound is None:  # every partition finished, every child known: nothing is left to read
         return max(p.watermark for p in parts.values())
     return bound

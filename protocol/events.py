@@ -176,6 +176,9 @@ class RequestPlan(_Command, frozen=True, tag="request-plan"):
     members: tuple[str, ...]
     need_roots: bool
     reset: tuple[str, ...] = ()  # members the plan treats as restarted (planner.plan's reset)
+    # with ``need_roots``: plan the connector's snapshot at the stream's start too
+    # (protocol/snapshot.py, rule 1)
+    snapshot: bool = False
 
 
 class Alert(_Command, frozen=True, tag="alert"):

@@ -7,7 +7,8 @@ The rule:
    empty, every table is included.
 2. ``exclude_tables``: a record whose table matches any of these is dropped, even when an
    include pattern matches it too (exclusion wins).
-3. ``mod_types``: when given, a record's mod type (INSERT, UPDATE, DELETE) must be one of them.
+3. ``mod_types``: when given, a record's mod type (INSERT, UPDATE, DELETE, or SNAPSHOT for the
+   rows of a snapshot: ``protocol/snapshot.py``) must be one of them.
 
 Patterns are shell globs (``*`` any run of characters, ``?`` one character, ``[abc]`` one of
 a set), matched against the whole table name, **case-insensitively**: Spanner's GoogleSQL names

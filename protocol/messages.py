@@ -14,6 +14,11 @@ limits when every message carried every task's whole state):
 * ``kind`` (the msgspec tag) says what the message is: ``state``, ``epoch``, ``checkpoint`` or
   ``marker``; see the classes below.
 
+A connector that starts with a snapshot records it once, in the epoch message that starts its
+stream (:class:`SnapshotPlan`, kind ``snapshot``: the read timestamp T and its partitions), so
+the snapshot's work items and what describes them land together; checkpoints carry what is left
+of it (``protocol/snapshot.py``).
+
 Every field name on the wire is the design's camelCase; the schema version is ``v``.
 """
 
@@ -78,6 +83,36 @@ class TaskState(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True)
     epoch_seen: int = -1  # checkpoint only: the newest epoch this task wrote in
 
 
+class SnapshotItem(msgspec.Struct, frozen=True, array_like=True):
+    """One snapshot partition: its work-item token (``protocol.snapshot.work_token``), its table,
+    and what a reader needs to read it, in the source's own encoding (opaque here)."""
+
+    token: str
+    table: str
+    source: bytes = b""
+
+
+class SnapshotPlan(
+    msgspec.Struct,
+    frozen=True,
+    rename="camel",
+    omit_defaults=True,
+    tag="snapshot",
+    tag_field="kind",
+):
+    """A snapshot of the watched tables at read timestamp ``read_ts`` (T), split into partitions.
+
+    In the epoch message that records it, ``items`` lists every partition; in a checkpoint,
+    only those not read to their end yet (``total`` stays the count of all). ``chunk_rows`` is
+    fixed with T: a partition re-read at T yields the same chunks only in chunks of the same
+    size, and a chunk's number is its identity in the output."""
+
+    read_ts: int
+    total: int
+    chunk_rows: int
+    items: tuple[SnapshotItem, ...] = ()
+
+
 class _Message(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True, tag_field="kind"):
     task_id: str = msgspec.field(name="taskID")
     message_timestamp: int = 0
@@ -102,6 +137,8 @@ class EpochMessage(_Message, frozen=True, tag="epoch"):
     # members whose state the epoch drops: restarted under their ids, their earlier lives'
     # partitions are dealt out (protocol/cim.py, rule 5d)
     reset: tuple[str, ...] = ()
+    # the connector's snapshot, recorded with the stream's start (protocol/snapshot.py)
+    snapshot: SnapshotPlan | None = None
 
 
 class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):
@@ -113,6 +150,7 @@ class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):
     connector_state: tuple[TaskState, ...] = ()
     stream_start: int = -1
     orphans: tuple[Partition, ...] = ()  # the CIM's orphans (protocol/cim.py, rule 5c)
+    snapshot: SnapshotPlan | None = None  # what is left of the snapshot (protocol/snapshot.py)
 
 
 class MarkerMessage(_Message, frozen=True, tag="marker"):

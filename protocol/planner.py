@@ -10,7 +10,10 @@ Given the CIM and the members of the new generation, the leader opens a new epoc
   dead tasks. Finished partitions of dead tasks are adopted by the leader as finished (they are
   still referred to by children); a partition finished in any dead task's state is never
   offered, whatever an older offer of it by another dead task still says. When the stream has
-  never been started, the roots are ownerless.
+  never been started, the roots are ownerless, and so are the snapshot's partitions when the
+  leader's shell planned a snapshot (``protocol/snapshot.py``, rules 1 and 3: the plan carries
+  the snapshot to its epoch message). A snapshot partition the CIM records done is finished
+  wherever some state still shows it: it is never offered.
 * A member the epoch *resets* (a task restarted under its id whose new life has never been a
   member of any generation, and which had not answered this generation when the leader asked
   for the plan, or had while survivors are members: ``protocol/task.py``, ``_reset_members``)
@@ -36,8 +39,9 @@ from random import Random
 
 import msgspec
 
+from protocol import snapshot as snapshots
 from protocol.cim import Cim
-from protocol.messages import Partition, Share
+from protocol.messages import Partition, Share, SnapshotPlan
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -48,6 +52,7 @@ class Plan(msgspec.Struct, frozen=True):
     adopt: tuple[Partition, ...]  # finished partitions of dead tasks the leader keeps
     stream_start: int = -1
     reset: tuple[str, ...] = ()  # members whose earlier lives' state the epoch drops
+    snapshot: SnapshotPlan | None = None  # the snapshot the epoch records (with stream_start)
 
 
 def ownerless(
@@ -86,7 +91,7 @@ def ownerless(
     adopt: dict[str, Partition] = {}
 
     def take(part: Partition) -> None:
-        if part.token in owned:
+        if part.token in owned or cim.snapshot.done(part.token):
             return
         if part.status == "finished":
             adopt.setdefault(part.token, part)
@@ -136,10 +141,14 @@ def plan(
     stream_start: int = -1,
     reset: tuple[str, ...] = (),
     hold_handoffs: bool = True,
+    snapshot: SnapshotPlan | None = None,
 ) -> Plan:
+    """The plan of ``generation``. With ``roots`` (the stream was never started) the plan
+    starts it at ``stream_start``, and with ``snapshot`` records that snapshot too and deals
+    out its partitions with the roots."""
     reset = tuple(sorted(set(reset) & set(members) - {leader}))
     lost, adopt = ownerless(cim, members, leader, reset, hold_handoffs)
-    for root in roots:
+    for root in (*roots, *snapshots.work_items(snapshot)):
         lost.setdefault(root.token, root)
     # a reset member takes nothing in this plan (it has not answered: handing its partitions
     # back to it would cost what keeping them costs); the leader is always there to take them
@@ -160,6 +169,7 @@ def plan(
         adopt=tuple(adopt[t] for t in sorted(adopt)),
         stream_start=stream_start,
         reset=reset,
+        snapshot=snapshot,
     )
 
 
@@ -174,10 +184,23 @@ def plan_moving_survivors(
     roots: tuple[Partition, ...] = (),
     stream_start: int = -1,
     reset: tuple[str, ...] = (),
+    snapshot: SnapshotPlan | None = None,
 ) -> Plan:
     """A deliberately broken planner for the simulator's teeth tests: it re-deals *every*
     unfinished partition round-robin, moving survivors' partitions without a hand-off."""
-    good = plan(cim, members, leader, generation, now, cap, rng, roots, stream_start, reset)
+    good = plan(
+        cim,
+        members,
+        leader,
+        generation,
+        now,
+        cap,
+        rng,
+        roots,
+        stream_start,
+        reset,
+        snapshot=snapshot,
+    )
     everything: dict[str, Partition] = {s.token: s.partition for s in good.offers}
     for view in cim.tasks.values():
         for part in view.partitions.values():

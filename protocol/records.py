@@ -15,7 +15,9 @@ from typing import Literal
 import msgspec
 
 Micros = int
-ModType = Literal["INSERT", "UPDATE", "DELETE"]
+ModType = Literal["INSERT", "UPDATE", "DELETE", "SNAPSHOT"]
+"""A change stream's three kinds, and ``SNAPSHOT``: a row of the connector's snapshot at its
+read timestamp T (``protocol/snapshot.py``; ``commit_ts`` = T, every column in ``new_values``)."""
 
 # ``gc=False``: a running process holds hundreds of thousands of these (buffered micro-batches,
 # reader chunks) and Python's cycle collector scanned every one of them on each full

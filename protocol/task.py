@@ -54,6 +54,12 @@ Partitions (``protocol/lifecycle.py``)
   At most ``cap`` partitions are read at once. A partition is read only when every parent has
   finished. When a reader finishes, the children it registers go to the most underloaded member.
   Finished partitions are removed once nothing refers to them.
+
+Snapshot partitions (``protocol/snapshot.py``)
+  With ``snapshot`` the leader that starts the stream asks for the snapshot's partitions too
+  (``RequestPlan.snapshot``); its epoch records them. They are partitions like any other here;
+  a finished one is removed only once the CIM records it done, and one the CIM records done is
+  finished for every rule.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from random import Random
 import msgspec
 
 from protocol import lifecycle, share
+from protocol import snapshot as snapshots
 from protocol.cim import Cim, TaskView
 from protocol.events import (
     Alert,
@@ -189,6 +196,10 @@ class Rules(msgspec.Struct, frozen=True):
     # longer keeps its partitions unread through every recovery. Off: it keeps what it adopted
     # once it answered (the histories the regression seeds were found in).
     reset_answered_fresh: bool = True
+    # A finished snapshot partition leaves its owner's state only once the CIM records it done
+    # (protocol/snapshot.py, rule 4); the teeth test removes it at once: the log never learns it
+    # was read, and the snapshot never completes.
+    snapshot_done_before_removal: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -216,6 +227,9 @@ class TaskConfig(msgspec.Struct, frozen=True):
     # a partition query that sends nothing (not even a heartbeat) for this long is restarted
     # from its committed position (the reader core's stall rule); micros
     stall_timeout: int = 30_000_000
+    # a connector that first starts reads a snapshot of its tables at its stream start first
+    # (protocol/snapshot.py); decided by the leader that starts the stream
+    snapshot: bool = False
 
 
 class TaskCore:
@@ -847,6 +861,7 @@ class TaskCore:
                 connector_state=(state,),
                 stream_start=plan.stream_start,
                 reset=plan.reset,
+                snapshot=plan.snapshot,
             )
         )
 
@@ -905,12 +920,14 @@ class TaskCore:
                 if not answered:
                     self.counters["plan_without_all_answers"] += 1
                 self._plan_requested = gen
+                need_roots = self.cim.stream_start < 0
                 out.append(
                     RequestPlan(
                         gen,
                         self.members,
-                        need_roots=self.cim.stream_start < 0,
+                        need_roots=need_roots,
                         reset=self._reset_members(gen),
+                        snapshot=need_roots and self.config.snapshot,
                     )
                 )
         if (
@@ -1036,8 +1053,8 @@ class TaskCore:
             if token in self.retired or (outgoing is not None and outgoing.kind == "move"):
                 continue  # finished here, or this task is handing it away right now
             found = self.cim.find(token)
-            if found is not None and found.status == "finished":
-                continue
+            if (found is not None and found.status == "finished") or self.cim.snapshot.done(token):
+                continue  # (a snapshot partition the CIM records done is finished)
             if (offer.kind == "new" or offer.released) and newest.get(
                 token, (offer.since, holder)
             ) != (offer.since, holder):
@@ -1146,8 +1163,9 @@ class TaskCore:
                 self._urgent = True
 
     def _finished(self, token: str) -> bool:
-        """``token`` is read to its end: this task finished it, or some state in the CIM says so."""
-        if token in self.retired:
+        """``token`` is read to its end: this task finished it, some state in the CIM says so, or
+        the CIM records the snapshot partition done."""
+        if token in self.retired or self.cim.snapshot.done(token):
             return True
         mine = self.mine.get(token)
         if mine is not None and mine.status == "finished":
@@ -1278,7 +1296,14 @@ class TaskCore:
         offered = {o.token for _, o in self.cim.offers()} | set(self.shares)
         for token in finished:
             part = self.mine[token]
-            if token not in offered and lifecycle.removable(part, self._member_lookup):
+            if (
+                token not in offered
+                and lifecycle.removable(part, self._member_lookup)
+                and (
+                    snapshots.removable(part, self.cim.snapshot)
+                    or not self.config.rules.snapshot_done_before_removal
+                )
+            ):
                 del self.mine[token]
                 self.retired.add(token)
                 self.counters["partitions_removed"] += 1

@@ -28,7 +28,9 @@ class TraceError(ValueError):
 
 
 class TraceStart(msgspec.Struct, frozen=True, tag_field="trace", tag="start"):
-    settings: dict[str, int | str]  # TaskConfig's fields but ``rules`` (the production rules)
+    settings: dict[
+        str, bool | int | str
+    ]  # TaskConfig's fields but ``rules`` (the production rules)
     seed: int
 
 

@@ -232,8 +232,37 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = None
     mod_types: Annotated[
         str | None,
-        _d("Keep only these kinds of change: comma-separated INSERT, UPDATE, DELETE; unset: all."),
+        _d(
+            "Keep only these kinds of change: comma-separated INSERT, UPDATE, DELETE (and "
+            "SNAPSHOT, the rows of a snapshot); unset: all."
+        ),
     ] = None
+    snapshot: Annotated[
+        bool,
+        _d(
+            "When the connector first starts, read every watched table as of its start (T: "
+            "start_at, else now) first, split into partitions the tasks share, then the change "
+            "stream from after T; rows with _mod_type SNAPSHOT and _commit_ts T "
+            "(docs/mirror.md). Spanner sources only."
+        ),
+    ] = False
+    snapshot_chunk_rows: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1_000_000,
+            description="Rows per chunk of a snapshot partition (a chunk commits exactly once); "
+            "fixed with T by the process that plans the snapshot.",
+        ),
+    ] = 10_000
+    mirror: Annotated[
+        bool,
+        _d(
+            "Also keep one current-state Delta table per Spanner table under "
+            "<output_dir>/data/_mirror/<table>: the newest row per key, merged from each "
+            "micro-batch (docs/mirror.md). With --sink files."
+        ),
+    ] = False
     summary_json: Annotated[
         str | None, _d("Also write the end-of-run summary as JSON to this file.")
     ] = None
@@ -856,6 +885,7 @@ def check(config: ShoalConfig) -> None:
     if config.spark.dead_letter and config.spark.path != "embedded":
         raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
     _check_output(config)
+    _check_snapshot(config)
     if kafka.bootstrap_servers is None:
         _check_embedded_kafka(kafka)
     else:
@@ -908,6 +938,28 @@ def _check_output(config: ShoalConfig) -> None:
             open_store(run.output_dir)  # the URI's form only: the store is reached at start
         except StoreError as exc:
             raise ConfigError(str(exc)) from exc
+
+
+def _check_snapshot(config: ShoalConfig) -> None:
+    """``snapshot`` and ``mirror`` agree with the source, the sink and the filters."""
+    run = config.run
+    if run.snapshot and run.source == "sim":
+        raise ConfigError(
+            "snapshot (--snapshot) reads a Spanner database: use --source spanner or emulator"
+        )
+    if (
+        run.snapshot
+        and record_filter(config).mod_types
+        and "SNAPSHOT" not in (record_filter(config).mod_types)
+    ):
+        raise ConfigError(
+            f"snapshot (--snapshot) with mod_types {run.mod_types} (--mod-types) would drop "
+            "every snapshot row: add SNAPSHOT to mod_types, or leave it unset"
+        )
+    if run.mirror and run.sink != "files":
+        raise ConfigError("mirror (--mirror) is written by --sink files for now")
+    if run.mirror and run.output_layout != "typed":
+        raise ConfigError("mirror (--mirror) needs output_layout typed (--output-layout)")
 
 
 # The settings of a real Kafka's authentication and TLS: the embedded broker takes none of them.

@@ -120,6 +120,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     records_filtered: int = 0  # data-change records dropped by --tables/--exclude-tables/...
     # the connector's completeness watermark (protocol/completeness.py), microseconds; -1: none
     low_watermark_us: int = -1
+    # the connector's snapshot (protocol/snapshot.py): partitions done and in all (0, 0: none)
+    snapshot_done: int = 0
+    snapshot_total: int = 0
     sink_failing_s: float = 0.0  # every batch handed to the sink failed for this long (0: not)
     sink_error: str = ""  # the last sink failure of that streak
     source_failing_s: float = 0.0  # every source query failed for this long (0: not)
@@ -253,6 +256,15 @@ class _SampleCollector(Collector):
         )
         if sample.low_watermark_us >= 0:
             complete.add_metric([], sample.low_watermark_us / 1e6)
+        snapshot = GaugeMetricFamily(
+            "shoal_snapshot_partitions",
+            "Partitions of the connector's snapshot (docs/mirror.md), by state: done (read to "
+            "their end) and total (absent without a snapshot)",
+            labels=["state"],
+        )
+        if sample.snapshot_total:
+            snapshot.add_metric(["done"], sample.snapshot_done)
+            snapshot.add_metric(["total"], sample.snapshot_total)
         sink_failing = GaugeMetricFamily(
             "shoal_sink_failing_seconds",
             "Seconds every batch handed to the sink has failed (0 once one commits)",
@@ -288,6 +300,7 @@ class _SampleCollector(Collector):
             latency,
             filtered,
             complete,
+            snapshot,
             sink_failing,
             source_failing,
             ready,

@@ -13,6 +13,7 @@ from typing import Protocol
 import msgspec
 
 from protocol.dedup import Position
+from protocol.messages import SnapshotItem, SnapshotPlan
 from protocol.records import ChangeRecord, DataChange
 
 
@@ -89,6 +90,25 @@ class ChangeStreamSource(Protocol):
         """Records of partition ``token`` from ``start_ts`` on, in batches; ``token=None`` gives
         the root partitions as a ``ChildPartitions`` record. The iterator ends when the partition
         ends (after its ``ChildPartitions`` records) or at ``end_ts``."""
+        ...
+
+
+class SnapshotSource(Protocol):
+    """A database that can be read as it was at one timestamp, split into partitions
+    (``protocol/snapshot.py``): the Spanner adapter, or a test's."""
+
+    async def plan_snapshot(self, read_ts: int) -> SnapshotPlan:
+        """Split the watched tables into partitions readable at ``read_ts`` (T), each described
+        by a :class:`~protocol.messages.SnapshotItem` another process can read it from. Raises
+        an :class:`Unrecoverable` one when T cannot be read (too old) or a table is missing."""
+        ...
+
+    def read_snapshot(
+        self, item: SnapshotItem, chunk_rows: int
+    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+        """The rows of ``item`` at its T, as ``SNAPSHOT`` records of at most ``chunk_rows`` rows
+        each (chunk ``k``: record sequence ``k``, transaction id the item's token), in the same
+        chunks every time it is read; then the iterator ends."""
         ...
 
 

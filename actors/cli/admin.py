@@ -123,6 +123,12 @@ def format_status(
         lines.append(  # every change committed by then is in the output
             f"complete up to {_rfc3339(complete)} ({max(0, now - complete) / 1e6:.1f}s behind)"
         )
+    if cim.snapshot.plan is not None:
+        done, total = cim.snapshot.progress()
+        lines.append(
+            f"snapshot at {_rfc3339(cim.snapshot.read_ts)}: {done}/{total} partitions done"
+            + ("" if done < total else " (complete)")
+        )
     lines.append("")
     lines.append(
         f"{'task':<24} {'member':>6} {'owned':>6} {'finished':>8} {'offers':>6} {'max lag':>8}"
@@ -192,6 +198,13 @@ async def status(
             "members": list(cim.members),
             "offset": cim.offset,
             "low_watermark_us": low_watermark(cim),
+            "snapshot": None
+            if cim.snapshot.plan is None
+            else {
+                "read_ts_us": cim.snapshot.read_ts,
+                "done": cim.snapshot.progress()[0],
+                "total": cim.snapshot.progress()[1],
+            },
             "tasks": {
                 task_id: {
                     "partitions": {t: msgspec.to_builtins(p) for t, p in view.partitions.items()},

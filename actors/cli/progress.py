@@ -52,8 +52,15 @@ def format_table(sample: Sample, rates: dict[str, float]) -> list[str]:
     if sample.sink_commit_latency_s:
         sink += f", last commit {sample.sink_commit_latency_s:.1f}s after its oldest record"
     rows.append(sink)
+    if sample.snapshot_total:
+        rows.append(f"snapshot: {_snapshot(sample)}")
     rows.extend(f"NOT MAKING PROGRESS: {why}" for why in failing(sample))
     return rows
+
+
+def _snapshot(sample: Sample) -> str:
+    done, total = sample.snapshot_done, sample.snapshot_total
+    return f"{done}/{total} partitions done" + (" (complete)" if done >= total else "")
 
 
 class Progress:
@@ -87,7 +94,10 @@ class Progress:
             ]
             delivered = sum(t.records_delivered for t in sample.tasks)
             stalled = "".join(f" | NOT MAKING PROGRESS: {why}" for why in failing(sample))
-            self._stream.write(f"progress: delivered {delivered} | {' | '.join(parts)}{stalled}\n")
+            snapshot = f" | snapshot {_snapshot(sample)}" if sample.snapshot_total else ""
+            self._stream.write(
+                f"progress: delivered {delivered} | {' | '.join(parts)}{snapshot}{stalled}\n"
+            )
         self._stream.flush()
 
     def message(self, text: str) -> None:
@@ -147,6 +157,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     spark_writes: int | None = None
     spark_jobs: int | None = None
     sink_write_s: float | None = None
+    # the connector's snapshot at the end (docs/mirror.md): partitions done and in all
+    snapshot_done: int = 0
+    snapshot_total: int = 0
 
 
 def format_summary(s: RunSummary) -> str:
@@ -167,6 +180,12 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"  Spark jobs: {s.spark_jobs} for {s.spark_writes} micro-batches with rows")
     if s.records_filtered:
         lines.append(f"  records filtered out: {s.records_filtered}")
+    if s.snapshot_total:
+        done = s.snapshot_done == s.snapshot_total
+        lines.append(
+            f"  snapshot: {s.snapshot_done}/{s.snapshot_total} partitions done"
+            + (" (complete)" if done else "")
+        )
     lines.append(
         f"  epoch {s.epoch}, leader {s.leader or '-'}, rebalances seen {s.rebalances}, "
         f"partitions {sum(1 for p in s.partitions if p.status != 'finished')} live / "

@@ -42,13 +42,14 @@ from actors.cli.embed import GatedSource, drain_node
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.sinks import CountingSink, FileSink
 from actors.cli.sinks import spark_config as build_spark_config
-from actors.node import EmptyWindow, NodeConfig, StartConflict, TaskNode
+from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
 from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
 from protocol.commit import StartRecord, start_conflict
 from protocol.completeness import Mark, low_watermark, mark_due
 from protocol.dedup import Position
+from protocol.messages import SnapshotItem
 from protocol.records import ChangeRecord
 from protocol.retry import may_drive
 from runtime.config import (
@@ -257,6 +258,9 @@ class Pipeline:
         self._end_at = end_micros(config.run)  # None: no end
         self._filter = record_filter(config)
         self._filtered: Any = None  # runtime.filtered.FilteredSource, with a filter
+        # a Spanner source's settings (its snapshots are read through them), and its snapshots
+        self._spanner_config: Any = None  # runtime.spanner.config.SpannerConfig
+        self._snapshots: Any = None  # runtime.spanner.snapshot_source.SpannerSnapshots
         # the output (a directory or an object store's URI) and a local directory for run
         # files (the embedded broker's log): the output directory itself when it is local
         self._output_url = is_url(config.run.output_dir)
@@ -270,6 +274,7 @@ class Pipeline:
         # the connector's own records beside a file or Spark output (runtime/output_state.py)
         self._state: OutputState | None = None
         self._start_recorded: StartRecord | None = None
+        self._started_before = -1  # the output's record of a start before this run's
 
     # -- the sample every observer reads ---------------------------------------------------------
     def sample(self) -> Sample:
@@ -324,14 +329,18 @@ class Pipeline:
         sink_health = self._ledger.health if self._ledger is not None else FailureStreak()
         source_health = self._source.health if self._source is not None else FailureStreak()
         complete = -1
+        snapshot = (0, 0)
         for t in self.tasks:
             if t.node.task is not None and t.node.ready.is_set():
                 found = low_watermark(t.node.task.core.cim, self._end_at)
                 complete = -1 if found is None else found
+                snapshot = t.node.task.core.cim.snapshot.progress()
                 break
         return Sample(
             at=at,
             low_watermark_us=complete,
+            snapshot_done=snapshot[0],
+            snapshot_total=snapshot[1],
             tasks=tuple(tasks),
             errors=dict(self.errors),
             failed=self.failed,
@@ -402,7 +411,9 @@ class Pipeline:
             await self._check_output_start()  # before Spark: a refused start fails at once
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
             raw_source = await self._start_source(stack)
-            source = self._source = WatchedSource(self._bound_and_filter(raw_source))
+            source = self._source = WatchedSource(
+                self._bound_and_filter(await self._snapshot_routing(stack, raw_source))
+            )
             await self._warn_empty(raw_source)
             if cfg.run.metrics_port is not None:
                 self.metrics = await stack.enter_async_context(
@@ -572,10 +583,58 @@ class Pipeline:
                     rpc_priority=s.rpc_priority,
                     database_role=s.database_role,
                 )
+                self._spanner_config = spanner
                 source = await SpannerSource.connect(spanner)
                 stack.push_async_callback(source.close)
                 await source.detect_dialect(spanner.database)
                 return source
+
+    async def _snapshot_routing(
+        self, stack: AsyncExitStack, source: ChangeStreamSource
+    ) -> ChangeStreamSource:
+        """A Spanner source reads snapshot partitions too (docs/mirror.md): those of a snapshot
+        this run plans (``--snapshot``) or that the connector's sync topic records from an
+        earlier start."""
+        spanner = self._spanner_config
+        if spanner is None:
+            return source
+        from runtime.snapshot_routing import SnapshotRouting
+        from runtime.spanner.snapshot_source import SpannerSnapshots
+
+        async def tables() -> tuple[str, ...]:
+            watched = await _watched_tables(source)
+            if watched is None:
+                raise RunFailed(
+                    "snapshot: the change stream's tables could not be read from the "
+                    "database's information schema (the log says why; a PostgreSQL-dialect "
+                    "database is not supported by --snapshot yet)"
+                )
+            return tuple(t for t in watched if self._filter.keeps_table(t))
+
+        snapshots = self._snapshots = SpannerSnapshots(
+            spanner, tables, chunk_rows=self.config.run.snapshot_chunk_rows
+        )
+        stack.push_async_callback(snapshots.close)
+        return SnapshotRouting(source, snapshots, self._snapshot_item, self._snapshot_done)
+
+    def _snapshot_item(self, token: str) -> tuple[SnapshotItem, int] | None:
+        """A snapshot partition's description, from any task's consolidated state."""
+        for t in self.tasks:
+            task = t.node.task
+            if task is None:
+                continue
+            state = task.core.cim.snapshot
+            item = state.item(token)
+            if item is not None and state.plan is not None:
+                return item, state.plan.chunk_rows
+        return None
+
+    def _snapshot_done(self, token: str) -> bool:
+        """Whether any task's consolidated state records the snapshot partition done."""
+        return any(
+            t.node.task is not None and t.node.task.core.cim.snapshot.done(token)
+            for t in self.tasks
+        )
 
     def _sim_source(self) -> ChangeStreamSource:
         from runtime.sim.source import SimulatedSource
@@ -626,6 +685,7 @@ class Pipeline:
             rpc_priority=s.rpc_priority,
             database_role=s.database_role,
         )
+        self._spanner_config = spanner
         source = await SpannerSource.connect(spanner)
         stack.push_async_callback(source.close)
         return source
@@ -665,6 +725,7 @@ class Pipeline:
                     connector=cfg.run.connector,
                     table_format=cfg.run.table_format,
                     mark=lambda: max(self._completeness_written, -1),
+                    mirror=cfg.run.mirror,
                 )
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
@@ -760,10 +821,11 @@ class Pipeline:
             counting = CountingSink(sink)
             node = TaskNode(
                 NodeConfig(
-                    task=t.task_config(task_id),
+                    task=msgspec.structs.replace(t.task_config(task_id), snapshot=cfg.run.snapshot),
                     stream_start=stream_start,
                     require_start=-1 if self._start_at is None else self._start_at,
                     end_at=-1 if self._end_at is None else self._end_at,
+                    output_start=self._started_before,
                     stuck_after=cfg.run.stuck_after_s,
                     trace_dir=cfg.run.trace_dir,
                     debug_validate=cfg.run.debug_validate,
@@ -772,6 +834,7 @@ class Pipeline:
                 join=join,
                 source=gate,
                 sink=counting,
+                snapshots=self._snapshots,
             )
             self.tasks.append(_Task(node, counting, gate, sync_log))
 
@@ -809,6 +872,13 @@ class Pipeline:
             await self._run_node(t)
         except StartConflict as exc:
             raise ConfigError(self._conflict(exc)) from exc
+        except SnapshotConflict as exc:
+            raise ConfigError(
+                f"snapshot (--snapshot): connector {self.config.run.connector!r} already started "
+                f"at {_rfc3339(exc.recorded)} and its sync topic records no snapshot; a "
+                "snapshot is taken only when a connector first starts: leave --snapshot off to "
+                "resume it, or start a new connector (--connector) with --snapshot"
+            ) from exc
         except EmptyWindow as exc:
             run = self.config.run
             start = "now" if self._start_at is None else run.start_at
@@ -840,6 +910,7 @@ class Pipeline:
             where = f"its output's {state.start_file}"
             raise ConfigError(self._conflict(StartConflict(conflict.start_us, -1), where))
         self._start_recorded = recorded
+        self._started_before = -1 if recorded is None else recorded.start_us  # (not this run's own)
         mark = await asyncio.to_thread(state.read_mark)
         if mark is not None:
             # never write a mark below one a reader may have seen: a restart whose sync topic is
@@ -1186,6 +1257,8 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
             records_filtered=final.records_filtered,
+            snapshot_done=final.snapshot_done,
+            snapshot_total=final.snapshot_total,
             warnings=dict(self.warnings),
             **spark_figures,
         )

@@ -111,13 +111,18 @@ class FileSink:
         connector: str = "shoal",
         table_format: Literal["parquet", "delta"] = "parquet",
         mark: Callable[[], int] | None = None,
+        mirror: bool = False,
     ) -> None:
         """``directory``: a local directory or an object store's URI (``s3://``, ``gs://``,
         ``file://``; ``runtime.lake.store``). ``table_format`` ``delta``: each table of the
         typed layout is a Delta table, each micro-batch one Delta commit per table (the data
         files written straight into the table, the commit idempotent by its application
         transaction: exactly once on an object store, with no rename). ``mark``: the
-        connector's completeness watermark now, recorded in each Delta commit's metadata."""
+        connector's completeness watermark now, recorded in each Delta commit's metadata.
+        ``mirror``: also merge every micro-batch into the current-state tables under
+        ``<directory>/_mirror`` (``runtime.lake.mirror``), before its commit point: a batch
+        whose commit then fails is read again and merged again, which changes nothing (the
+        merge is idempotent per change), so the mirror holds every committed change."""
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
             raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
         if table_format == "delta" and layout != "typed":
@@ -153,6 +158,15 @@ class FileSink:
         self._failures = 0
         self._dropped = 0
         self._tails = Tails()  # what was written, per partition (protocol/dedup.py)
+        self._mirror: Any = None  # runtime.lake.mirror.MirrorWriter
+        if mirror:
+            if layout != "typed":
+                raise ValueError("mirror needs the typed layout (one table per table)")
+            from runtime.lake.mirror import MirrorWriter, mirror_store
+
+            self._mirror = MirrorWriter(mirror_store(self.store))
+        self._mirror_version = 0  # this sink's merges: application transaction versions
+        self.mirror_merges = 0  # mirror-table commits (one per table and micro-batch)
 
     def __repr__(self) -> str:
         return f"FileSink({str(self.directory)!r})"
@@ -445,7 +459,23 @@ class FileSink:
         metadata = None
         if writes and self._mark is not None:
             metadata = {"shoal.low_watermark_us": self._mark()}
+        if rows and self._mirror is not None:
+            self._merge_mirror(fresh)
         self.committer.commit(batch, moves, entries, fence=keys, tables=writes, metadata=metadata)
+
+    def _merge_mirror(self, fresh: list[tuple[str, list[DataChange]]]) -> None:
+        """In the commit's worker thread: merge the micro-batch into each table's mirror, one
+        idempotent Delta commit per table (application ``<committer's app id>/mirror``, the
+        version counting this sink's micro-batches)."""
+        by_table: dict[str, list[DataChange]] = {}
+        for _, records in fresh:
+            for record in records:
+                by_table.setdefault(record.table, []).append(record)
+        self._mirror_version += 1
+        app = f"{self.committer.app_id}/mirror"
+        for table in sorted(by_table):
+            self._mirror.apply_batch(table, by_table[table], app=app, version=self._mirror_version)
+            self.mirror_merges += 1
 
     def _write_file(self, columns: dict[str, list[Any]], directory: str) -> None:
         import pyarrow as pa

@@ -25,6 +25,14 @@ At the end, after a quiet period without faults and without partition churn:
   no record reached the sink twice, at any time (a record counts when the sink commits its
   batch).
 
+With ``snapshot_partitions`` the connector starts with a snapshot (``protocol/snapshot.py``) at
+T, one microsecond before the stream's roots: its partitions are dealt with the roots and read a
+chunk or so per step, so kills, pauses and hand-offs fall in the middle of them. Their chunks
+count in the exactly-once checks like the stream's records (each chunk reaches the sink exactly
+once), every snapshot partition must be done at the end, and after every step the completeness
+watermark of the log (``protocol/completeness.py``) is below T while a snapshot partition is not
+done, and at or past T only once every chunk reached the sink.
+
 Each simulated reader runs the real reader core (``protocol/reader.py``) against the model as
 its source and a simulated sink that commits each batch after a delay, in order, or fails it
 (``sink_fail_p``), and refuses the batches of a task whose lease ran out; a reader ending with
@@ -63,13 +71,17 @@ from random import Random
 import msgspec
 
 from protocol import epochs, lease, messages
+from protocol import snapshot as snapshots
 from protocol.cim import Cim
+from protocol.completeness import low_watermark
 from protocol.dedup import Identity, PartitionTail, Position
 from protocol.events import Ids
 from protocol.lease import LeaseRules, LeaseTiming, MemberFacts
 from protocol.messages import (
     EpochMessage,
     Partition,
+    SnapshotItem,
+    SnapshotPlan,
     StateMessage,
     SyncMessage,
 )
@@ -119,7 +131,7 @@ from protocol.task import (
     TaskTick,
     own_state_ts,
 )
-from runtime.sim.stream import StreamModel, StreamParams
+from runtime.sim.stream import StreamModel, StreamParams, snapshot_records
 
 Planner = Callable[..., Plan]
 
@@ -241,6 +253,13 @@ class SimParams(msgspec.Struct, frozen=True):
     # chunk a reader reads), or the sink commits one record of its next batch twice
     invent_record_at_us: int = -1
     double_record_at_us: int = -1
+    # the connector starts with a snapshot of this many partitions (0: none), each of 0 to
+    # snapshot_chunks chunks, read snapshot_chunks_per_step chunks per step. The snapshot draws
+    # from its own random generator; off by default, so the seeds' histories stay as they were.
+    snapshot_partitions: int = 0
+    snapshot_chunks: int = 120
+    snapshot_chunks_per_step: int = 1
+    snapshot_done_before_removal: bool = True  # Rules.snapshot_done_before_removal (teeth)
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -262,6 +281,12 @@ class SimResult(msgspec.Struct, frozen=True):
     sink_failures: int = 0  # batches the simulated sink failed (sink_fail_p, or a lapsed lease)
     # batches a fence found past their commit point (ack_delay_steps: the fence race)
     fence_committed: int = 0
+    snapshot_chunks: int = 0  # snapshot chunks (records) that reached the sink
+    # readers of snapshot partitions started after the first of each (a hand-off, a crash, a
+    # pause past the lease: read again from their committed chunks), and faults (crashes,
+    # pauses, joins, leaves) while the snapshot was not done
+    snapshot_resumed: int = 0
+    snapshot_faults: int = 0
 
 
 class _Reader:
@@ -387,6 +412,7 @@ class Simulation:
             reset_answered_fresh=params.reset_answered_fresh,
             resume_on_answer=params.resume_on_answer,
             fence_superseded_epochs=params.fence_superseded_epochs,
+            snapshot_done_before_removal=params.snapshot_done_before_removal,
         )
         self.planner: Planner = (
             plan_broken
@@ -400,6 +426,20 @@ class Simulation:
         # every batch it commits (docs/design.md#exactly-once-output, rule 2)
         self.sink_tails: dict[str, PartitionTail] = {}
         self.orphans: list[tuple[_Node, _Reader]] = []  # stopped readers unfenced batches
+        # the snapshot at T, one microsecond before the stream's roots (protocol/snapshot.py)
+        self.snapshot_ts = start - 1
+        self.snapshot = snapshot_records(
+            params.seed, self.snapshot_ts, params.snapshot_partitions, params.snapshot_chunks
+        )
+        self.snapshot_plan: SnapshotPlan | None = None
+        if self.snapshot:
+            items = tuple(
+                SnapshotItem(token, chunks[0].table if chunks else "", b"")
+                for token, chunks in self.snapshot.items()
+            )
+            self.snapshot_plan = SnapshotPlan(
+                read_ts=self.snapshot_ts, total=len(items), chunk_rows=1, items=items
+            )
 
     # -- clock -------------------------------------------------------------------------------
     def now(self) -> int:
@@ -422,6 +462,7 @@ class Simulation:
             negotiate_interval=200_000,
             checkpoint_interval=5_000_000,
             rules=self.rules,
+            snapshot=self.snapshot_plan is not None,
         )
         node = _Node(task_id, TaskCore(config, Random(self.rng.getrandbits(32))), next(self.joins))
         self.nodes[task_id] = node
@@ -478,11 +519,18 @@ class Simulation:
             case RequestPlan():
                 self.stats["resets"] += len(command.reset)
                 roots: tuple[Partition, ...] = ()
+                stream_start = -1
                 if command.need_roots:
                     root = self.model.root_record()
                     roots = tuple(
                         Partition(token=c.token, start_ts=root.start_ts) for c in root.children
                     )
+                    stream_start = self.t0
+                snapshot = self.snapshot_plan if command.snapshot else None
+                if snapshot is not None:
+                    # T: the stream's start; its roots start after it (protocol/snapshot.py)
+                    stream_start = snapshot.read_ts
+                    assert snapshots.stream_after(stream_start) == self.t0
                 result = self.planner(
                     node.core.cim,
                     command.members,
@@ -492,15 +540,22 @@ class Simulation:
                     self.p.cap,
                     Random(self.rng.getrandbits(32)),
                     roots,
-                    self.t0 if command.need_roots else -1,
+                    stream_start,
                     command.reset,
+                    snapshot=snapshot,
                 )
                 self.deliver(node, PlanReady(result), 1)
 
     def start_reader(self, node: _Node, command: StartReader) -> None:
         token = command.token
-        info = self.model.info(token)
-        for parent in info.parents:
+        if snapshots.is_snapshot(token):
+            if token not in self.snapshot:
+                raise Violation(f"{node.id} reads {token}, which no snapshot holds")
+            parents: tuple[str, ...] = ()
+            self.stats["snapshot_readers"] += 1
+        else:
+            parents = self.model.info(token).parents
+        for parent in parents:
             if parent not in self.finished:
                 raise Violation(f"{node.id} reads {token} before its parent {parent} finished")
         for other in self.nodes.values():
@@ -778,7 +833,9 @@ class Simulation:
             match command:
                 case StartQuery():
                     reader.query = command.query
-                    reader.pos = command.start_ts
+                    # a snapshot partition is read again from its first chunk (at T)
+                    snapshot = snapshots.is_snapshot(reader.token)
+                    reader.pos = 0 if snapshot else command.start_ts
                 case CancelQuery():
                     reader.query = -1
                 case PutBatch():
@@ -900,7 +957,18 @@ class Simulation:
             self.run_sink(node, reader)
             if not lease or node.readers.get(reader.token) is not reader:
                 continue
-            if reader.query >= 0:
+            if reader.query >= 0 and snapshots.is_snapshot(reader.token):
+                # a snapshot partition's chunks, a few per step, then the end (no children)
+                query = reader.query
+                chunks = self.snapshot[reader.token]
+                step = self.p.snapshot_chunks_per_step
+                part = chunks[reader.pos : reader.pos + step]
+                reader.pos += step
+                self.reader_do(node, reader, reader.core.handle(Chunk(query, part), now))
+                if reader.pos >= len(chunks) and reader.query == query:
+                    reader.query = -1
+                    self.reader_do(node, reader, reader.core.handle(QueryEnded(query), now))
+            elif reader.query >= 0:
                 query = reader.query
                 chunk: list[ChangeRecord] = []
                 ended = False
@@ -931,6 +999,17 @@ class Simulation:
     def faults(self) -> None:
         alive = [n for n in self.nodes.values() if n.alive]
         r = self.rng.random
+        before = sum(self.stats[k] for k in ("crashes", "joins", "leaves", "pauses"))
+        try:
+            self._faults(alive, r)
+        finally:
+            after = sum(self.stats[k] for k in ("crashes", "joins", "leaves", "pauses"))
+            state = self.observer.snapshot
+            during = state.plan is None or not state.complete()
+            if after > before and self.snapshot_plan is not None and during:
+                self.stats["snapshot_faults"] += after - before
+
+    def _faults(self, alive: list[_Node], r: Callable[[], float]) -> None:
         if len(alive) > 1 and r() < self.p.crash_p:
             victim = self.rng.choice(alive)
             victim.alive = False
@@ -1036,6 +1115,32 @@ class Simulation:
                     if token in owners:
                         raise Violation(f"{owners[token]} and {node.id} both own {token}")
                     owners[token] = node.id
+        if self.snapshot_plan is not None:
+            self.check_snapshot_completeness()
+
+    def check_snapshot_completeness(self) -> None:
+        """The log's completeness watermark stays below T while a snapshot partition is not
+        done, and reaches T only once every snapshot chunk is in the sink."""
+        low = low_watermark(self.observer)
+        if low is None or low < self.snapshot_ts:
+            return
+        state = self.observer.snapshot
+        if not state.complete():
+            raise Violation(
+                f"completeness watermark {low} at or past the snapshot's T {self.snapshot_ts} "
+                f"with {len(state.pending)} snapshot partitions not done"
+            )
+        missing = [
+            r.identity
+            for chunks in self.snapshot.values()
+            for r in chunks
+            if r.identity not in self.delivered
+        ]
+        if missing:
+            raise Violation(
+                f"completeness watermark {low} at or past the snapshot's T {self.snapshot_ts} "
+                f"with {len(missing)} snapshot chunks not in the sink, e.g. {missing[0]}"
+            )
 
     # -- the whole run -----------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -1088,6 +1193,14 @@ class Simulation:
             read_on_answer=self.stats["read_on_answer"],
             sink_failures=self.stats["sink_failures"],
             fence_committed=self.stats["fence_committed"],
+            snapshot_resumed=max(0, self.stats["snapshot_readers"] - len(self.snapshot)),
+            snapshot_faults=self.stats["snapshot_faults"],
+            snapshot_chunks=sum(
+                1
+                for chunks in self.snapshot.values()
+                for r in chunks
+                if r.identity in self.delivered
+            ),
         )
 
     def final_checks(self) -> None:
@@ -1108,13 +1221,17 @@ class Simulation:
             loads = {n.id: sum(1 for _ in n.core.owned_unfinished()) for n in live_nodes}
             if max(loads.values()) - min(loads.values()) > 1:
                 raise Violation(f"owned counts are not within one: {loads}")
+        if self.snapshot_plan is not None and not self.observer.snapshot.complete():
+            pending = sorted(self.observer.snapshot.pending)
+            raise Violation(f"snapshot partitions not done at the end: {pending}")
+        snapshot = {r.identity for chunks in self.snapshot.values() for r in chunks}
         horizon = now - 5_000_000
-        expected = {r.identity for r in self.model.expected(horizon)}
+        expected = snapshot | {r.identity for r in self.model.expected(horizon)}
         missing = expected - set(self.delivered)
         if missing:
             raise Violation(f"{len(missing)} records never reached the sink, e.g. {min(missing)}")
         # every record the sink committed, to the last step: the stream committed it
-        committed = {r.identity for r in self.model.expected(now)}
+        committed = snapshot | {r.identity for r in self.model.expected(now)}
         extra = set(self.delivered) - committed
         if extra:
             raise Violation(

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 
 from protocol import epochs
 from protocol.dedup import PartitionTail, Position
+from protocol.messages import SnapshotItem, SnapshotPlan
+from protocol.records import DataChange
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost, SinkBatch
 
 
@@ -169,3 +171,40 @@ class MemorySink:
         """The position up to which this sink has committed partition ``token``, if any."""
         tail = self._tails.get(token)
         return None if tail is None else tail.position()
+
+
+class MemorySnapshots:
+    """A :class:`~runtime.ports.SnapshotSource` over a seeded snapshot of ``partitions``
+    partitions (``runtime.sim.stream.snapshot_records``): each chunk is one record, sent
+    ``chunk_delay`` seconds after the one before it (so a task can stop in the middle of one)."""
+
+    def __init__(
+        self, seed: int, partitions: int, max_chunks: int, chunk_delay: float = 0.0
+    ) -> None:
+        self.seed = seed
+        self.partitions = partitions
+        self.max_chunks = max_chunks
+        self.chunk_delay = chunk_delay
+        self.records: dict[str, tuple[DataChange, ...]] = {}
+        self.planned = 0  # plan_snapshot calls
+        self.reads: Counter[str] = Counter()  # read_snapshot calls per partition
+
+    async def plan_snapshot(self, read_ts: int) -> SnapshotPlan:
+        from runtime.sim.stream import snapshot_records
+
+        self.planned += 1
+        self.records = snapshot_records(self.seed, read_ts, self.partitions, self.max_chunks)
+        items = tuple(
+            SnapshotItem(token, chunks[0].table if chunks else "", token.encode())
+            for token, chunks in self.records.items()
+        )
+        return SnapshotPlan(read_ts=read_ts, total=len(items), chunk_rows=1, items=items)
+
+    async def read_snapshot(
+        self, item: SnapshotItem, chunk_rows: int
+    ) -> AsyncIterator[tuple[DataChange, ...]]:
+        self.reads[item.token] += 1
+        for record in self.records[item.token]:
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+            yield (record,)

@@ -227,3 +227,42 @@ class StreamModel:
             for rec in self.records(token, info.start_ts, until_ts):
                 if isinstance(rec, DataChange):
                     yield rec
+
+
+def snapshot_records(
+    seed: int, read_ts: int, partitions: int, max_chunks: int
+) -> dict[str, tuple[DataChange, ...]]:
+    """A seeded snapshot at ``read_ts`` of ``partitions`` partitions, each with 0 to
+    ``max_chunks`` chunks: records as a snapshot partition's reader sends them
+    (``protocol/snapshot.py``, rule 3: commit timestamp T, transaction id the work item's token,
+    record sequence the chunk's number, ``SNAPSHOT`` rows), by work-item token."""
+    from protocol.snapshot import work_token
+
+    rng = random.Random(f"snapshot:{seed}")
+    out: dict[str, tuple[DataChange, ...]] = {}
+    for i in range(partitions):
+        table = _SNAPSHOT_TABLES[i % len(_SNAPSHOT_TABLES)]
+        token = work_token(table, i)
+        chunks = []
+        for k in range(rng.randint(0, max_chunks)):
+            keys = [rng.randrange(1_000_000) for _ in range(1 + rng.randrange(3))]
+            chunks.append(
+                DataChange(
+                    commit_ts=read_ts,
+                    record_sequence=str(k),
+                    server_transaction_id=token,
+                    is_last_record_in_transaction_in_partition=False,
+                    table=table,
+                    column_types=_COLUMNS,
+                    mods=tuple(
+                        Mod(f'{{"Id":{x}}}', f'{{"Name":"s{x}","Value":0}}', "{}") for x in keys
+                    ),
+                    mod_type="SNAPSHOT",
+                    value_capture_type="NEW_ROW",
+                )
+            )
+        out[token] = tuple(chunks)
+    return out
+
+
+_SNAPSHOT_TABLES = ("Singers", "Albums", "Songs")

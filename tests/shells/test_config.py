@@ -306,3 +306,33 @@ def test_delta_on_an_object_store_is_accepted(sink: str) -> None:
         "delta",
         "s3://b/p",
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--snapshot"], "--source spanner or emulator"),
+        (["--source", "emulator", "--snapshot", "--mod-types", "INSERT"], "add SNAPSHOT"),
+        (["--mirror"], "--sink files"),
+        (["--sink", "files", "--output-layout", "generic", "--mirror"], "output_layout typed"),
+    ],
+)
+def test_snapshot_and_mirror_are_checked_at_start(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        _load(argv)
+
+
+def test_snapshot_and_mirror_from_flags_environment_and_file(tmp_path: Path) -> None:
+    flags = ["--source", "emulator", "--sink", "files", "--snapshot", "--mirror"]
+    config = _load([*flags, "--mod-types", "snapshot,insert", "--snapshot-chunk-rows", "500"])
+    assert (config.run.snapshot, config.run.mirror, config.run.snapshot_chunk_rows) == (
+        True,
+        True,
+        500,
+    )
+    env = {"SHOAL_SOURCE": "emulator", "SHOAL_SINK": "files", "SHOAL_SNAPSHOT": "true"}
+    assert _load([], env).run.snapshot
+    toml = tmp_path / "shoal.toml"
+    toml.write_text('source = "emulator"\nsink = "files"\nmirror = true\nsnapshot = true\n')
+    from_file = _load(["--config", str(toml)])
+    assert (from_file.run.snapshot, from_file.run.mirror) == (True, True)

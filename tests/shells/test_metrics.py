@@ -147,3 +147,30 @@ def test_json_logs_carry_fields_and_tracebacks() -> None:
     assert first["level"] == "INFO"
     assert first["logger"] == "shoal.test"
     assert "ValueError: boom" in second["exc"]
+
+
+@pytest.mark.asyncio
+async def test_snapshot_progress_in_metrics_display_and_status() -> None:
+    from actors.cli.admin import format_status
+    from actors.cli.progress import format_table
+    from protocol.cim import Cim
+    from protocol.messages import EpochMessage, SnapshotItem, SnapshotPlan
+
+    without = _sample()
+    current = msgspec.structs.replace(without, snapshot_done=3, snapshot_total=8)
+    async with MetricsServer(lambda: current, port=0) as server:
+        _, body = await _get(server.port, "/metrics")
+        assert 'shoal_snapshot_partitions{state="done"} 3.0' in body
+        assert 'shoal_snapshot_partitions{state="total"} 8.0' in body
+        current = without
+        _, body = await _get(server.port, "/metrics")
+        assert 'shoal_snapshot_partitions{state="total"}' not in body  # no snapshot
+    table = format_table(msgspec.structs.replace(without, snapshot_done=8, snapshot_total=8), {})
+    assert "snapshot: 8/8 partitions done (complete)" in table
+    assert not [line for line in format_table(without, {}) if "snapshot" in line]
+    cim = Cim()
+    items = tuple(SnapshotItem(f"snapshot:T/{i}", "T") for i in range(2))
+    plan = SnapshotPlan(read_ts=1_700_000_000_000_000, total=2, chunk_rows=10, items=items)
+    cim.apply(0, EpochMessage(task_id="a", epoch=1, members=("a",), snapshot=plan))
+    text = format_status("c", cim, 1_700_000_001_000_000)
+    assert "snapshot at 2023-11-14T22:13:20Z: 0/2 partitions done" in text

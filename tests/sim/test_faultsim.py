@@ -83,7 +83,8 @@ REGRESSIONS = [
 def _check(seed: int, **overrides: object) -> None:
     result = run(SimParams(seed=seed, **overrides))  # type: ignore[arg-type]
     assert result.passed, (
-        f"seed {seed}: {result.violation} (replay: python -m bench sim --seed {seed})"
+        f"seed {seed}: {result.violation} (replay: python -m bench sim --seed {seed} "
+        "--snapshot-partitions 0)"
     )
 
 
@@ -100,7 +101,7 @@ def test_seed_sweep_with_a_failing_sink(chunk: int) -> None:
         result = run(SimParams(seed=seed, sink_fail_p=SINK_FAIL_P))
         assert result.passed, (
             f"seed {seed}: {result.violation} (replay: python -m bench sim --seed {seed} "
-            f"--sink-fail-p {SINK_FAIL_P})"
+            f"--sink-fail-p {SINK_FAIL_P} --snapshot-partitions 0)"
         )
         failures += result.sink_failures
     assert failures > CHUNK, "the sink failed too few batches to matter"
