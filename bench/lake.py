@@ -48,14 +48,11 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -67,6 +64,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterComm
 
 from bench.procs import tree
 from protocol.records import DataChange
+from runtime.lake.s3server import S3Server, S3Unavailable, running_s3_server
 from runtime.sim.stream import StreamModel, StreamParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,89 +76,15 @@ ID_COLUMNS = ["_commit_ts", "_server_transaction_id", "_record_sequence", "_mod_
 # --- the store ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class S3:
-    endpoint: str
-    env: dict[str, str]  # AWS_* of this server (test credentials)
-
-    def uri(self, prefix: str) -> str:
-        return f"s3://{BUCKET}/{prefix}"
-
-    def storage_options(self) -> dict[str, str]:
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ALLOW_HTTP": "true",
-            "AWS_REGION": self.env["AWS_REGION"],
-            "AWS_ACCESS_KEY_ID": self.env["AWS_ACCESS_KEY_ID"],
-            "AWS_SECRET_ACCESS_KEY": self.env["AWS_SECRET_ACCESS_KEY"],
-        }
-
-    def client(self) -> Any:
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name=self.env["AWS_REGION"],
-            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
-        )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _answers(endpoint: str) -> bool:
-    try:
-        with urllib.request.urlopen(endpoint + "/moto-api/", timeout=1):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
-def s3_server(work: Path) -> Iterator[S3]:
-    """moto's S3 server on a free loopback port, with the bench's bucket; stopped after."""
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    with open(work / "moto.log", "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
+def s3_server(work: Path) -> Iterator[S3Server]:
+    """moto's S3 server on a free loopback port (``runtime.lake.s3server``), with the bench's
+    bucket; stopped after."""
     try:
-        deadline = time.monotonic() + 60
-        while not _answers(endpoint):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"lake: moto's S3 server did not start (see {work}/moto.log)")
-            time.sleep(0.05)
-        env = {
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_REGION": "us-east-1",
-            "AWS_ACCESS_KEY_ID": f"benchkey{uuid.uuid4().hex[:12]}",
-            "AWS_SECRET_ACCESS_KEY": f"bench-secret-{uuid.uuid4().hex}",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": str(work / "aws-config"),
-            "AWS_SHARED_CREDENTIALS_FILE": str(work / "aws-credentials"),
-        }
-        s3 = S3(endpoint, env)
-        s3.client().create_bucket(Bucket=BUCKET)
-        yield s3
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        with running_s3_server(work, BUCKET) as server:
+            yield server
+    except S3Unavailable as exc:
+        raise SystemExit(f"lake: moto's S3 server is not available: {exc}") from exc
 
 
 # --- the floor ----------------------------------------------------------------------------------
@@ -282,14 +206,14 @@ def _local_floor(spark: Any, tables: list[pa.Table], out: Path) -> float:
 # --- the command line ---------------------------------------------------------------------------
 
 
-def _env(s3: S3) -> dict[str, str]:
+def _env(s3: S3Server) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "AWS_"))}
     env.update(s3.env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env
 
 
-def _cli(s3: S3, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _cli(s3: S3Server, args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "actors.runtime", *args],
@@ -301,7 +225,9 @@ def _cli(s3: S3, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _args(s3: S3, prefix: str, start: int, end: int, summary: Path, extra: list[str]) -> list[str]:
+def _args(
+    s3: S3Server, prefix: str, start: int, end: int, summary: Path, extra: list[str]
+) -> list[str]:
     return [
         *SIM,
         *("--sink", "spark", "--table-format", "delta", "--progress", "off"),
@@ -330,7 +256,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
-def _delta_commits(s3: S3, prefix: str) -> int:
+def _delta_commits(s3: S3Server, prefix: str) -> int:
     listed = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/data/")
     return sum(
         1
@@ -339,7 +265,7 @@ def _delta_commits(s3: S3, prefix: str) -> int:
     )
 
 
-def _read_rows(s3: S3, prefix: str, tables: tuple[str, ...]) -> collections.Counter[str]:
+def _read_rows(s3: S3Server, prefix: str, tables: tuple[str, ...]) -> collections.Counter[str]:
     from deltalake import DeltaTable
 
     counts: collections.Counter[str] = collections.Counter()
@@ -372,7 +298,7 @@ class _Tally:
 
 
 def _run_timed(
-    s3: S3,
+    s3: S3Server,
     work: Path,
     name: str,
     window: tuple[int, int],
@@ -412,7 +338,7 @@ def _run_timed(
 
 
 def _run_killed(
-    s3: S3,
+    s3: S3Server,
     work: Path,
     window: tuple[int, int],
     expected: collections.Counter[str],
@@ -455,7 +381,7 @@ def _run_killed(
     return killed
 
 
-def _no_credentials(s3: S3, work: Path) -> None:
+def _no_credentials(s3: S3Server, work: Path) -> None:
     """No run printed a credential (the logs hold everything the runs wrote)."""
     secrets = (s3.env["AWS_ACCESS_KEY_ID"], s3.env["AWS_SECRET_ACCESS_KEY"])
     for log in work.glob("*.log"):
