@@ -1266,10 +1266,10 @@ def _first_parent(part: Partition, lookup: Callable[[str], Partition | None]) ->
     return first_parent_readable(part, lookup)
 
 
-def plan_broken(*args: object) -> Plan:
+def plan_broken(*args: object, **kwargs: object) -> Plan:
     from protocol.planner import plan_moving_survivors
 
-    return plan_moving_survivors(*args)  # type: ignore[arg-type]
+    return plan_moving_survivors(*args, **kwargs)  # type: ignore[arg-type]
 
 
 def run(params: SimParams) -> SimResult:
