@@ -23,7 +23,7 @@ pytestmark = pytest.mark.spark
 
 
 @pytest.mark.asyncio
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a Spark session starts in the fixture: 28 s under load
 async def test_the_spark_bridge_refuses_a_micro_batch_holding_a_fenced_batch(
     tmp_path: Path, spark: Any
 ) -> None:
@@ -53,7 +53,7 @@ async def test_the_spark_bridge_refuses_a_micro_batch_holding_a_fenced_batch(
 
 
 @pytest.mark.asyncio
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a Spark session starts in the fixture: 28 s under load
 async def test_the_spark_bridge_lets_a_new_reader_of_a_refused_partition_go_on(
     tmp_path: Path, spark: Any
 ) -> None:
