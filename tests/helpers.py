@@ -101,6 +101,23 @@ def assert_no_row_twice(written: Iterable[T], what: str = "rows") -> Counter[T]:
     return counts
 
 
+def exactly(expected: Iterable[T]) -> Callable[[Sequence[T]], None]:
+    """The exactly-once check of rows read back raw (nothing de-duplicated): ``expected``, each
+    as many times as it is there (so once), no row missing, none extra, none twice."""
+    want = Counter(expected)
+
+    def check(rows: Sequence[T]) -> None:
+        got = Counter(rows)
+        assert got == want, (
+            f"{len(rows)} rows vs {want.total()} expected; twice: "
+            f"{[r for r, n in got.items() if n > want.get(r, 0) > 0][:3]}; extra: "
+            f"{[r for r in got if r not in want][:3]}; missing: "
+            f"{[r for r in want if r not in got][:3]}"
+        )
+
+    return check
+
+
 def doubled(rows: Sequence[T]) -> list[T]:
     """``rows`` with one of them (the middle one) written a second time: the input of the
     control that shows an exactly-once check fails on a duplicate."""

@@ -29,11 +29,15 @@ from tests.fixtures.kafka_sink import (
     read_output,
     workload,
 )
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_catches_a_double, exactly
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
 FAST = RetryPolicy(max_attempts=2, base_backoff=0.02, max_backoff=0.05)
+
+
+def all_ids(changes: list[Any]) -> list[str]:
+    return [rid for ids in expected_ids(changes).values() for rid in ids]
 
 
 async def shoal(*args: str) -> subprocess.CompletedProcess[str]:
@@ -88,7 +92,8 @@ async def test_dlq_list_and_replay_of_the_kafka_sink(
     assert f"replayed 1 record(s) from the DLQ of {name!r}" in replayed.stdout
     got = await read_output(kafka_config, name, 4, want=len(changes))
     ids = [r.record_id for _, r in got]
-    assert len(ids) == len(set(ids)) == len(changes), "a record delivered twice, or lost"
+    exactly(all_ids(changes))(ids)
+    assert_catches_a_double(exactly(all_ids(changes)), ids)
     assert [r.record_id for _, r in got if key_of(r) == 2] == want[2]  # in order, after replay
 
     empty = await shoal("dlq", "list", "--sink", "kafka", *where)
@@ -128,7 +133,8 @@ async def test_dlq_replay_via_the_leader_while_the_sink_runs(
         assert f"replayed 1 record(s) from the DLQ of {name!r} via the leader" in replayed.stdout
     got = await read_output(kafka_config, name, 4, want=len(changes))
     ids = [r.record_id for _, r in got]
-    assert len(ids) == len(set(ids)) == len(changes), "a record delivered twice, or lost"
+    exactly(all_ids(changes))(ids)
+    assert_catches_a_double(exactly(all_ids(changes)), ids)
     assert [r.record_id for _, r in got if key_of(r) == 2] == want[2]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from tests.fixtures.spark_connect import (
     with_signal,
 )
 from tests.fixtures.spark_connect import free_port as connect_free_port
+from tests.helpers import assert_catches_a_double, exactly
 from tests.parts import require_java
 
 __all__ = ["connect_mode"]  # a module-scoped fixture
@@ -77,6 +77,6 @@ async def test_connect_server_restart_is_survived_by_reconnecting(tmp_path: Path
         stop_connect_server(server)
     assert replaced == 1
     assert stats.batches_failed == 0
-    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(
-        expected_rows(iter(records))
-    )
+    written = list(output_rows(read_output(str(out), dedupe=False)))
+    exactly(expected_rows(iter(records)))(written)
+    assert_catches_a_double(exactly(expected_rows(iter(records))), written)

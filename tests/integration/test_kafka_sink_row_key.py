@@ -13,6 +13,7 @@ from runtime.kafka import KafkaConfig
 from runtime.kafka.sink import ROW_KEY_HEADER, KafkaSink, KafkaSinkConfig, decode_output
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.fixtures.kafka_sink import put_all, workload
+from tests.helpers import assert_catches_a_double, assert_no_row_twice
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
@@ -49,4 +50,7 @@ async def test_every_output_message_carries_its_row_key_header(
     finally:
         await consumer.stop()
     assert all(header == record_id for header, record_id in seen)
-    assert len({h for h, _ in seen}) == len(changes)
+    row_keys = [h for h, _ in seen]
+    assert len(row_keys) == len(changes)  # a run without failures delivers each record once
+    assert_no_row_twice(row_keys, "row keys")
+    assert_catches_a_double(assert_no_row_twice, row_keys)  # the check sees a doubled message

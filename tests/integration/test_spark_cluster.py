@@ -14,7 +14,7 @@ import pytest
 from bench.cluster import params, run_cli
 from runtime.sim.stream import StreamModel
 from runtime.spark.standalone import StandaloneCluster
-from tests.helpers import stream_rows
+from tests.helpers import assert_catches_a_double, assert_no_row_twice, stream_rows
 from tests.integration.test_cli import _ids
 from tests.parts import require_java
 
@@ -46,7 +46,8 @@ def test_bounded_run_on_a_standalone_cluster_writes_the_stream(tmp_path: Path) -
     assert summary.stream_end is not None
     assert executors, "no worker started an executor: the run did not use the cluster"
     ids = _ids(tmp_path / "out" / "data")
-    assert len(ids) == len(set(ids)), "rows written twice"
+    assert_no_row_twice(ids)
+    assert_catches_a_double(assert_no_row_twice, ids)  # the check sees a doubled row
     expected = stream_rows(StreamModel(p), summary.stream_end).keys()
     assert expected, "the stream produced nothing: the check would prove nothing"
     assert set(ids) == expected

@@ -16,7 +16,14 @@ import pytest
 from bench.cluster import REPO, params, sim_args
 from runtime.sim.stream import StreamModel
 from runtime.spark.standalone import StandaloneCluster
-from tests.helpers import command_lines, ps_lines, stream_rows, wait_until
+from tests.helpers import (
+    assert_catches_a_double,
+    assert_no_row_twice,
+    command_lines,
+    ps_lines,
+    stream_rows,
+    wait_until,
+)
 from tests.integration.test_cli import _ids
 from tests.parts import require_java
 
@@ -118,5 +125,6 @@ def test_a_cluster_that_loses_its_master_and_executors_stops_the_run_naming_spar
     assert took < 20 + 30 + 120, f"took {took:.0f}s to stop after the executors were lost"
     ids = _ids(out / "data")
     assert ids, "nothing was written: the check would prove nothing"
-    assert len(ids) == len(set(ids)), "rows written twice"
+    assert_no_row_twice(ids)
+    assert_catches_a_double(assert_no_row_twice, ids)  # the check sees a doubled row
     assert set(ids) <= stream_rows(StreamModel(p), time.time_ns() // 1000).keys()

@@ -29,6 +29,7 @@ from runtime.spark.output import write_default
 from runtime.spark.session import start_session
 from tests.fixtures.spark import Cluster, Row, expected_rows, output_rows, wait_for
 from tests.fixtures.spark_connect import ConnectServer, connect_mode, connect_server, free_port
+from tests.helpers import assert_catches_a_double, exactly
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 __all__ = ["connect_mode", "connect_server"]  # module-scoped fixtures
@@ -135,7 +136,8 @@ async def test_three_tasks_over_connect_output_equals_the_stream(
     assert stats.attempts_failed == 0
     assert stats.batches_committed >= 2
     rows = output_rows(read_output(str(out), dedupe=False))
-    assert Counter(rows) == Counter(cluster.expected())
+    exactly(cluster.expected())(rows)
+    assert_catches_a_double(exactly(cluster.expected()), rows)
 
 
 @pytest.mark.asyncio
@@ -165,7 +167,9 @@ async def test_futures_resolve_only_after_the_rows_are_on_disk(
         assert newest == {token: changes[-1].commit_ts for token, changes in records.items()}
     assert seen == [True] * len(puts)
     expected = expected_rows(r for changes in records.values() for r in changes)
-    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(expected)
+    written = list(output_rows(read_output(str(out), dedupe=False)))
+    exactly(expected)(written)
+    assert_catches_a_double(exactly(expected), written)
 
 
 @pytest.mark.asyncio
@@ -190,7 +194,9 @@ async def test_foreach_batch_gets_connect_dataframes(
     assert sum(n for _, n, _ in calls) == len(expected) == stats.rows_committed
     assert all(module.startswith("pyspark.sql.connect") for _, _, module in calls)
     assert [b for b, _, _ in calls] == sorted({b for b, _, _ in calls})
-    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(expected)
+    written = list(output_rows(read_output(str(out), dedupe=False)))
+    exactly(expected)(written)
+    assert_catches_a_double(exactly(expected), written)
 
 
 @pytest.mark.asyncio
@@ -208,9 +214,9 @@ async def test_restart_over_connect_does_not_write_twice(
             future = await bridge.put(SinkBatch(token, tuple(part), part[-1].commit_ts))
             await asyncio.wait_for(future, 60)
     assert bridge.stats().rows_deduplicated == sum(len(r.mods) for r in records[20:30])
-    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(
-        expected_rows(iter(records))
-    )
+    written = list(output_rows(read_output(str(out), dedupe=False)))
+    exactly(expected_rows(iter(records)))(written)
+    assert_catches_a_double(exactly(expected_rows(iter(records))), written)
 
 
 @pytest.mark.asyncio
@@ -236,7 +242,9 @@ async def test_default_config_on_a_fresh_output_dir_writes_through_our_server(
     expected = expected_rows(iter(records))
     assert stats.rows_committed == len(expected)
     assert stats.batches_failed == 0
-    assert Counter(output_rows(read_output(str(out), dedupe=False))) == Counter(expected)
+    written = list(output_rows(read_output(str(out), dedupe=False)))
+    exactly(expected)(written)
+    assert_catches_a_double(exactly(expected), written)
 
 
 @pytest.mark.asyncio
@@ -267,13 +275,15 @@ async def test_typed_default_over_connect_holds_each_change_once(
             t: bridge.spark.read.parquet(str(out / t)).count()
             for t in sorted({c.table for cs in records.values() for c in cs})
         }
-    expected = Counter(
+    expected: Counter[tuple[object, ...]] = Counter(
         (c.commit_ts, c.table, c.mod_type, json.loads(m.keys)["Id"], *_identity(c, i, t))
         for t, cs in records.items()
         for c in cs
         for i, m in enumerate(c.mods)
     )
-    assert Counter(tuple(c) for c in read_changes(out)) == expected
+    changes_written = [tuple(c) for c in read_changes(out)]
+    exactly(expected.elements())(changes_written)
+    assert_catches_a_double(exactly(expected.elements()), changes_written)
     assert not any(p.is_file() for p in (out / STAGING_DIR).rglob("*"))
     by_table = Counter(row[1] for row in expected.elements())
     assert spark_counts == dict(by_table)

@@ -34,7 +34,7 @@ from runtime.spark.keyed import RowsFailed, SparkRecord, decode_record, spark_re
 from runtime.spark.output import write_default
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 from tests.fixtures.spark import spark
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_catches_a_double, assert_no_row_twice, exactly
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.slow]
 __all__ = ["connector", "kafka_broker", "kafka_config", "spark"]  # fixtures used by name
@@ -134,7 +134,8 @@ async def feed(bridge: SparkBridge, changes: list[DataChange], batch: int, pause
 
 def assert_in_order(committed: list[tuple[int, str]], want: dict[int, list[str]]) -> None:
     ids = [rid for _, rid in committed]
-    assert len(ids) == len(set(ids)), "a row committed twice"
+    assert_no_row_twice(ids)
+    assert_catches_a_double(assert_no_row_twice, ids)  # the check sees a doubled row
     for k, expected in want.items():
         got = [rid for key, rid in committed if key == k]
         assert got == expected[: len(got)], f"key {k} out of order"
@@ -202,7 +203,8 @@ async def test_failing_keys_are_parked_while_others_flow_in_order_then_cli_repla
     assert_in_order(writer.committed, want)
     healthy = {rid for k, ids in want.items() if k != 3 for rid in ids}
     assert {rid for _, rid in writer.committed} == healthy
-    assert sorted(output_ids(out)) == sorted(healthy)
+    exactly(healthy)(output_ids(out))
+    assert_catches_a_double(exactly(healthy), output_ids(out))
 
     # `dlq list --sink spark` reads the topics (no Spark needed) ...
     common = [
@@ -242,7 +244,8 @@ async def test_failing_keys_are_parked_while_others_flow_in_order_then_cli_repla
     assert f"replayed 1 record(s) from the DLQ of {name!r}" in printed.getvalue()
     assert await list_dlq(config.dead_letter) == []
     everything = {rid for ids in want.values() for rid in ids}
-    assert sorted(output_ids(out)) == sorted(everything)
+    exactly(everything)(output_ids(out))
+    assert_catches_a_double(exactly(everything), output_ids(out))
     table = read_output(str(out), dedupe=False)
     replayed = sorted(
         (batch, rid)
@@ -282,7 +285,8 @@ async def test_a_dead_bridge_leaves_its_rq_to_the_next_one(
     assert_in_order(writer.committed, want)
     everything = {rid for ids in want.values() for rid in ids}
     assert {rid for _, rid in writer.committed} == everything
-    assert sorted(output_ids(out)) == sorted(everything)
+    exactly(everything)(output_ids(out))
+    assert_catches_a_double(exactly(everything), output_ids(out))
 
 
 _CHILD = """
