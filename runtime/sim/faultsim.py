@@ -119,6 +119,7 @@ from protocol.task import (
     ReaderCommitted,
     ReaderFinished,
     ReadersCommitted,
+    ReaderStopped,
     RequestPlan,
     Rules,
     StartReader,
@@ -199,6 +200,10 @@ class SimParams(msgspec.Struct, frozen=True):
     # point (the fence race; drawn from a generator of its own, so (0, 0) keeps every seed's
     # history as it was)
     ack_delay_steps: tuple[int, int] = (0, 0)
+    # a reader starts this many steps after its task decided to read (a change-stream query
+    # being set up); meanwhile the task owns the partition and nothing reads it. Drawn from a
+    # generator of its own: (0, 0) keeps every seed's history as it was
+    reader_start_steps: tuple[int, int] = (0, 0)
     split_p: float = 0.08
     move_p: float = 0.05
     merge_p: float = 0.08
@@ -308,6 +313,12 @@ class _Reader:
         self.committed_ids: set[Identity] = set()
 
 
+class _Starting(msgspec.Struct, frozen=True):
+    """A reader being set up (``reader_start_steps``): it starts when this event is due."""
+
+    command: StartReader
+
+
 class _Assign(msgspec.Struct, frozen=True):
     """A generation's assignment on its way to one member (it lags behind the leader's)."""
 
@@ -328,7 +339,9 @@ class _Node:
         self.paused_until = -1
         self.read_offset = 0
         self.readers: dict[str, _Reader] = {}
-        self.inbox: list[tuple[int, int, TaskEvent | _Assign]] = []  # (due step, seq, event)
+        # (due step, seq, event)
+        self.inbox: list[tuple[int, int, TaskEvent | _Assign | _Starting]] = []
+        self.starting: dict[str, StartReader] = {}  # readers being set up, by token
         self.expelled = False
         self.last_land = 0
         self.epoch_seen = epochs.NO_EPOCH  # the newest epoch this node was assigned
@@ -422,6 +435,7 @@ class Simulation:
         self.sink_rng = Random(f"sink:{params.seed}")
         self.ack_rng = Random(f"ack:{params.seed}")
         self.lag_rng = Random(f"lag:{params.seed}")
+        self.start_rng = Random(f"start:{params.seed}")
         # the sink's own durable record: each partition's position, moved atomically with
         # every batch it commits (docs/design.md#exactly-once-output, rule 2)
         self.sink_tails: dict[str, PartitionTail] = {}
@@ -508,10 +522,21 @@ class Simulation:
             case StartReader():
                 if node.core.cim.epoch < node.core.continuous_since:
                     self.stats["read_on_answer"] += 1  # before its generation's epoch
-                self.start_reader(node, command)
+                lo, hi = self.p.reader_start_steps
+                delay = self.start_rng.randint(lo, hi) if hi else 0
+                if delay:
+                    node.starting[command.token] = command
+                    event = _Starting(command)
+                    heapq.heappush(node.inbox, (self.step + delay, next(self.seq), event))
+                else:
+                    self.start_reader(node, command)
             case StopReader():
                 reader = node.readers.get(command.token)
-                if reader is not None:
+                starting = node.starting.pop(command.token, None)
+                if starting is not None:  # stopped while being set up: it read nothing
+                    stopped = ReaderStopped(command.token, starting.start_ts, starting.tail)
+                    self.deliver(node, stopped, 0)
+                elif reader is not None:
                     stop = StopRequested(command.reason, command.drain)
                     self.reader_do(node, reader, reader.core.handle(stop, self.now()))
             case Alert():
@@ -1084,6 +1109,10 @@ class Simulation:
                 _, _, event = heapq.heappop(node.inbox)
                 if isinstance(event, _Assign):
                     self.assign(node, event)
+                elif isinstance(event, _Starting):
+                    if node.starting.get(event.command.token) is event.command:
+                        del node.starting[event.command.token]
+                        self.start_reader(node, event.command)
                 else:
                     self.handle(node, event)
             self.run_readers(node)

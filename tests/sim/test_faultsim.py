@@ -235,6 +235,25 @@ def test_teeth_planner_moving_survivors_without_handoff() -> None:
     assert _violations(PLANNER_SEEDS, refuse_owned_offers=False) == []
 
 
+# Readers set up 2-10 steps after their task decided to read (a change-stream query starting):
+# a partition two tasks own then shows as owned twice before either reads it. Seeds 0-9 all
+# fire "both own" with the planner broken and pass with it whole (swept 2026-11-28).
+SLOW_START = (2, 10)
+OWN_SEEDS = (0, 3)
+
+
+def test_teeth_both_own_fires_while_readers_are_being_set_up() -> None:
+    """The "both own" check has teeth: with readers slow to start, the planner that moves
+    survivors' partitions without a hand-off is caught as two owners (not yet two readers);
+    the control is the same seeds, the same slow starts and defence off, the shipped planner."""
+    broken = _violations(
+        OWN_SEEDS, broken_planner=True, refuse_owned_offers=False, reader_start_steps=SLOW_START
+    )
+    assert len(broken) == len(OWN_SEEDS), broken
+    assert all("both own" in v for v in broken), broken
+    assert _violations(OWN_SEEDS, refuse_owned_offers=False, reader_start_steps=SLOW_START) == []
+
+
 def test_refusing_offers_of_owned_partitions_keeps_a_bad_planner_mostly_safe() -> None:
     # Defence in depth: a task does not pick up a 'new' offer for a partition a member owns,
     # so that broken planner gets far fewer partitions read by two tasks. Not always none: it
