@@ -613,7 +613,9 @@ def test_config_command_prints_effective_options_without_secrets() -> None:
 @pytest.mark.timeout(150)
 def test_emulator_source_bounded_run(tmp_path: Path) -> None:
     """--source emulator: the Cloud Spanner emulator with a write load; the output holds every
-    row the load wrote."""
+    row the load wrote. The run starts the emulator and its load itself, so the count it is held
+    to is the run's own; the check against an oracle of the test's own (a ledger of what the test
+    committed) is tests/integration/test_spanner_ledger.py."""
     require_emulator()
     proc = _cli(
         [

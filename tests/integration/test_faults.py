@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.procs import children, cmdline, descendants
+from bench.procs import children, cmdline
 from runtime.kafka.broker import EmbeddedBroker, free_port
 from runtime.kafka.config import KafkaConfig
 from runtime.kafka.synclog import KafkaSyncLog, SyncLogError, SyncTopicLost
@@ -43,7 +43,6 @@ from tests.integration.test_cli import (
     _summary,
 )
 from tests.integration.test_faults_spark import first_commit
-from tests.parts import require_emulator
 
 __all__ = ["churn_emulator"]  # a module-scoped fixture
 
@@ -336,48 +335,6 @@ def test_broker_unreachable_past_the_limit_stops_the_run_naming_kafka(tmp_path: 
 
 def _files_written(out: Path) -> bool:
     return first_commit(out)
-
-
-@pytest.mark.spanner
-@pytest.mark.kafka
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_emulator_paused_past_the_stall_timeout_heals_and_loses_nothing(tmp_path: Path) -> None:
-    """The Spanner emulator is frozen (SIGSTOP) for longer than the readers' stall timeout
-    (30 s), then continued: the silent queries are restarted from their committed positions and
-    the bounded run exits 0 with every row the write load committed, none twice."""
-    require_emulator()
-    out = tmp_path / "out"
-    proc = _cli(
-        [
-            *FILES,
-            *("--source", "emulator", "--spanner-load-rate", "10"),
-            *("--duration", "60", "--drain-timeout", "180", "--output-dir", str(out)),
-            *("--summary-json", str(tmp_path / "summary.json"), "--progress", "off"),
-        ],
-        tmp_path,
-    )
-    frozen: list[int] = []
-    try:
-        wait_until(lambda: _files_written(out) or proc.poll() is not None, 120, "first commit")
-        assert proc.poll() is None, _logs(tmp_path, "run")
-        frozen = [p for p in descendants(proc.pid) if "cloud_spanner_emulator" in cmdline(p)]
-        assert frozen, "no emulator process under the run"
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(40)
-    finally:
-        for pid in frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        code = _finish(proc, tmp_path, "run", 300)
-    assert code == 0, _logs(tmp_path, "run")[-5000:]
-    summary = _summary(tmp_path / "summary.json")
-    assert summary.caught_up
-    ids = _ids(out / "data")
-    assert_no_row_twice(ids)
-    assert_catches_a_double(assert_no_row_twice, ids)  # the check sees a doubled row
-    assert summary.produced_rows == len(ids) > 0
 
 
 @pytest.mark.kafka
