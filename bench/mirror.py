@@ -30,7 +30,9 @@ Steps:
     expected at all;
   - every mirror table's live rows with a stale read of its table at the final completeness
     watermark (``_shoal/<connector>/completeness.json``), row by row and column by column
-    (``mirror_mismatch``: keys missing, extra or with any value different).
+    (``mirror_mismatch``: keys missing, extra or with any value different). The control: the
+    same comparison with the tables at T (``control_mismatch_at_t``) must find rows that
+    differ (the load changed them after T).
 
 Emulator quirks kept out of the data (its change stream, not shoal): it drops the fraction of
 TIMESTAMP values in change records, so the load writes whole seconds (the pre-filled rows, read
@@ -455,7 +457,7 @@ def compare(database: Any, data: Path, read_ts: int, load: Load, end: int) -> di
     mark_path = data / completeness_path(CONNECTOR)
     mark = int(json.loads(mark_path.read_text())["low_watermark_us"])
     out: dict[str, Any] = {"final_watermark_us": mark, "mark_minus_end_s": (mark - end) / 1e6}
-    lost = duplicates = mismatch = rows_at_t = snapshot_rows = stream_rows = 0
+    lost = duplicates = mismatch = control = rows_at_t = snapshot_rows = stream_rows = 0
     examples: list[str] = []
     expected_stream: collections.Counter[tuple[int, str, str, tuple[Any, ...]]] = (
         collections.Counter((ts, t, m, k) for ts, t, m, k in load.committed if read_ts < ts <= end)
@@ -488,6 +490,9 @@ def compare(database: Any, data: Path, read_ts: int, load: Load, end: int) -> di
                     examples.append(
                         f"{table} {key}: spanner {want.get(key)} mirror {have.get(key)}"
                     )
+        # the control: the same comparison with the table at T (before the load's changes
+        # after it) finds rows that differ: the comparison can fail
+        control += sum(1 for key in at_t.keys() | have.keys() if at_t.get(key) != have.get(key))
         out[f"{table}_rows_at_mark"] = len(want)
     lost += sum((expected_stream - got_stream).values())
     duplicates += sum((got_stream - expected_stream).values())
@@ -499,6 +504,7 @@ def compare(database: Any, data: Path, read_ts: int, load: Load, end: int) -> di
         lost=lost,
         duplicates=duplicates,
         mirror_mismatch=mismatch,
+        control_mismatch_at_t=control,
         mismatch_examples=examples,
     )
     return out
@@ -664,6 +670,7 @@ def main(argv: list[str]) -> int:
     ok = (
         result["snapshot_rows"] == result["rows_at_t"]
         and result["mirror_mismatch"] == result["lost"] == result["duplicates"] == 0
+        and result["control_mismatch_at_t"] > 0
         and result["killed"] >= 1
         and result["exited_by_itself"]
     )
