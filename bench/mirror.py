@@ -267,6 +267,11 @@ class Load:
             self.gone[table].extend(ids)
         self.kinds[kind] += 1
 
+    def commit(self, n: int) -> None:
+        """``n`` transactions, one after another."""
+        for _ in range(n):
+            self._one()
+
     def run(self, rate: float, until_us: Callable[[], int | None], stop: threading.Event) -> None:
         """Commits at ``rate`` a second until the wall clock passes ``until_us()`` (once it is
         known) or ``stop`` is set."""
@@ -450,11 +455,14 @@ def changelog(data: Path, table: str) -> Iterator[tuple[int, str, tuple[Any, ...
     yield from zip(ts, mods, keys, strict=True)
 
 
-def compare(database: Any, data: Path, read_ts: int, load: Load, end: int) -> dict[str, Any]:
-    """The checks of the module docstring."""
+def compare(
+    database: Any, data: Path, read_ts: int, load: Load, end: int, connector: str = CONNECTOR
+) -> dict[str, Any]:
+    """The checks of the module docstring, of connector ``connector``'s output under
+    ``data``."""
     from protocol.commit import completeness_path
 
-    mark_path = data / completeness_path(CONNECTOR)
+    mark_path = data / completeness_path(connector)
     mark = int(json.loads(mark_path.read_text())["low_watermark_us"])
     out: dict[str, Any] = {"final_watermark_us": mark, "mark_minus_end_s": (mark - end) / 1e6}
     lost = duplicates = mismatch = control = rows_at_t = snapshot_rows = stream_rows = 0
