@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deltalake import DeltaTable
 
 from bench.mirror import Load, compare, fill, mirror_rows
 from protocol.commit import completeness_path
@@ -76,13 +77,15 @@ def emulator() -> Iterator[SpannerEmulator]:
         emulator.stop()
 
 
-def _args(config: SpannerConfig, broker: EmbeddedBroker, out: Path, connector: str) -> list[str]:
+def _args(
+    config: SpannerConfig, broker: EmbeddedBroker, out: Path, connector: str, tasks: int = 2
+) -> list[str]:
     return [
         *("--source", "spanner", "--spanner-emulator-host", config.emulator_host or ""),
         *("--spanner-project", config.project, "--spanner-instance", config.instance),
         *("--spanner-database", config.database),
         *("--spanner-change-stream", config.change_stream),
-        *("--tasks", "2", "--sink", "files", "--table-format", "delta"),
+        *("--tasks", str(tasks), "--sink", "files", "--table-format", "delta"),
         *("--snapshot", "--mirror", "--snapshot-chunk-rows", str(CHUNK_ROWS)),
         *("--kafka-bootstrap-servers", broker.bootstrap),
         *("--output-dir", str(out), "--progress", "off", "--connector", connector),
@@ -138,8 +141,6 @@ def test_every_type_nulls_and_partial_updates_reach_the_mirror(
     for table in ("Accounts", "Events"):
         rows, _ = mirror_rows(data, table)
         assert any(all(v is None for v in row) for row in rows.values()), table
-    from deltalake import DeltaTable
-
     log = DeltaTable(str(data / "Events")).to_pyarrow_table(
         columns=["_mod_type", "_value_capture_type"]
     )
@@ -280,7 +281,56 @@ def _micros(when: dt.datetime) -> int:
 
 
 def _mod_types(path: Path) -> set[str]:
-    from deltalake import DeltaTable
-
     table = DeltaTable(str(path)).to_pyarrow_table(columns=["_mod_type"])
     return {str(m) for m in table.column(0).to_pylist()}
+
+
+@pytest.mark.timeout(300)
+def test_processes_started_together_share_one_snapshot(
+    tmp_path: Path, kafka_broker: EmbeddedBroker, emulator: SpannerEmulator
+) -> None:
+    """Two processes of one connector started at the same moment with ``--snapshot
+    --start-at``: both run to the end and the snapshot is taken once. (The output's start record
+    used to be written by the first process at once, and the second, finding it before the
+    sync topic held the snapshot, refused to run: exit 2, "already started".)"""
+    config = emulator.config
+    with sync_client(config) as client:
+        database = client.instance(config.instance).database(config.database)
+        with database.batch() as b:
+            b.insert("Singers", ["Id", "Name", "Value"], [[i, f"s{i}", i] for i in range(300)])
+            b.insert("Albums", ["Id", "Name", "Value"], [[i, f"a{i}", i] for i in range(200)])
+        at = _now()
+        end = at + 8_000_000
+        out = tmp_path / "out"
+        args = _args(config, kafka_broker, out, "together", tasks=1)
+        args += ["--start-at", _rfc3339(at), "--end-at", _rfc3339(end)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+        env["PYTHONPATH"] = str(REPO)
+        procs = []
+        for n in range(2):
+            with open(tmp_path / f"p{n}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "actors.runtime", "--task-id", f"p{n}", *args],
+                        cwd=REPO,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        try:
+            codes = [p.wait(200) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        logs = [(tmp_path / f"p{n}.log").read_text() for n in range(2)]
+        assert codes == [0, 0], logs
+        data = out / "data"
+        for table, rows in (("Singers", 300), ("Albums", 200)):
+            log = DeltaTable(str(data / table)).to_pyarrow_table(columns=["_mod_type", "Id"])
+            ids = sorted(r["Id"] for r in log.to_pylist() if r["_mod_type"] == "SNAPSHOT")
+            assert ids == list(range(rows)), table  # every row once
+            mirror = read_mirror(mirror_store(open_store(str(data))), table)
+            assert mirror.num_rows == rows
