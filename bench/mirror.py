@@ -28,6 +28,7 @@ Steps:
     (``rows_at_t``), key by key; its other rows with the load's commits after T;
     ``lost`` counts rows missing from either, ``duplicates`` rows there more than once or not
     expected at all;
+  - ``<table>_delta_commits``: the commits of its changelog and of its mirror table;
   - every mirror table's live rows with a stale read of its table at the final completeness
     watermark (``_shoal/<connector>/completeness.json``), row by row and column by column
     (``mirror_mismatch``: keys missing, extra or with any value different). The control: the
@@ -455,6 +456,13 @@ def changelog(data: Path, table: str) -> Iterator[tuple[int, str, tuple[Any, ...
     yield from zip(ts, mods, keys, strict=True)
 
 
+def _commits(path: Path) -> int:
+    """The commits of the Delta table at ``path`` (its versions)."""
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(path)).version() + 1 if DeltaTable.is_deltatable(str(path)) else 0
+
+
 def compare(
     database: Any, data: Path, read_ts: int, load: Load, end: int, connector: str = CONNECTOR
 ) -> dict[str, Any]:
@@ -502,6 +510,7 @@ def compare(
         # after it) finds rows that differ: the comparison can fail
         control += sum(1 for key in at_t.keys() | have.keys() if at_t.get(key) != have.get(key))
         out[f"{table}_rows_at_mark"] = len(want)
+        out[f"{table}_delta_commits"] = [_commits(data / table), _commits(data / "_mirror" / table)]
     lost += sum((expected_stream - got_stream).values())
     duplicates += sum((got_stream - expected_stream).values())
     out.update(
