@@ -916,7 +916,10 @@ class Pipeline:
             # never write a mark below one a reader may have seen: a restart whose sync topic is
             # new computes a low one until its partitions have caught up with their progress
             self._completeness_written = mark.low_watermark_us
-        if recorded is None and self._start_at is not None:
+        if recorded is None and self._start_at is not None and not self.config.run.snapshot:
+            # (with --snapshot the start is recorded once the sync topic has it, and with it the
+            # snapshot: recorded here, it would make another process of this connector that
+            # starts at the same time refuse the snapshot its leader is planning)
             self._start_recorded = await asyncio.to_thread(
                 state.record_start, self._start_at, _rfc3339(self._start_at)
             )
