@@ -28,6 +28,7 @@ SCENARIOS = {
     "mirrormerge": "bench.mirrormerge",
     "lake": "bench.lake",
     "mirror": "bench.mirror",
+    "stalls": "bench.stalls",
 }
 
 

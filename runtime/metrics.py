@@ -6,7 +6,8 @@ one asyncio HTTP listener inside the runtime's own event loop:
 
 * ``/metrics`` – the Prometheus text format of a private ``CollectorRegistry``: a collector
   turns the newest :class:`Sample` into metric families at scrape time (gauges and counters per
-  task and per partition), plus a histogram of rebalance durations fed by :meth:`observe_rebalance`;
+  task and per partition), plus histograms of rebalance durations (:meth:`observe_rebalance`)
+  and of the event loop's lag (:meth:`observe_loop_lag`, measured by :mod:`runtime.looplag`);
 * ``/healthz`` – 200 while the event loop answers, no component has failed, no task that was
   ready has been out of the heartbeat group longer than ``stuck_after_s``, and neither the sink
   has failed every batch nor the source every query for longer than ``failing_after_s``
@@ -381,6 +382,13 @@ class MetricsServer:
         self._host = host
         self._port = port
         self.registry, self._rebalance = build_registry(provider)
+        self._loop_lag = Histogram(
+            "shoal_event_loop_lag_seconds",
+            "How much later than asked the event loop woke a 100 ms timer (a stall delays every "
+            "actor of the process, heartbeats and lease checks included)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4),
+            registry=self.registry,
+        )
         self._server: asyncio.Server | None = None
         self.requests = 0
 
@@ -397,6 +405,9 @@ class MetricsServer:
 
     def observe_rebalance(self, task_id: str, seconds: float) -> None:
         self._rebalance.labels(task=task_id).observe(seconds)
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        self._loop_lag.observe(seconds)
 
     async def __aenter__(self) -> MetricsServer:
         try:

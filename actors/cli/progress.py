@@ -160,6 +160,10 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     # the connector's snapshot at the end (docs/mirror.md): partitions done and in all
     snapshot_done: int = 0
     snapshot_total: int = 0
+    # how late the event loop woke a 100 ms timer over the run (runtime/looplag.py): the 99th
+    # percentile of the last 10 minutes and the largest
+    loop_lag_p99_s: float = 0.0
+    loop_lag_max_s: float = 0.0
 
 
 def format_summary(s: RunSummary) -> str:
@@ -199,5 +203,9 @@ def format_summary(s: RunSummary) -> str:
         lines.append("  errors: " + ", ".join(f"{k}={v}" for k, v in sorted(s.errors.items())))
     if s.warnings:
         lines.append("  warnings: " + ", ".join(f"{k}={v}" for k, v in sorted(s.warnings.items())))
+    lines.append(
+        f"  event loop lag: p99 {s.loop_lag_p99_s * 1000:.0f} ms, "
+        f"max {s.loop_lag_max_s * 1000:.0f} ms"
+    )
     lines.append(f"  drained cleanly: {'yes' if s.drained else 'NO'}")
     return "\n".join(lines)

@@ -67,6 +67,7 @@ from runtime.config import (
     trail,
 )
 from runtime.logs import mask
+from runtime.looplag import LoopLag, watch_loop
 from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
 from runtime.output_state import OutputState
 from runtime.ports import (
@@ -232,6 +233,7 @@ class Pipeline:
             self.progress = Progress(out, live=live)
         self.tasks: list[_Task] = []
         self.metrics: MetricsServer | None = None
+        self.loop_lag = LoopLag()
         self.errors: dict[str, int] = {}
         self.warnings: dict[str, int] = {}  # runs that will produce nothing, and the like
         self.failed: str | None = None
@@ -437,6 +439,10 @@ class Pipeline:
                     for t in self.tasks
                 ]
                 sampler = group.create_task(self._sample_loop(), name="sampler")
+                observe = self.metrics.observe_loop_lag if self.metrics is not None else None
+                lag_watch = group.create_task(
+                    watch_loop(self.loop_lag, observe=observe), name="loop-lag"
+                )
                 if self._loadgen is not None:
                     group.create_task(self._load_loop(), name="loadgen")
                 reason = await self._wait_for_end()
@@ -469,6 +475,7 @@ class Pipeline:
                         node.cancel()  # gave up on its drain: leave the group now
                 self._load_stop.set()
                 sampler.cancel()
+                lag_watch.cancel()
             self._say("shoal: tasks left the group")
         return self._summary(reason, caught_up, drained, partitions, final or self.sample())
 
@@ -1262,6 +1269,8 @@ class Pipeline:
             records_filtered=final.records_filtered,
             snapshot_done=final.snapshot_done,
             snapshot_total=final.snapshot_total,
+            loop_lag_p99_s=self.loop_lag.percentile(0.99),
+            loop_lag_max_s=self.loop_lag.max_s,
             warnings=dict(self.warnings),
             **spark_figures,
         )

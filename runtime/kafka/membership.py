@@ -221,7 +221,10 @@ class KafkaMembership:
 
     :meth:`close` leaves the group at once (others rebalance in ~2 s on the embedded broker
     instead of waiting a session timeout); if this member's rebalance is in flight it first lets
-    it finish (at most twice the rebalance timeout + 1 s). ``rebalance_timeout_ms`` defaults to
+    it finish (at most twice the rebalance timeout + 1 s). When the coordinator answered nothing
+    for a whole session (down, frozen, cut off) it does neither: it forgets its generation and
+    drops its connections, so closing takes no time whatever Kafka does (the coordinator
+    expires the member). ``rebalance_timeout_ms`` defaults to
     twice the session timeout: the lease of a member told ``REBALANCE_IN_PROGRESS`` is bounded
     by the rebalance timeout from its last stable heartbeat (:mod:`protocol.lease`), and with
     the rebalance timeout equal to the session that bound would end the lease a heartbeat
@@ -480,7 +483,18 @@ class KafkaMembership:
 
     async def _leave(self, consumer: AIOKafkaConsumer) -> None:
         coordinator = compat.group_coordinator(consumer)
-        if self._joining:
+        silent = lease.silent_for(self._facts, self._heard, int(self._clock() * 1e6)) / 1e6
+        unreachable = silent > self._session_s
+        if self._joining and unreachable:
+            # Nothing answered for a whole session: the coordinator is unreachable (down,
+            # frozen, cut off), and a rebalance it cannot run will not finish for waiting.
+            log.warning(
+                "%r: leaving without waiting for its rebalance: the coordinator answered "
+                "nothing for %.1f s",
+                self,
+                silent,
+            )
+        elif self._joining:
             # Leaving while our JoinGroup/SyncGroup is in flight can make the embedded broker
             # elect the departed member leader of the next generation, which then never
             # completes (seen with Tansu 0.6.0-510f3e2). Let the rebalance finish first. It can
@@ -499,7 +513,8 @@ class KafkaMembership:
         # and a member closed while its JoinGroup is in flight has a member id but generation
         # -1: leave explicitly then, or the others wait a whole session timeout for us.
         if (
-            coordinator is not None
+            not unreachable
+            and coordinator is not None
             and coordinator.generation <= 0
             and coordinator.member_id != _UNKNOWN_MEMBER_ID
         ):
@@ -510,7 +525,19 @@ class KafkaMembership:
                 log.warning(
                     "%r: LeaveGroup (generation %d) failed: %r", self, coordinator.generation, exc
                 )
-        await consumer.stop()
+        if not unreachable:
+            await consumer.stop()
+            return
+        # aiokafka's stop waits for the request in flight (a JoinGroup to a frozen broker: the
+        # whole request timeout) and then sends LeaveGroup in a generation > 0, which cannot be
+        # answered either. The coordinator expires this member instead: forget the generation,
+        # and once the stop began, drop the connections so what is in flight fails at once.
+        if coordinator is not None:
+            coordinator.reset_generation()
+        async with asyncio.TaskGroup() as group:
+            group.create_task(consumer.stop())
+            await asyncio.sleep(0)  # the stop marks the coordinator closing
+            await compat.abort_connections(consumer)
 
     # -- the background work -------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -361,3 +362,40 @@ async def test_a_rebalance_held_for_a_dead_leader_keeps_the_lease_of_a_heartbeat
         if process.returncode is None:
             process.kill()
         await process.wait()
+
+
+@pytest.mark.parametrize("outage", ["killed", "frozen"])
+async def test_leaving_an_unreachable_broker_takes_no_rebalance_wait(
+    connector: str, outage: str
+) -> None:
+    """A member whose broker went away (killed, or frozen with SIGSTOP so that nothing answers)
+    leaves at once on close: it does not wait for a rebalance that cannot finish (twice the
+    rebalance timeout) and each request it still sends is bounded by the request timeout."""
+    broker = EmbeddedBroker()
+    await broker.astart()
+    try:
+        config = KafkaConfig.embedded(broker.bootstrap)
+        membership = KafkaMembership(config, connector, "task-a")
+        await membership.start()
+        try:
+            events = membership.events()
+            await next_assignment(events)
+            if outage == "killed":
+                broker.kill()
+            else:
+                os.kill(broker.pid, signal.SIGSTOP)
+            async with asyncio.timeout(20):
+                event = await anext(events)
+            assert isinstance(event, GroupLost), event
+        finally:
+            closing = time.monotonic()
+            await membership.close()
+            took = time.monotonic() - closing
+        print(f"{outage} broker: close took {took:.1f} s")
+        bound = config.request_timeout_ms / 1000 + 2.0
+        assert took < bound, f"close took {took:.1f} s (bound {bound:.1f} s)"
+    finally:
+        if outage == "frozen":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(broker.pid, signal.SIGCONT)
+        await broker.astop()

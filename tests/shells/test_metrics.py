@@ -58,6 +58,7 @@ async def test_metrics_health_and_readiness() -> None:
     current = _sample(ready=False)
     async with MetricsServer(lambda: current, port=0) as server:
         server.observe_rebalance("t0", 2.5)
+        server.observe_loop_lag(0.3)
         status, body = await _get(server.port, "/metrics")
         assert status == 200
         for line in (
@@ -74,6 +75,8 @@ async def test_metrics_health_and_readiness() -> None:
             'shoal_errors_total{kind="sink_batch_failed",task=""} 2.0',
             'shoal_mailbox_depth{actor="task:t0",task="t0"} 4.0',
             'shoal_rebalance_duration_seconds_count{task="t0"} 1.0',
+            'shoal_event_loop_lag_seconds_bucket{le="0.25"} 0.0',
+            'shoal_event_loop_lag_seconds_bucket{le="0.5"} 1.0',
             "shoal_sink_rows_total 250.0",
             "shoal_sink_inflight_batches 2.0",
             "shoal_sink_commit_latency_seconds 0.75",
