@@ -174,3 +174,20 @@ async def test_snapshot_progress_in_metrics_display_and_status() -> None:
     cim.apply(0, EpochMessage(task_id="a", epoch=1, members=("a",), snapshot=plan))
     text = format_status("c", cim, 1_700_000_001_000_000)
     assert "snapshot at 2023-11-14T22:13:20Z: 0/2 partitions done" in text
+
+
+@pytest.mark.asyncio
+async def test_a_quarantined_partition_degrades_healthz_and_is_counted() -> None:
+    task = msgspec.structs.replace(
+        _sample().tasks[0], quarantined={"p2": "at 17: sink failed a batch: TypedError"}
+    )
+    current = Sample(at=0.0, tasks=(task,), held_by=("p2",))
+    async with MetricsServer(lambda: current, port=0) as server:
+        # alive (a restart does not help: an operator releases it), and says why
+        assert await _get(server.port, "/healthz") == (
+            200,
+            "degraded: quarantined partitions: p2 (at 17: sink failed a batch: TypedError)\n",
+        )
+        _, metrics = await _get(server.port, "/metrics")
+        assert 'shoal_quarantined_partitions{task="t0"} 1.0' in metrics
+    assert liveness(_sample(), 60.0) == (True, "ok")  # the control: none quarantined
