@@ -211,6 +211,9 @@ class Rules(msgspec.Struct, frozen=True):
     # (protocol/snapshot.py, rule 4); the teeth test removes it at once: the log never learns it
     # was read, and the snapshot never completes.
     snapshot_done_before_removal: bool = True
+    # A quarantined partition is read by nobody (``_reconcile_readers``); the teeth test reads
+    # it anyway: the simulator sees a quarantined partition read.
+    park_quarantined: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -1422,7 +1425,7 @@ class TaskCore:
             for token, part in self.mine.items():
                 if (
                     part.status == "owned"
-                    and part.quarantine is None
+                    and (part.quarantine is None or not self.config.rules.park_quarantined)
                     and token not in self.releasing
                     and (credited is None or _owned(credited.get(token)))
                     and self.config.rules.readable(part, self._lookup)
