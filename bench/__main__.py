@@ -27,6 +27,7 @@ SCENARIOS = {
     "report": "bench.report",
     "mirrormerge": "bench.mirrormerge",
     "lake": "bench.lake",
+    "poison": "bench.poison",
 }
 
 
