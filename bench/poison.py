@@ -113,7 +113,7 @@ async def scenario(
         run=RunOptions(connector=connector),
         kafka=KafkaOptions(bootstrap_servers=kafka.bootstrap_servers),
     )
-    figures: dict[str, Any] = {"partitions": partitions, "tasks": tasks}
+    figures: dict[str, Any] = {"partitions": partitions, "tasks": tasks, "connector": connector}
     async with contextlib.AsyncExitStack() as stack:
         nodes = []
         for i in range(tasks):
