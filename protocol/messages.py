@@ -41,9 +41,9 @@ ShareKind = Literal["new", "move"]
 
 
 class Quarantine(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
-    """A partition parked by the quarantine rule (``protocol/task.py``, docs/design.md#poison-
-    partitions): its reader failed ``failures`` times in a row without its committed position
-    moving, while the task's other partitions advanced. Nobody reads it while this is set; the
+    """A partition parked by the quarantine rule (``protocol/task.py``;
+    docs/design.md#poison-partitions): its reader failed ``failures`` times in a row without its
+    committed position moving, while the task's other partitions advanced. Nobody reads it while this is set; the
     partition's ``watermark`` is where a release resumes it. ``(token, since)`` names it: an
     operator's :class:`ReleaseMessage` releases the quarantine it names, not a later one."""
 
