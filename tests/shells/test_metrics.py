@@ -191,3 +191,8 @@ async def test_a_quarantined_partition_degrades_healthz_and_is_counted() -> None
         _, metrics = await _get(server.port, "/metrics")
         assert 'shoal_quarantined_partitions{task="t0"} 1.0' in metrics
     assert liveness(_sample(), 60.0) == (True, "ok")  # the control: none quarantined
+    from actors.cli.progress import format_table
+
+    table = format_table(current, {})
+    assert table[-1] == "QUARANTINED: p2 on t0 at 17: sink failed a batch: TypedError"
+    assert not [line for line in format_table(_sample(), {}) if "QUARANTINED" in line]
