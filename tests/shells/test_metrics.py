@@ -196,3 +196,24 @@ async def test_a_quarantined_partition_degrades_healthz_and_is_counted() -> None
     table = format_table(current, {})
     assert table[-1] == "QUARANTINED: p2 on t0 at 17: sink failed a batch: TypedError"
     assert not [line for line in format_table(_sample(), {}) if "QUARANTINED" in line]
+
+
+def test_status_and_the_quarantine_list_show_a_parked_partition() -> None:
+    from actors.cli.admin import format_status, quarantined
+    from protocol.cim import Cim
+    from protocol.messages import EpochMessage, Partition, Quarantine, StateMessage, TaskState
+
+    cim = Cim()
+    cim.apply(0, EpochMessage(task_id="a", epoch=1, members=("a",)))
+    q = Quarantine(since=5, failures=5, error="TypedError: 1e400", position=1_700_000_000_000_000)
+    parts = (
+        Partition("p1", 0, watermark=1_700_000_000_000_000, quarantine=q),
+        Partition("p2", 0, watermark=1_700_000_000_500_000),
+    )
+    cim.apply(1, StateMessage(task_id="a", epoch=1, connector_state=(TaskState("a", 2, parts),)))
+    text = format_status("c", cim, 1_700_000_001_000_000)
+    assert "HELD BACK by 1 quarantined partition(s)" in text
+    (row,) = [line for line in text.splitlines() if line.startswith("p1 ")]
+    assert row.endswith("QUARANTINED")
+    assert [line for line in text.splitlines() if "QUARANTINED" in line] == [row]
+    assert quarantined(cim) == [("a", parts[0])]
