@@ -96,6 +96,9 @@ class ReaderFailed(_Event, frozen=True, tag="reader-failed"):
     # the record the failing batch began with, if known ("<commit ts> <transaction id>
     # <record sequence>"): the quarantine rule names it (protocol/task.py)
     record: str = ""
+    # a query restarted because it sent nothing for the stall timeout: no record failed, so
+    # the quarantine rule does not count it
+    stalled: bool = False
 
 
 class PlanReady(_Event, frozen=True, tag="plan-ready"):

@@ -525,6 +525,7 @@ class ReaderCore:
                 now,
                 out,
                 cancel=True,
+                stalled=True,
             )
         if self.phase is _Phase.BACKOFF and now >= self.restart_at:
             self._start_query(now, out)
@@ -547,7 +548,14 @@ class ReaderCore:
         out.append(StartQuery(self.query, start))
 
     def _restart(
-        self, error: str, now: int, out: list[ReaderCommand], *, cancel: bool, record: str = ""
+        self,
+        error: str,
+        now: int,
+        out: list[ReaderCommand],
+        *,
+        cancel: bool,
+        record: str = "",
+        stalled: bool = False,
     ) -> None:
         if cancel and self.phase is _Phase.QUERYING:
             out.append(CancelQuery(self.query))
@@ -557,7 +565,7 @@ class ReaderCore:
         self.phase = _Phase.BACKOFF
         self.answer_deadline = -1
         self.restart_at = now + delay
-        out.append(Report(ReaderFailed(self.token, error, record)))
+        out.append(Report(ReaderFailed(self.token, error, record, stalled)))
 
     def _maybe_finish(self, out: list[ReaderCommand]) -> None:
         if self.phase is _Phase.ENDED and not self.pending:

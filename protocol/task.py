@@ -746,6 +746,8 @@ class TaskCore:
         token = event.token
         part = self.mine.get(token)
         after = self.config.quarantine_after
+        if event.stalled:
+            return  # a silent query, not a failing record (the stall rule restarts it)
         if after <= 0 or part is None or part.status != "owned" or part.quarantine is not None:
             return
         row = self._failing.get(token)

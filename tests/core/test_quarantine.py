@@ -145,6 +145,16 @@ def test_every_partition_failing_is_an_outage_not_poison() -> None:
     assert set(core.reading) == {"r1", "r2"}
 
 
+def test_stalls_do_not_count() -> None:
+    core, _ = _reading()
+    for now in range(10, 500, 20):  # a silent query restarted again and again: no record failed
+        core.handle(ReaderFailed("r1", "QueryStalled: partition r1: nothing", stalled=True), now)
+        core.handle(ReaderCommitted("r2", now + 10), now + 10)
+    assert core.quarantined() == []
+    out = core.handle(ReaderFailed("r1", ERROR, RECORD), 600)
+    assert out == []  # the first real failure starts the row
+
+
 def test_rule_off_retries_for_ever() -> None:
     core, _ = _reading(after=0)
     for now in range(10, 500, 20):

@@ -224,7 +224,8 @@ def test_stalls_in_a_row_wait_twice_as_long_up_to_eight_times() -> None:
         error = f"QueryStalled: partition {TOK}: nothing from the source for {seconds}s"
         assert out == [
             CancelQuery(query),
-            Report(ReaderFailed(TOK, f"{error} (not even a heartbeat)")),
+            # marked stalled: the quarantine rule does not count it (no record failed)
+            Report(ReaderFailed(TOK, f"{error} (not even a heartbeat)", stalled=True)),
             StartQuery(query + 1, T0),  # a zero backoff: at once
         ]
         query += 1
