@@ -5,6 +5,8 @@ Commands (``run`` is the default)::
     python -m actors.runtime [run] [options]    run tasks until stopped, or a bounded run
     python -m actors.runtime status [options]   replay the sync topic, print tasks/partitions
     python -m actors.runtime dlq list|replay    the dead-letter queue of --sink kafka / spark
+    python -m actors.runtime quarantine list|release TOKEN   partitions parked by the
+                                                quarantine rule; release one (read it again)
     python -m actors.runtime config [--reference]   the effective options / the docs table
     python -m actors.runtime output show|add-storage-topic N|switch-produce|shards N|tail
                                                 scale the Kafka output (--sink kafka) live
