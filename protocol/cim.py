@@ -204,9 +204,13 @@ class Cim:
         known = self.orphans.get(part.token)
         if known is not None and (
             known.status == "finished"
-            or (part.status != "finished" and part.watermark <= known.watermark)
+            or (
+                part.status != "finished"
+                and (part.watermark, part.quarantine is not None)
+                <= (known.watermark, known.quarantine is not None)
+            )
         ):
-            return  # finished wins, then the newest watermark
+            return  # finished wins, then the newest watermark, then a quarantine (rule 9)
         self.orphans[part.token] = (
             part
             if part.status == "finished"

@@ -236,6 +236,20 @@ def test_a_task_taking_a_quarantined_partition_over_does_not_read_it() -> None:
     assert "p" not in core._movable()
 
 
+def test_an_orphan_keeps_its_quarantine() -> None:
+    """Two dropped tasks held one partition at one watermark, one of them parked: the orphan
+    the leader deals out is the parked copy, whichever came first (CIM rules 5c, 9)."""
+    parked = Partition("p", 0, watermark=40, quarantine=_quarantine(9, watermark=40))
+    plain = Partition("p", 0, watermark=40)
+    for a, b in ((parked, plain), (plain, parked)):
+        cim = Cim()
+        cim.apply(0, EpochMessage(task_id="a", epoch=1, members=("a", "b")))
+        cim.apply(1, StateMessage(task_id="a", epoch=1, connector_state=(TaskState("a", 1, (a,)),)))
+        cim.apply(2, StateMessage(task_id="b", epoch=1, connector_state=(TaskState("b", 1, (b,)),)))
+        cim.apply(3, EpochMessage(task_id="c", epoch=2, members=("c",)))
+        assert cim.orphans == {"p": parked}
+
+
 def test_messages_without_the_fields_still_decode() -> None:
     old = b'{"kind":"state","taskID":"a","epoch":1,"connectorState":[{"taskID":"a",' + (
         b'"data":[{"token":"p","startTs":3,"watermark":9}]}]}'
