@@ -117,6 +117,8 @@ class NodeStatus(msgspec.Struct, frozen=True):
     watermarks: dict[str, int]
     counters: dict[str, int]
     mailboxes: list[MailboxStats]
+    # owned partitions parked by the quarantine rule: token -> "at <watermark>: <error>"
+    quarantined: dict[str, str] = {}
 
 
 class TaskNode:
@@ -326,4 +328,9 @@ class TaskNode:
             watermarks={t: p.watermark for t, p in core.mine.items() if p.status == "owned"},
             counters=dict(core.counters),
             mailboxes=self._supervisor.statistics(),
+            quarantined={
+                p.token: f"at {p.watermark}: {p.quarantine.error}"
+                for p in core.quarantined()
+                if p.quarantine is not None
+            },
         )

@@ -5,6 +5,8 @@ Commands (``run`` is the default)::
     python -m actors.runtime [run] [options]    run tasks until stopped, or a bounded run
     python -m actors.runtime status [options]   replay the sync topic, print tasks/partitions
     python -m actors.runtime dlq list|replay    the dead-letter queue of --sink kafka / spark
+    python -m actors.runtime quarantine list|release TOKEN   partitions parked by the
+                                                quarantine rule; release one (read it again)
     python -m actors.runtime config [--reference]   the effective options / the docs table
     python -m actors.runtime output show|add-storage-topic N|switch-produce|shards N|tail
                                                 scale the Kafka output (--sink kafka) live
@@ -37,7 +39,7 @@ from runtime.config import ConfigError, ShoalConfig
 __all__ = ["CallbackSink", "main", "open_task", "run"]
 
 PROG = "python -m actors.runtime"
-COMMANDS = ("run", "status", "dlq", "config", "output")
+COMMANDS = ("run", "status", "dlq", "quarantine", "config", "output")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +57,9 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         "watermarks, lag, epoch and leader.",
         "dlq": "List or replay the dead-letter queue of the sink --sink names: the Kafka output "
         "sink's (--sink kafka) or the Spark bridge's (--sink spark --spark-dead-letter).",
+        "quarantine": "List the partitions the quarantine rule parked (their reader kept "
+        "failing: the error, the record, the watermark), or release one: its owner reads it "
+        "again from exactly its watermark. See docs/operations.md, 'Quarantined partitions'.",
         "config": "Print the effective configuration (secrets hidden), or the reference.",
         "output": "Scale the keyed Kafka output (--sink kafka) while shoal runs: show its "
         "composite topic; add-storage-topic N (a new storage topic of N partitions, K by the "
@@ -71,6 +76,7 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         "run": f"{PROG} [run] [options]",
         "status": f"{prog} [--json | --wide] [options]",
         "dlq": f"{prog} {{list,replay}} [--id ID ...] [options]",
+        "quarantine": f"{prog} {{list,release TOKEN ...}} [--json] [options]",
         "config": f"{prog} [--reference] [options]",
         "output": f"{prog} {{show,add-storage-topic N,switch-produce,shards N,tail}} [options]",
     }[command]
@@ -79,7 +85,7 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
         usage=usage,
         description=descriptions[command],
         epilog="Precedence: flags > SHOAL_* environment variables > --config TOML file > "
-        "defaults. Commands: run (default), status, dlq, config, output. "
+        "defaults. Commands: run (default), status, dlq, quarantine, config, output. "
         "Reference: docs/configuration.md.",
     )
     if command == "dlq":
@@ -93,6 +99,12 @@ def build_parser(command: str = "run") -> argparse.ArgumentParser:
             help="replay: hand the records to the running shoal processes (their leader "
             "delivers them) instead of delivering them from here (which needs them stopped)",
         )
+    if command == "quarantine":
+        parser.add_argument("action", choices=("list", "release"))
+        parser.add_argument(
+            "tokens", nargs="*", default=[], help="release: the partition tokens to release"
+        )
+        parser.add_argument("--json", action="store_true", help="list: print JSON")
     if command == "status":
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
         parser.add_argument(
@@ -215,6 +227,10 @@ async def _main_async(command: str, args: argparse.Namespace, config: ShoalConfi
                 as_json=args.json,
                 wait_s=args.wait,
                 idle_exit_s=args.idle_exit,
+            )
+        if command == "quarantine":
+            return await admin.quarantine(
+                config, args.action, args.tokens, sys.stdout, as_json=args.json
             )
         if command == "dlq":
             return await admin.dlq(

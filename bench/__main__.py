@@ -29,6 +29,7 @@ SCENARIOS = {
     "lake": "bench.lake",
     "mirror": "bench.mirror",
     "stalls": "bench.stalls",
+    "poison": "bench.poison",
 }
 
 

@@ -41,6 +41,10 @@ task's CIM is the same at the same offset):
 8. The connector's snapshot (``protocol/snapshot.py``) is recorded by the epoch that carries it
    (the first one wins) and seeded by a checkpoint; a snapshot partition is done once an
    applied state shows it finished (:attr:`Cim.snapshot`).
+9. A ``release`` message (an operator's ``quarantine release``) changes no task's state and is
+   never fenced: it records that the quarantine of its partition begun at ``since`` (or
+   earlier) is released (:attr:`Cim.releases`; a checkpoint carries them). The partition's
+   owner, whoever it is by then, applies it to its own state (``protocol/task.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from protocol.messages import (
     EpochMessage,
     MarkerMessage,
     Partition,
+    ReleaseMessage,
     Share,
     StateMessage,
     SyncMessage,
@@ -109,6 +114,8 @@ class Cim:
         self.orphans: dict[str, Partition] = {}  # rule 5c
         self.reset: tuple[str, ...] = ()  # the current epoch's reset members (rule 5d)
         self.snapshot = SnapshotState()  # rule 8
+        # rule 9: quarantine releases asked for, token -> the newest quarantine (its since)
+        self.releases: dict[str, int] = {}
         self.ignored: Counter[str] = Counter()
         self._fence = fence_epochs
         self._keep_answers = keep_later_answers  # off only in the simulator's teeth test
@@ -125,6 +132,12 @@ class Cim:
         applied, self.offset = self.offset, offset
         match message:
             case MarkerMessage():
+                return None
+            case ReleaseMessage():
+                # rule 9: no task's state; the owner of the partition applies it
+                self.releases[message.token] = max(
+                    message.since, self.releases.get(message.token, message.since)
+                )
                 return None
             case CheckpointMessage():
                 if self.epoch >= 0 or self.tasks or not applied < message.as_of:
@@ -191,9 +204,13 @@ class Cim:
         known = self.orphans.get(part.token)
         if known is not None and (
             known.status == "finished"
-            or (part.status != "finished" and part.watermark <= known.watermark)
+            or (
+                part.status != "finished"
+                and (part.watermark, part.quarantine is not None)
+                <= (known.watermark, known.quarantine is not None)
+            )
         ):
-            return  # finished wins, then the newest watermark
+            return  # finished wins, then the newest watermark, then a quarantine (rule 9)
         self.orphans[part.token] = (
             part
             if part.status == "finished"
@@ -292,6 +309,7 @@ class Cim:
         self.snapshot = SnapshotState()
         if message.snapshot is not None:
             self.snapshot.record(message.snapshot)
+        self.releases = dict(message.releases)
 
     # -- queries -------------------------------------------------------------------------------
     def view(self, task: str) -> TaskView:
@@ -360,6 +378,7 @@ class Cim:
             ),
             orphans=tuple(self.orphans[t] for t in sorted(self.orphans)),
             snapshot=self.snapshot.checkpoint(),
+            releases=tuple(sorted(self.releases.items())),
         )
 
     def validate(self) -> None:

@@ -16,6 +16,11 @@ task publishes a partition's position only after the sink committed everything b
   every snapshot partition is done (``protocol/snapshot.py``, rule 5): the rows as of S are the
   changes at or before S.
 
+* A quarantined partition (docs/design.md#poison-partitions) is unfinished and parked at its
+  watermark: it bounds T like any unfinished partition, and holds T there until it is released.
+  The mark then says so (``Mark.held_by``, :func:`held_by`): the output is held back by a
+  quarantined partition, not merely behind.
+
 T is the minimum of those bounds over every partition of every task. Every task computes the
 same T from the same log, so any of them may export it.
 
@@ -44,6 +49,8 @@ class Mark(msgspec.Struct, frozen=True):
     low_watermark: str  # RFC 3339, microseconds
     low_watermark_us: int
     written_at: str
+    # quarantined partitions holding the mark back (parked until an operator releases them)
+    held_by: tuple[str, ...] = ()
 
 
 def mark_due(low: int, written: int, written_at: float, now: float, *, final: bool) -> bool:
@@ -90,3 +97,13 @@ def low_watermark(cim: Cim, end: int | None = None) -> int | None:
     if bound is None:  # every partition finished, every child known: nothing is left to read
         return max(p.watermark for p in parts.values())
     return bound
+
+
+def held_by(cim: Cim) -> tuple[str, ...]:
+    """The quarantined partitions of ``cim`` (owned or offered by any task), sorted: while one
+    is, the completeness watermark stays below its watermark."""
+    tokens: set[str] = set()
+    for view in cim.tasks.values():
+        tokens.update(t for t, p in view.partitions.items() if p.quarantine is not None)
+        tokens.update(t for t, s in view.share.items() if s.partition.quarantine is not None)
+    return tuple(sorted(tokens))

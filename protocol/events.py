@@ -93,6 +93,12 @@ class ReaderStopped(_Event, frozen=True, tag="reader-stopped"):
 class ReaderFailed(_Event, frozen=True, tag="reader-failed"):
     token: str
     error: str
+    # the record the failing batch began with, if known ("<commit ts> <transaction id>
+    # <record sequence>"): the quarantine rule names it (protocol/task.py)
+    record: str = ""
+    # a query restarted because it sent nothing for the stall timeout: no record failed, so
+    # the quarantine rule does not count it
+    stalled: bool = False
 
 
 class PlanReady(_Event, frozen=True, tag="plan-ready"):
@@ -159,6 +165,7 @@ class StopReason(enum.StrEnum):
     SHUTDOWN = "shutdown"  # the task drains
     NOT_PERMITTED = "not-permitted"  # the lease lapsed, or no epoch lists the task
     NOT_WANTED = "not-wanted"  # the partition is no longer this task's (or over the cap)
+    QUARANTINED = "quarantined"  # its reader keeps failing: parked at its watermark
 
 
 class StopReader(_Command, frozen=True, tag="stop-reader"):
@@ -182,7 +189,8 @@ class RequestPlan(_Command, frozen=True, tag="request-plan"):
 
 
 class Alert(_Command, frozen=True, tag="alert"):
-    """Something that must never happen did: the shell logs it as an error (and counts it)."""
+    """Something that must never happen did, or an operator must act on (``quarantined``: a
+    partition parked by the quarantine rule): the shell logs it as an error (and counts it)."""
 
     kind: str
     detail: str

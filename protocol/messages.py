@@ -40,6 +40,21 @@ ShareKind = Literal["new", "move"]
 ``move``: a partition the offerer reads now and hands over once the target is ready."""
 
 
+class Quarantine(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
+    """A partition parked by the quarantine rule (``protocol/task.py``;
+    docs/design.md#poison-partitions): its reader failed ``failures`` times in a row without its
+    committed position moving, while the task's other partitions advanced. Nobody reads it while this is set; the
+    partition's ``watermark`` is where a release resumes it. ``(token, since)`` names it: an
+    operator's :class:`ReleaseMessage` releases the quarantine it names, not a later one."""
+
+    since: int  # when it was parked (micros, the parking task's clock)
+    failures: int
+    error: str
+    position: int = 0  # the committed watermark it was parked at
+    record: str = ""  # the record the failing batch began with, if known
+    task: str = ""  # the task that parked it
+
+
 class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
     token: str
     start_ts: int
@@ -51,6 +66,8 @@ class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True)
     # the (transaction id, record sequence) of the records committed at exactly ``watermark``:
     # with it the watermark is an exact position (protocol/dedup.py, ``Position``)
     tail: tuple[tuple[str, str], ...] = ()
+    # set while the partition is quarantined: parked at ``watermark``, read by nobody
+    quarantine: Quarantine | None = None
 
     def resume_ts(self) -> int:
         """Where a reader of this partition starts: its committed watermark, else its start."""
@@ -151,6 +168,8 @@ class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):
     stream_start: int = -1
     orphans: tuple[Partition, ...] = ()  # the CIM's orphans (protocol/cim.py, rule 5c)
     snapshot: SnapshotPlan | None = None  # what is left of the snapshot (protocol/snapshot.py)
+    # the quarantine releases asked for (ReleaseMessage): (token, the quarantine's since)
+    releases: tuple[tuple[str, int], ...] = ()
 
 
 class MarkerMessage(_Message, frozen=True, tag="marker"):
@@ -159,7 +178,18 @@ class MarkerMessage(_Message, frozen=True, tag="marker"):
     marker: str = ""
 
 
-SyncMessage = StateMessage | EpochMessage | CheckpointMessage | MarkerMessage
+class ReleaseMessage(_Message, frozen=True, tag="release"):
+    """An operator's request (``python -m actors.runtime quarantine release``) that the
+    partition ``token``, quarantined since ``since`` (:class:`Quarantine`), be read again. It
+    changes no task's state: a task changes only its own, so the partition's owner applies it
+    (clears the quarantine in its next state message and reads from the watermark). ``taskID``
+    names who asked."""
+
+    token: str = ""
+    since: int = 0
+
+
+SyncMessage = StateMessage | EpochMessage | CheckpointMessage | MarkerMessage | ReleaseMessage
 
 
 class SyncDecodeError(Exception):

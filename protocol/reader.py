@@ -30,7 +30,9 @@ The rules:
    reported (``ReaderCommitted`` with the committed tail's identities).
 7. **A failed batch** (once every batch before it is committed) drops every batch in flight,
    resets the handed tail to the committed one, cancels the query and restarts it, after a
-   backoff, from the committed position: nothing handed after the last commit is trusted.
+   backoff, from the committed position: nothing handed after the last commit is trusted. The
+   report (``ReaderFailed``) names the batch's first record: the task's quarantine rule
+   (``protocol/task.py``) says which record a poison partition is parked before.
 8. **A query error** restarts the query from the committed timestamp after a backoff
    ``min(max_backoff, 50 ms * 2^attempt)``; batches in flight stay in flight (rule 2 drops what
    they hold when it is read again). The attempt count resets whenever the source answers. The
@@ -230,6 +232,11 @@ class ReaderConfig(msgspec.Struct, frozen=True):
     drain_timeout: int = 5_000_000
     stall_timeout: int = 30_000_000
     rules: ReaderRules = ReaderRules()
+
+
+def _name(record: DataChange) -> str:
+    """A record as the quarantine rule names it: commit timestamp, transaction, sequence."""
+    return f"{record.commit_ts} {record.server_transaction_id} {record.record_sequence}"
 
 
 def resume_position(given: Position, sink: Position | None) -> Position:
@@ -457,6 +464,8 @@ class ReaderCore:
             self._done(ReaderStopped(self.token, self.committed.ts, self._ids()), out)
 
     def _on_batch_failed(self, error: str, now: int, out: list[ReaderCommand]) -> None:
+        head = self.pending[0] if self.pending else None
+        record = _name(head.records[0]) if head is not None and head.records else ""
         if self.phase is _Phase.DRAINING:
             # the drain ends: the committed position stays before the batch; the next owner
             # re-reads it; the batches after it are fenced (rule 12)
@@ -465,7 +474,7 @@ class ReaderCore:
         self.pending.clear()
         if self.config.rules.resume_at_committed:
             self.handed = self.committed.copy()
-        self._restart(f"sink failed a batch: {error}", now, out, cancel=True)
+        self._restart(f"sink failed a batch: {error}", now, out, cancel=True, record=record)
 
     def _on_fenced(self, event: BatchesFenced, now: int, out: list[ReaderCommand]) -> None:
         if self.phase is not _Phase.FENCING:
@@ -516,6 +525,7 @@ class ReaderCore:
                 now,
                 out,
                 cancel=True,
+                stalled=True,
             )
         if self.phase is _Phase.BACKOFF and now >= self.restart_at:
             self._start_query(now, out)
@@ -537,7 +547,16 @@ class ReaderCore:
         self.child_start = start
         out.append(StartQuery(self.query, start))
 
-    def _restart(self, error: str, now: int, out: list[ReaderCommand], *, cancel: bool) -> None:
+    def _restart(
+        self,
+        error: str,
+        now: int,
+        out: list[ReaderCommand],
+        *,
+        cancel: bool,
+        record: str = "",
+        stalled: bool = False,
+    ) -> None:
         if cancel and self.phase is _Phase.QUERYING:
             out.append(CancelQuery(self.query))
         self.restarts += 1
@@ -546,7 +565,7 @@ class ReaderCore:
         self.phase = _Phase.BACKOFF
         self.answer_deadline = -1
         self.restart_at = now + delay
-        out.append(Report(ReaderFailed(self.token, error)))
+        out.append(Report(ReaderFailed(self.token, error, record, stalled)))
 
     def _maybe_finish(self, out: list[ReaderCommand]) -> None:
         if self.phase is _Phase.ENDED and not self.pending:

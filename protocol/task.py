@@ -55,6 +55,16 @@ Partitions (``protocol/lifecycle.py``)
   finished. When a reader finishes, the children it registers go to the most underloaded member.
   Finished partitions are removed once nothing refers to them.
 
+Poison partitions (docs/design.md#poison-partitions)
+  A partition whose reader fails ``quarantine_after`` times in a row without its committed
+  position moving, while another partition of this task advanced between the last two failures
+  (so the source and the sink work: a failure of everything is an outage, retried, not poison),
+  is *quarantined*: its reader is stopped and the partition stays in this task's state, owned,
+  with a ``quarantine`` (the error, the failing record, the watermark it is parked at). Nobody
+  reads a quarantined partition: the field travels with it through hand-offs, offers and plans,
+  so whoever owns it next keeps it parked. A ``release`` message naming it (CIM rule 9) is
+  applied by its owner: the quarantine is cleared and the partition read from its watermark.
+
 Snapshot partitions (``protocol/snapshot.py``)
   With ``snapshot`` the leader that starts the stream asks for the snapshot's partitions too
   (``RequestPlan.snapshot``); its epoch records them. They are partitions like any other here;
@@ -104,6 +114,7 @@ from protocol.handoff import Move
 from protocol.messages import (
     EpochMessage,
     Partition,
+    Quarantine,
     Share,
     StateMessage,
     TaskState,
@@ -200,6 +211,9 @@ class Rules(msgspec.Struct, frozen=True):
     # (protocol/snapshot.py, rule 4); the teeth test removes it at once: the log never learns it
     # was read, and the snapshot never completes.
     snapshot_done_before_removal: bool = True
+    # A quarantined partition is read by nobody (``_reconcile_readers``); the teeth test reads
+    # it anyway: the simulator sees a quarantined partition read.
+    park_quarantined: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -230,6 +244,19 @@ class TaskConfig(msgspec.Struct, frozen=True):
     # a connector that first starts reads a snapshot of its tables at its stream start first
     # (protocol/snapshot.py); decided by the leader that starts the stream
     snapshot: bool = False
+    # the quarantine rule: a partition whose reader fails this many times in a row without its
+    # committed position moving (while another partition of the task advanced) is parked; 0: off
+    quarantine_after: int = 5
+
+
+class _Failing(msgspec.Struct):
+    """A partition's failures in a row (the quarantine rule): how many, the task's count of
+    committed-position moves at the last one, and the last error and record."""
+
+    count: int = 0
+    advances: int = 0
+    error: str = ""
+    record: str = ""
 
 
 class TaskCore:
@@ -291,6 +318,10 @@ class TaskCore:
         self._alerts: list[Alert] = []
         self._double_owners: set[tuple[str, str, int]] = set()  # (token, other task, epoch)
         self._unsettled = False  # the last step changed the offers: see next_deadline
+        # the quarantine rule: partitions failing in a row, and how often any partition's
+        # committed position moved (another partition advancing tells poison from an outage)
+        self._failing: dict[str, _Failing] = {}
+        self._advances = 0
 
     # -- the entry point ------------------------------------------------------------------
     def handle(self, event: TaskEvent, now: int) -> list[TaskCommand]:
@@ -322,7 +353,7 @@ class TaskCore:
             case ReaderStopped():
                 self._on_stopped(event)
             case ReaderFailed():
-                self.counters["reader_failed"] += 1
+                self._on_failed(event, now)
             case PlanReady():
                 out += self._on_plan(event.plan, now)
             case PublishFailed():
@@ -700,6 +731,75 @@ class TaskCore:
         part = self.mine.get(token)
         if part is not None and part.status == "owned" and _newer(part, watermark, tail):
             self.mine[token] = msgspec.structs.replace(part, watermark=watermark, tail=tail)
+            self._advanced(token)
+
+    def _advanced(self, token: str) -> None:
+        """``token``'s committed position moved: its failures are no longer in a row."""
+        self._advances += 1
+        self._failing.pop(token, None)
+
+    def _on_failed(self, event: ReaderFailed, now: int) -> None:
+        """The quarantine rule (see the module docstring): count the failure; park the
+        partition at its watermark once it failed ``quarantine_after`` times in a row while
+        another partition of this task advanced since the failure before."""
+        self.counters["reader_failed"] += 1
+        token = event.token
+        part = self.mine.get(token)
+        after = self.config.quarantine_after
+        if event.stalled:
+            return  # a silent query, not a failing record (the stall rule restarts it)
+        if after <= 0 or part is None or part.status != "owned" or part.quarantine is not None:
+            return
+        row = self._failing.get(token)
+        if row is None:
+            row = self._failing[token] = _Failing(advances=self._advances)
+        others = self._advances > row.advances
+        row.count += 1
+        row.advances = self._advances
+        row.error = event.error
+        row.record = event.record or row.record
+        if row.count < after:
+            return
+        if not others:
+            self.counters["quarantine_withheld"] += 1  # nothing else advanced: an outage
+            return
+        del self._failing[token]
+        quarantine = Quarantine(
+            since=now,
+            failures=row.count,
+            error=row.error,
+            position=part.watermark,
+            record=row.record,
+            task=self.me,
+        )
+        self.mine[token] = msgspec.structs.replace(part, quarantine=quarantine)
+        self.counters["quarantined"] += 1
+        self._alerts.append(
+            Alert(
+                "quarantined",
+                f"partition {token} parked at its watermark {part.watermark} after "
+                f"{row.count} failures in a row: {row.error}; record: {row.record or 'unknown'}",
+            )
+        )
+        self._urgent = True
+
+    def _apply_releases(self) -> None:
+        """CIM rule 9: an operator released a quarantine of a partition this task owns: clear
+        it (the partition is read again from its watermark; the next message says so)."""
+        releases = self.cim.releases
+        if not releases:
+            return
+        for token, part in list(self.mine.items()):
+            quarantine = part.quarantine
+            if quarantine is not None and releases.get(token, -1) >= quarantine.since:
+                self.mine[token] = msgspec.structs.replace(part, quarantine=None)
+                self._failing.pop(token, None)
+                self.counters["quarantine_released"] += 1
+                self._urgent = True
+
+    def quarantined(self) -> list[Partition]:
+        """The quarantined partitions this task owns."""
+        return [p for p in self.mine.values() if p.quarantine is not None]
 
     def _on_stopped(self, event: ReaderStopped) -> None:
         self.reading.pop(event.token, None)
@@ -713,6 +813,7 @@ class TaskCore:
             part = self.mine[event.token] = msgspec.structs.replace(
                 part, watermark=event.watermark, tail=event.tail
             )
+            self._advanced(event.token)
         if event.token in self.releasing and part is not None:
             self._release(event.token)
 
@@ -898,6 +999,7 @@ class TaskCore:
         self._negotiate(now)
         self._unsettled = self.shares != offers
         self._remove_finished()
+        self._apply_releases()
         out += self._reconcile_readers(now)
         message = self._maybe_publish(now)
         if message is not None:
@@ -1284,7 +1386,10 @@ class TaskCore:
         owned = [
             p
             for t, p in self.mine.items()
-            if p.status == "owned" and t not in self.shares and t not in self.releasing
+            if p.status == "owned"
+            and p.quarantine is None  # parked: moving it gains nothing
+            and t not in self.shares
+            and t not in self.releasing
         ]
         owned.sort(key=lambda p: (p.token in self.reading, -p.start_ts, p.token))
         return [p.token for p in owned]
@@ -1322,6 +1427,7 @@ class TaskCore:
             for token, part in self.mine.items():
                 if (
                     part.status == "owned"
+                    and (part.quarantine is None or not self.config.rules.park_quarantined)
                     and token not in self.releasing
                     and (credited is None or _owned(credited.get(token)))
                     and self.config.rules.readable(part, self._lookup)
@@ -1339,8 +1445,11 @@ class TaskCore:
         for token in list(self.reading):
             if token not in keep and token not in self.stopping:
                 self.stopping.add(token)
+                held = self.mine.get(token)
                 if token in self.releasing:
                     reason = StopReason.HANDOFF
+                elif held is not None and held.quarantine is not None:
+                    reason = StopReason.QUARANTINED
                 elif self.draining:
                     reason = StopReason.SHUTDOWN
                 elif not allowed:

@@ -547,6 +547,16 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "8x). Keep it well above the query's heartbeat interval.",
         ),
     ] = 30.0
+    quarantine_after: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="A partition whose reader fails this many times in a row without its "
+            "committed position moving, while another partition of the task advances, is "
+            "quarantined: parked at its watermark, read by nobody until `quarantine release` "
+            "(docs/operations.md). 0: off (a poison partition is retried for ever); at least 2.",
+        ),
+    ] = 5
 
     def task_config(self, task_id: str) -> TaskConfig:
         """The task core's settings for ``task_id`` (the core counts in microseconds)."""
@@ -558,6 +568,7 @@ class TaskOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             negotiate_interval=self.negotiate_interval_ms * 1000,
             checkpoint_interval=round(self.checkpoint_interval_s * 1e6),
             stall_timeout=round(self.stall_timeout_s * 1e6),
+            quarantine_after=self.quarantine_after,
         )
 
 
@@ -884,6 +895,11 @@ def check(config: ShoalConfig) -> None:
         raise ConfigError(str(exc)) from exc
     if config.spark.dead_letter and config.spark.path != "embedded":
         raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
+    if config.task.quarantine_after == 1:
+        raise ConfigError(
+            f"{_flag('task', 'quarantine_after')} 1: the rule compares a failure with the one "
+            "before it (did another partition advance between them?); give 0 (off) or at least 2"
+        )
     _check_output(config)
     _check_snapshot(config)
     if kafka.bootstrap_servers is None:

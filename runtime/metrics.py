@@ -12,6 +12,8 @@ one asyncio HTTP listener inside the runtime's own event loop:
   ready has been out of the heartbeat group longer than ``stuck_after_s``, and neither the sink
   has failed every batch nor the source every query for longer than ``failing_after_s``
   (:func:`liveness`), else 503: such a process should be restarted (or its sink or source fixed);
+  a quarantined partition (docs/operations.md, Quarantined partitions) makes it answer 200
+  ``degraded: ...``: a restart does not help, an operator releases it;
 * ``/readyz`` – 200 once every task of the process has joined, replayed the sync topic and
   holds an epoch that lists it, and while it makes progress (the sink's and the source's last
   attempts did not all fail since their last success); 503 with the reason otherwise (and while
@@ -105,6 +107,8 @@ class TaskSample(msgspec.Struct, frozen=True, kw_only=True):
     sync_bytes: int = 0
     errors: dict[str, int] = {}  # kind -> count
     mailboxes: dict[str, int] = {}  # actor name -> depth
+    # owned partitions parked by the quarantine rule: token -> "at <watermark>: <error>"
+    quarantined: dict[str, str] = {}
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,6 +132,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     sink_error: str = ""  # the last sink failure of that streak
     source_failing_s: float = 0.0  # every source query failed for this long (0: not)
     source_error: str = ""
+    # quarantined partitions of the whole connector (its CIM): the completeness mark is held
+    # back by them (protocol/completeness.py, held_by)
+    held_by: tuple[str, ...] = ()
 
 
 def failing(sample: Sample) -> list[str]:
@@ -204,6 +211,12 @@ class _SampleCollector(Collector):
             "shoal_sync_bytes", "Bytes the task appended to the sync topic", labels=t
         )
         errors = CounterMetricFamily("shoal_errors", "Errors by kind", labels=("task", "kind"))
+        quarantined = GaugeMetricFamily(
+            "shoal_quarantined_partitions",
+            "Partitions the task owns that the quarantine rule parked (read by nobody until "
+            "released: docs/operations.md)",
+            labels=t,
+        )
         mailbox = GaugeMetricFamily(
             "shoal_mailbox_depth",
             "Messages waiting in an actor's mailbox",
@@ -224,6 +237,7 @@ class _SampleCollector(Collector):
             member.add_metric(key, 1.0 if task.member else 0.0)
             out_of_group.add_metric(key, task.out_of_group_s)
             stuck.add_metric(key, task.stuck)
+            quarantined.add_metric(key, len(task.quarantined))
             rebalances.add_metric(key, task.rebalances)
             sync_messages.add_metric(key, task.sync_messages)
             sync_bytes.add_metric(key, task.sync_bytes)
@@ -291,6 +305,7 @@ class _SampleCollector(Collector):
             member,
             out_of_group,
             stuck,
+            quarantined,
             rebalances,
             sync_messages,
             sync_bytes,
@@ -324,6 +339,12 @@ def liveness(
             return False, (
                 f"task {task.task_id} has been out of the group for {task.out_of_group_s:.0f}s"
             )
+    parked = [
+        f"{token} ({why})" for task in sample.tasks for token, why in task.quarantined.items()
+    ]
+    if parked:
+        # alive (a restart does not help): an operator releases them (docs/operations.md)
+        return True, "degraded: quarantined partitions: " + "; ".join(sorted(parked))
     return True, "ok"
 
 

@@ -1,5 +1,11 @@
-"""The ``status`` and ``dlq`` subcommands: read-only views of a running connector, and the
-dead-letter queue of the Kafka output sink or of the Spark bridge (``--spark-dead-letter``).
+"""The ``status``, ``quarantine`` and ``dlq`` subcommands: read-only views of a running
+connector, the partitions its quarantine rule parked (and their release), and the dead-letter
+queue of the Kafka output sink or of the Spark bridge (``--spark-dead-letter``).
+
+``quarantine list`` shows the quarantined partitions the sync topic records (owner, watermark,
+error, record); ``quarantine release TOKEN`` appends a ``release`` message naming the partition
+and its quarantine (``protocol/messages.py``, ``ReleaseMessage``): the owner applies it, reading
+the partition again from exactly its watermark (a task changes only its own state).
 
 ``status`` replays the connector's sync topic (from its latest checkpoint) into a CIM, exactly
 as a joining task does, and prints the epoch, the leader, every task with its partitions, and
@@ -13,13 +19,15 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import os
+import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
 from protocol import messages
 from protocol.cim import Cim
-from protocol.completeness import low_watermark
+from protocol.completeness import held_by, low_watermark
+from protocol.messages import Partition
 from runtime.config import ConfigError, ShoalConfig, kafka_config
 
 if TYPE_CHECKING:
@@ -58,10 +66,12 @@ def _lag(now: int, watermark: int) -> str:
     return f"{max(0, now - watermark) / 1e6:.1f}s"
 
 
-async def replay_cim(config: ShoalConfig, *, timeout_s: float = 60.0) -> Cim:
+async def replay_cim(
+    config: ShoalConfig, *, timeout_s: float = 60.0, command: str = "status"
+) -> Cim:
     from runtime.kafka import KafkaSyncLog, replay_until_marker
 
-    kafka = kafka_config(config, _need_kafka(config, "status"))
+    kafka = kafka_config(config, _need_kafka(config, command))
     cim = Cim()
     bad = 0
 
@@ -123,6 +133,13 @@ def format_status(
         lines.append(  # every change committed by then is in the output
             f"complete up to {_rfc3339(complete)} ({max(0, now - complete) / 1e6:.1f}s behind)"
         )
+    held = held_by(cim)
+    if held:
+        lines.append(
+            f"HELD BACK by {len(held)} quarantined partition(s) (their reader kept failing; "
+            "`quarantine list` shows why, `quarantine release TOKEN` reads them again): "
+            + ", ".join(held if wide else [short_token(t) for t in held])
+        )
     if cim.snapshot.plan is not None:
         done, total = cim.snapshot.progress()
         lines.append(
@@ -158,6 +175,8 @@ def format_status(
     for task_id, view in sorted(cim.tasks.items()):
         for token, p in sorted(view.partitions.items()):
             shown = _lag(now, p.watermark) if p.status == "owned" else "-"
+            if p.quarantine is not None:
+                shown += " QUARANTINED"
             late = p.status == "owned" and p.watermark > 0
             if late and (now - p.watermark) / 1e6 > stalled_after_s:
                 stalled[task_id] = stalled.get(task_id, 0) + 1
@@ -198,6 +217,7 @@ async def status(
             "members": list(cim.members),
             "offset": cim.offset,
             "low_watermark_us": low_watermark(cim),
+            "held_by": list(held_by(cim)),
             "snapshot": None
             if cim.snapshot.plan is None
             else {
@@ -223,6 +243,79 @@ async def status(
             stalled_after_s=config.health.failing_s,
         )
         out.write(text + "\n")
+    return 0
+
+
+def quarantined(cim: Cim) -> list[tuple[str, Partition]]:
+    """The quarantined partitions ``cim`` records, as (holder, partition), by token: owned, or
+    in an offer on their way to a new owner (the quarantine travels with them)."""
+    found: dict[str, tuple[str, Partition]] = {}
+    for task_id, view in sorted(cim.tasks.items()):
+        candidates = [*view.partitions.values(), *(s.partition for s in view.share.values())]
+        for part in candidates:
+            if part.quarantine is not None and part.status != "incoming":
+                found.setdefault(part.token, (task_id, part))
+    return [found[t] for t in sorted(found)]
+
+
+async def quarantine(
+    config: ShoalConfig, action: str, tokens: list[str], out: TextIO, *, as_json: bool = False
+) -> int:
+    """``quarantine list``: the quarantined partitions; ``quarantine release TOKEN ...``: ask
+    their owners to read them again (a ``release`` message in the sync topic per partition)."""
+    cim = await replay_cim(config, command="quarantine")
+    parked = quarantined(cim)
+    if action == "list":
+        if as_json:
+            rows = [
+                {
+                    "token": p.token,
+                    "owner": holder,
+                    "watermark_us": p.watermark,
+                    **msgspec.to_builtins(p.quarantine),
+                }
+                for holder, p in parked
+            ]
+            out.write(msgspec.json.encode(rows).decode() + "\n")
+            return 0
+        out.write(f"{len(parked)} quarantined partition(s) of connector {config.run.connector!r}\n")
+        for holder, p in parked:
+            q = p.quarantine
+            assert q is not None
+            out.write(
+                f"{p.token}  owner={holder}  watermark={p.watermark} ({_rfc3339(p.watermark)})  "
+                f"failures={q.failures}  since={_when(q.since)}  record={q.record or '-'}  "
+                f"error={q.error}\n"
+            )
+        return 0
+    if not tokens:
+        raise ConfigError("quarantine release needs the token of each partition to release")
+    by_token = {p.token: p for _, p in parked}
+    unknown = [t for t in tokens if t not in by_token]
+    if unknown:
+        raise ConfigError(
+            f"quarantine release: not quarantined: {', '.join(unknown)} "
+            f"(quarantine list shows the {len(by_token)} that are)"
+        )
+    from runtime.kafka import KafkaSyncLog
+
+    kafka = kafka_config(config, _need_kafka(config, "quarantine"))
+    async with KafkaSyncLog(kafka, config.run.connector, create=False) as log:
+        for token in tokens:
+            q = by_token[token].quarantine
+            assert q is not None
+            message = messages.ReleaseMessage(
+                task_id=f"quarantine-{os.getpid()}",
+                message_timestamp=time.time_ns() // 1000,
+                token=token,
+                since=q.since,
+            )
+            offset = await log.append(messages.encode(message))
+            out.write(
+                f"released {token} (quarantined since {_when(q.since)}, watermark "
+                f"{by_token[token].watermark}): release message at offset {offset}; its owner "
+                "reads it from the watermark\n"
+            )
     return 0
 
 

@@ -8,7 +8,8 @@
 * otherwise it prints one line per interval and one line per rebalance, fit for a log file.
 
 While the sink fails every batch or the source every query, both say so and why
-(``NOT MAKING PROGRESS: ...``, :func:`runtime.metrics.failing`).
+(``NOT MAKING PROGRESS: ...``, :func:`runtime.metrics.failing`); a partition the quarantine
+rule parked is named too (``QUARANTINED: ...``, docs/operations.md).
 
 Pure formatting: it never reads a clock (the sample carries its time) and writes only to the
 stream it was given.
@@ -55,7 +56,16 @@ def format_table(sample: Sample, rates: dict[str, float]) -> list[str]:
     if sample.snapshot_total:
         rows.append(f"snapshot: {_snapshot(sample)}")
     rows.extend(f"NOT MAKING PROGRESS: {why}" for why in failing(sample))
+    rows.extend(f"QUARANTINED: {why}" for why in _quarantined(sample))
     return rows
+
+
+def _quarantined(sample: Sample) -> list[str]:
+    return [
+        f"{token} on {t.task_id} {why}"
+        for t in sample.tasks
+        for token, why in sorted(t.quarantined.items())
+    ]
 
 
 def _snapshot(sample: Sample) -> str:
@@ -94,6 +104,7 @@ class Progress:
             ]
             delivered = sum(t.records_delivered for t in sample.tasks)
             stalled = "".join(f" | NOT MAKING PROGRESS: {why}" for why in failing(sample))
+            stalled += "".join(f" | QUARANTINED: {why}" for why in _quarantined(sample))
             snapshot = f" | snapshot {_snapshot(sample)}" if sample.snapshot_total else ""
             self._stream.write(
                 f"progress: delivered {delivered} | {' | '.join(parts)}{snapshot}{stalled}\n"

@@ -47,7 +47,7 @@ from actors.task import wall_micros
 from protocol import epochs
 from protocol.cim import final_states
 from protocol.commit import StartRecord, start_conflict
-from protocol.completeness import Mark, low_watermark, mark_due
+from protocol.completeness import Mark, held_by, low_watermark, mark_due
 from protocol.dedup import Position
 from protocol.messages import SnapshotItem
 from protocol.records import ChangeRecord
@@ -86,7 +86,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shoal.runtime")
 
-_ERROR_COUNTERS = ("reader_failed", "publish_failed", "membership_lost", "evicted")
+_ERROR_COUNTERS = (
+    "reader_failed",
+    "publish_failed",
+    "membership_lost",
+    "evicted",
+    "quarantined",
+    "quarantine_released",
+)
 
 
 class RunFailed(RuntimeError):
@@ -272,6 +279,7 @@ class Pipeline:
             else Path(config.run.output_dir)
         )
         self._completeness_written = -1  # the completeness watermark last written (micros)
+        self._completeness_held: tuple[str, ...] = ()  # the quarantined partitions it named
         self._completeness_at = -1.0  # when (monotonic seconds)
         # the connector's own records beside a file or Spark output (runtime/output_state.py)
         self._state: OutputState | None = None
@@ -318,6 +326,7 @@ class Pipeline:
                     records_read=sink.records_read,
                     records_delivered=sink.records_delivered,
                     lag_us={tok: max(0, now - wm) for tok, wm in st.watermarks.items() if wm > 0},
+                    quarantined=st.quarantined,
                     rebalances=t.rebalances,
                     rebalancing=rebalancing,
                     sync_messages=stats.appends if stats is not None else 0,
@@ -332,15 +341,18 @@ class Pipeline:
         source_health = self._source.health if self._source is not None else FailureStreak()
         complete = -1
         snapshot = (0, 0)
+        held: tuple[str, ...] = ()
         for t in self.tasks:
             if t.node.task is not None and t.node.ready.is_set():
                 found = low_watermark(t.node.task.core.cim, self._end_at)
                 complete = -1 if found is None else found
                 snapshot = t.node.task.core.cim.snapshot.progress()
+                held = held_by(t.node.task.core.cim)
                 break
         return Sample(
             at=at,
             low_watermark_us=complete,
+            held_by=held,
             snapshot_done=snapshot[0],
             snapshot_total=snapshot[1],
             tasks=tuple(tasks),
@@ -466,7 +478,7 @@ class Pipeline:
                         "stopping anyway (a restart resumes from the last published state)"
                     )
                 final = self.sample()
-                self._record_completeness(final.low_watermark_us, final=True)
+                self._record_completeness(final.low_watermark_us, final.held_by, final=True)
                 partitions = self._partitions()
                 self._draining.set()
                 for t, node in zip(self.tasks, nodes, strict=True):
@@ -1127,7 +1139,7 @@ class Pipeline:
         while True:
             sample = self.sample()
             self._track_rebalances(sample)
-            self._record_completeness(sample.low_watermark_us)
+            self._record_completeness(sample.low_watermark_us, sample.held_by)
             if self._state is not None and self._start_recorded is None:
                 await self._record_start()
             if self.progress is not None and time.monotonic() >= next_draw:
@@ -1149,16 +1161,27 @@ class Pipeline:
                 )
                 return
 
-    def _record_completeness(self, low_watermark_us: int, *, final: bool = False) -> None:
+    def _record_completeness(
+        self, low_watermark_us: int, held: tuple[str, ...] = (), *, final: bool = False
+    ) -> None:
         """Write the connector's completeness mark beside the output when it advanced
         (``protocol.completeness.mark_due``: at most once a second, and once more at the end):
         ``<data>/_shoal/<connector>/completeness.json``, one JSON line a downstream job reads
         with ``spark.read.json`` (docs/reading-output.md). Readers of the data skip ``_shoal``.
-        A file or Spark sink only: Kafka consumers read the metric or ``status``."""
+        A file or Spark sink only: Kafka consumers read the metric or ``status``. A change of
+        the quarantined partitions holding it back (``Mark.held_by``) is written too."""
         state = self._state
         now = time.monotonic()
-        if state is None or not mark_due(
-            low_watermark_us, self._completeness_written, self._completeness_at, now, final=final
+        changed = held != self._completeness_held and low_watermark_us >= 0
+        if state is None or not (
+            changed
+            or mark_due(
+                low_watermark_us,
+                self._completeness_written,
+                self._completeness_at,
+                now,
+                final=final,
+            )
         ):
             return
         self._completeness_at = now
@@ -1167,6 +1190,7 @@ class Pipeline:
             low_watermark=_rfc3339(low_watermark_us),
             low_watermark_us=low_watermark_us,
             written_at=_rfc3339(wall_micros()),
+            held_by=held,
         )
         try:
             state.write_mark(mark)
@@ -1174,7 +1198,8 @@ class Pipeline:
             self.count_error("completeness_write")
             log.warning("could not write the completeness mark to %s: %r", state.mark_file, exc)
             return
-        self._completeness_written = low_watermark_us
+        self._completeness_written = max(self._completeness_written, low_watermark_us)
+        self._completeness_held = held
 
     def _track_rebalances(self, sample: Sample) -> None:
         by_id = {s.task_id: s for s in sample.tasks}

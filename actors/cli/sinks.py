@@ -21,7 +21,11 @@ owner resumes after it). ``max_buffered_rows`` bounds what is accepted and not y
 (``put`` waits: backpressure). ``fence(batches)`` fences batches a stopping reader abandons
 (docs/design.md#exactly-once-output, rule 4): the committer refuses a micro-batch holding one
 at its commit point (the whole micro-batch fails; the other partitions' readers re-read theirs).
-A micro-batch that fails (refused, or its write failed) fails what is buffered behind it too,
+A micro-batch of the typed layout holding a value that does not fit its column type fails only
+the batches of the partitions whose own records do not convert (and what is buffered of them
+behind it); the others' are committed as a micro-batch of their own, so one bad record stops its
+partition only and the quarantine rule can park it (docs/design.md#poison-partitions).
+A micro-batch that fails otherwise (refused, or its write failed) fails what is buffered behind it too,
 and a later batch of one of its partitions is refused until that partition's reader re-reads
 from before the failed records (as the Spark bridge does): committing it would move the
 partition's recorded position past records that were never written.
@@ -396,6 +400,13 @@ class FileSink:
                 if not future.done():
                     future.set_exception(SinkError(str(exc)))
         except Exception as exc:
+            isolated = await self._isolate(exc, waiting, entries, fresh, keys)
+            if isolated is not None:
+                dropped = isolated
+                async with self._room:
+                    self._buffered -= rows + dropped
+                    self._room.notify_all()
+                return
             self._failures += 1
             log.exception("%r: committing %d rows failed", self, rows)
             for future, _ in waiting:
@@ -417,6 +428,102 @@ class FileSink:
         async with self._room:
             self._buffered -= rows + dropped
             self._room.notify_all()
+
+    async def _isolate(
+        self,
+        exc: Exception,
+        waiting: list[tuple[asyncio.Future[None], int]],
+        entries: list[tuple[str, tuple[DataChange, ...], int]],
+        fresh: list[tuple[str, list[DataChange]]],
+        keys: list[int],
+    ) -> int | None:
+        """A micro-batch of the typed layout failed because a value does not fit its column
+        type: fail only the batches of the partitions whose own records do not convert (and
+        what is buffered of those partitions behind them), and commit the others' as a
+        micro-batch of their own. One bad record then stops its partition only, so the
+        quarantine rule can tell it apart (docs/design.md#poison-partitions). Returns the rows
+        dropped from the buffer, or ``None`` when this does not apply (the caller fails it all)."""
+        from runtime.typed import TypedError, typed_tables
+
+        if not isinstance(exc, TypedError) or self.layout != "typed" or len(entries) < 2:
+            return None
+
+        def bad_ones() -> set[str]:
+            bad: set[str] = set()
+            for token, records in fresh:
+                try:
+                    typed_tables([(token, records)])
+                except TypedError:
+                    bad.add(token)
+            return bad
+
+        bad = await asyncio.to_thread(bad_ones)
+        if not bad or len(bad) == len({token for token, _, _ in entries}):
+            return None
+        self._failures += 1
+        log.warning(
+            "%r: a value does not fit its column type in the batches of %s (%s): those fail, "
+            "the other partitions' batches are committed",
+            self,
+            ", ".join(sorted(bad)),
+            exc,
+        )
+        error = SinkError(f"typed conversion failed: {exc}")
+        keep = [i for i, (token, _, _) in enumerate(entries) if token not in bad]
+        for i, (token, _, _) in enumerate(entries):
+            if token in bad and not waiting[i][0].done():
+                waiting[i][0].set_exception(error)
+        self._open_gaps([e for e in entries if e[0] in bad])
+        dropped = self._fail_buffered_of(bad, error)
+        good_rows = sum(waiting[i][1] for i in keep)
+        good_fresh = [fresh[i] for i in keep]
+        try:
+            await asyncio.to_thread(
+                self._commit_batch,
+                {c: [] for c in COLUMNS},
+                [entries[i] for i in keep],
+                good_rows,
+                good_fresh,
+                [keys[i] for i in keep],
+            )
+        except Exception as again:
+            log.exception("%r: committing the other partitions' %d rows failed", self, good_rows)
+            for i in keep:
+                if not waiting[i][0].done():
+                    waiting[i][0].set_exception(SinkError(f"writing parquet failed: {again!r}"))
+            self._open_gaps([entries[i] for i in keep])
+            return dropped + self._fail_buffered(
+                SinkError(f"an earlier micro-batch failed: {again}")
+            )
+        if good_rows:
+            self._files += 1
+            self._written(good_fresh)
+        self._rows += good_rows
+        self._batches += len(keep)
+        for i in keep:
+            if not waiting[i][0].done():
+                waiting[i][0].set_result(None)
+        return dropped
+
+    def _fail_buffered_of(self, tokens: set[str], error: BaseException) -> int:
+        """Fail the batches of ``tokens`` buffered behind a failed micro-batch (they continue
+        past the failed records); the rows dropped from the buffer."""
+        idx = [i for i, (token, _, _) in enumerate(self._entries) if token in tokens]
+        if not idx:
+            return 0
+        self._open_gaps([self._entries[i] for i in idx])
+        rows = 0
+        for i in reversed(idx):
+            future, n = self._waiting.pop(i)
+            rows += n
+            del self._entries[i]
+            del self._fresh_entries[i]
+            del self._keys[i]
+            if not future.done():
+                future.set_exception(error)
+        if not self._entries:
+            self._first_at = None
+        return rows
 
     def _commit_batch(
         self,

@@ -56,6 +56,17 @@ answer to its next request. Each task's lease comes from the same pure
 rule as the Kafka adapter's (``protocol.lease.valid_until`` over the send times of the requests
 answered), or from a broken one in the teeth tests (``lease_rules``).
 
+With ``poison_at_us`` one partition turns poison (docs/design.md#poison-partitions): the first
+of its records committed that long after the start fails every sink batch that holds it, as a
+value the typed conversion cannot hold would. There is no partition churn then (a poison
+partition never reaches its end, so its children would never be read). After every step: while
+the log shows it quarantined (and not released) nobody reads it and the sink commits nothing of
+it past its watermark. At the end: it was quarantined (``quarantine_after`` 0, the rule off, is
+the teeth: it is retried for ever); with ``release_at_us`` the sink heals and a ``release``
+message is appended at that time, and the partition must be read again from its watermark,
+every record exactly once; without it, every record but the poison partition's from the poison
+record on reached the sink.
+
 ``run(seed)`` returns a :class:`SimResult`; a failure names its seed so it can be replayed.
 """
 
@@ -265,6 +276,15 @@ class SimParams(msgspec.Struct, frozen=True):
     snapshot_chunks: int = 120
     snapshot_chunks_per_step: int = 1
     snapshot_done_before_removal: bool = True  # Rules.snapshot_done_before_removal (teeth)
+    # the quarantine rule (TaskConfig.quarantine_after; 0: off), and a poison partition from
+    # this long after the start (-1: none), released at release_at_us (-1: never). Off unless
+    # asked for: with a sink failing a tenth of the batches at random (sink_fail_p 0.1) the
+    # rule at 5 parks a partition on some seeds (seed 1: a streak of failures of one partition
+    # while the others committed), which is what it does in a run too (docs/operations.md)
+    quarantine_after: int = 0
+    park_quarantined: bool = True  # Rules.park_quarantined (off: a teeth test)
+    poison_at_us: int = -1
+    release_at_us: int = -1
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -292,6 +312,12 @@ class SimResult(msgspec.Struct, frozen=True):
     # pauses, joins, leaves) while the snapshot was not done
     snapshot_resumed: int = 0
     snapshot_faults: int = 0
+    # the poison partition: times the log showed it newly quarantined, tasks whose reader
+    # failed on it, its failed batches, and whether a release read it again to the end
+    quarantined: int = 0
+    poison_hops: int = 0
+    poison_failures: int = 0
+    released_and_resumed: bool = False
 
 
 class _Reader:
@@ -426,6 +452,7 @@ class Simulation:
             resume_on_answer=params.resume_on_answer,
             fence_superseded_epochs=params.fence_superseded_epochs,
             snapshot_done_before_removal=params.snapshot_done_before_removal,
+            park_quarantined=params.park_quarantined,
         )
         self.planner: Planner = (
             plan_broken
@@ -440,6 +467,15 @@ class Simulation:
         # every batch it commits (docs/design.md#exactly-once-output, rule 2)
         self.sink_tails: dict[str, PartitionTail] = {}
         self.orphans: list[tuple[_Node, _Reader]] = []  # stopped readers unfenced batches
+        # the poison partition (poison_at_us): its token, its poison record once met, the
+        # tasks whose reader failed on it, whether the sink healed (the release), and the
+        # quarantine the log shows (its since; -1: none)
+        self.poison_token = min(self.model.roots) if params.poison_at_us >= 0 else ""
+        self.poison: Identity | None = None
+        self.poison_ts = -1
+        self.poison_tasks: set[str] = set()
+        self.healed = False
+        self.quarantine_seen = -1
         # the snapshot at T, one microsecond before the stream's roots (protocol/snapshot.py)
         self.snapshot_ts = start - 1
         self.snapshot = snapshot_records(
@@ -477,6 +513,7 @@ class Simulation:
             checkpoint_interval=5_000_000,
             rules=self.rules,
             snapshot=self.snapshot_plan is not None,
+            quarantine_after=self.p.quarantine_after,
         )
         node = _Node(task_id, TaskCore(config, Random(self.rng.getrandbits(32))), next(self.joins))
         self.nodes[task_id] = node
@@ -934,12 +971,22 @@ class Simulation:
         it right before the commit point, so a zombie commits nothing). A failed batch fails
         every later one of the reader too (they commit in order). Committed records count as
         delivered, whatever becomes of the reader after."""
+        now = self.now()
         while reader.acking and reader.acking[0][0] <= self.step:
             _, acked = reader.acking.popleft()
             self.reader_do(node, reader, reader.core.handle(BatchCommitted(acked), self.now()))
         lease = node.core.lease_valid(self.now())
         while reader.inflight and reader.inflight[0][0] <= self.step:
             _, batch, records, watermark = reader.inflight.popleft()
+            if self.poisoned(reader.token, records):
+                self.stats["poison_failures"] += 1
+                self.poison_tasks.add(node.id)
+                failed = [batch] + [b for _, b, _, _ in reader.inflight]
+                reader.inflight.clear()
+                error = "TypedError: value 1e400 does not fit FLOAT64"
+                for b in failed:
+                    self.reader_do(node, reader, reader.core.handle(BatchFailed(b, error), now))
+                return
             if not lease or self.sink_rng.random() < self.p.sink_fail_p:
                 self.stats["sink_failures"] += 1
                 failed = [batch] + [b for _, b, _, _ in reader.inflight]
@@ -970,6 +1017,19 @@ class Simulation:
                 reader.acking.append((due, batch))
                 continue
             self.reader_do(node, reader, reader.core.handle(BatchCommitted(batch), self.now()))
+
+    def poisoned(self, token: str, records: tuple[DataChange, ...]) -> bool:
+        """Whether this batch holds the poison record (the first record of the poison
+        partition committed ``poison_at_us`` after the start), and the sink is not healed."""
+        if token != self.poison_token or self.healed:
+            return False
+        if self.poison is None:
+            at = self.t0 + self.p.poison_at_us
+            first = next((r for r in records if r.commit_ts >= at), None)
+            if first is None:
+                return False
+            self.poison, self.poison_ts = first.identity, first.commit_ts
+        return any(r.identity == self.poison for r in records)
 
     def run_readers(self, node: _Node) -> None:
         now = self.now()
@@ -1090,6 +1150,7 @@ class Simulation:
                 self.start_node(due[1])
                 self.stats["restarts"] += 1
         self.land_messages()
+        self.release_due()
         self.run_group()
         order = [n for n in self.nodes.values() if n.alive]
         self.rng.shuffle(order)
@@ -1120,6 +1181,57 @@ class Simulation:
             self.tick_due(node)
         self.check()
 
+    def release_due(self) -> None:
+        """At ``release_at_us`` the sink heals (the conversion is fixed) and an operator's
+        ``release`` of the quarantine the log shows is appended (again each step until the
+        log shows the partition read again: a release of a quarantine not landed yet waits)."""
+        if self.p.release_at_us < 0 or self.now() < self.t0 + self.p.release_at_us:
+            return
+        self.healed = True
+        parked = self.parked()
+        if parked is None or self.observer.releases.get(self.poison_token, -1) >= parked:
+            return
+        release = messages.ReleaseMessage(task_id="operator", token=self.poison_token, since=parked)
+        self.log.append(release)
+        self.observe(len(self.log) - 1, release)
+        self.stats["releases"] += 1
+
+    def parked(self) -> int | None:
+        """The ``since`` of the poison partition's quarantine as the log shows it, if any."""
+        if not self.poison_token:
+            return None
+        for _, part in self.observer.holders(self.poison_token):
+            if part.quarantine is not None and part.status == "owned":
+                return part.quarantine.since
+        for _, offer in self.observer.offers():
+            quarantine = offer.partition.quarantine
+            if offer.token == self.poison_token and quarantine is not None:
+                return quarantine.since
+        return None
+
+    def check_poison(self) -> None:
+        """While the log shows the poison partition quarantined (not released), nobody reads
+        it and the sink commits nothing of it past its watermark."""
+        parked = self.parked()
+        if parked is None:
+            return
+        if parked != self.quarantine_seen:
+            self.quarantine_seen = parked
+            self.stats["quarantined"] += 1
+        if self.observer.releases.get(self.poison_token, -1) >= parked:
+            return
+        token = self.poison_token
+        for node in self.nodes.values():
+            if node.alive and self.active(node) and token in node.readers:
+                raise Violation(f"{node.id} reads {token} while it is quarantined")
+        durable = self.sink_tails.get(token)
+        watermark = self.max_wm.get(token, 0)
+        if durable is not None and durable.ts > max(watermark, self.poison_ts):
+            raise Violation(
+                f"the sink committed {token} to {durable.ts} past its quarantine's watermark "
+                f"{watermark}"
+            )
+
     def check(self) -> None:
         now = self.now()
         self.log_sizes.append(len(self.log))
@@ -1146,6 +1258,7 @@ class Simulation:
                     owners[token] = node.id
         if self.snapshot_plan is not None:
             self.check_snapshot_completeness()
+        self.check_poison()
 
     def check_snapshot_completeness(self) -> None:
         """The log's completeness watermark stays below T while a snapshot partition is not
@@ -1230,7 +1343,33 @@ class Simulation:
                 for r in chunks
                 if r.identity in self.delivered
             ),
+            quarantined=self.stats["quarantined"],
+            poison_hops=len(self.poison_tasks),
+            poison_failures=self.stats["poison_failures"],
+            released_and_resumed=self.released_and_resumed(),
         )
+
+    def released_and_resumed(self) -> bool:
+        """The poison partition was released and its poison record reached the sink."""
+        return self.stats["releases"] > 0 and self.poison in self.delivered
+
+    def check_poison_end(self) -> bool:
+        """The poison scenario's end: whether the poison partition is left parked (so it is
+        exempt from being read and its records from the poison on from being delivered)."""
+        if not self.poison_token:
+            return False
+        if self.poison is None:
+            raise Violation(f"the poison partition {self.poison_token} never met its record")
+        if self.stats["quarantined"] == 0:
+            raise Violation(
+                f"poison partition {self.poison_token} never quarantined: its batch failed "
+                f"{self.stats['poison_failures']} times on {sorted(self.poison_tasks)}"
+            )
+        if self.p.release_at_us >= 0:
+            if not self.released_and_resumed():
+                raise Violation(f"poison partition {self.poison_token} not read again")
+            return False
+        return True
 
     def final_checks(self) -> None:
         now = self.now()
@@ -1239,11 +1378,14 @@ class Simulation:
         for node in live_nodes:
             for token in node.core.owned_unfinished():
                 owners.setdefault(token, []).append(node.id)
+        parked = self.check_poison_end()
         live_parts = [t for t, info in self.model.partitions.items() if info.end_ts is None]
         for token in live_parts:
             who = owners.get(token, [])
             if len(who) != 1:
                 raise Violation(f"live partition {token} is owned by {who} at the end")
+            if parked and token == self.poison_token:
+                continue  # quarantined: nobody reads it
             if token not in self.nodes[who[0]].readers:
                 raise Violation(f"live partition {token} owned by {who[0]} is not being read")
         if self.p.cap <= 0:
@@ -1256,6 +1398,12 @@ class Simulation:
         snapshot = {r.identity for chunks in self.snapshot.values() for r in chunks}
         horizon = now - 5_000_000
         expected = snapshot | {r.identity for r in self.model.expected(horizon)}
+        if parked:  # the poison partition's records from the poison record on wait for it
+            expected -= {
+                r.identity
+                for r in self.model.records(self.poison_token, self.poison_ts, horizon)
+                if isinstance(r, DataChange)
+            }
         missing = expected - set(self.delivered)
         if missing:
             raise Violation(f"{len(missing)} records never reached the sink, e.g. {min(missing)}")

@@ -175,7 +175,8 @@ def test_a_failed_batch_restarts_from_the_committed_position_after_a_backoff() -
     assert d(BatchCommitted(1), at=20) == [
         Report(ReaderCommitted(TOK, T0 + 1, (("a", "0"),))),
         CancelQuery(1),
-        Report(ReaderFailed(TOK, "sink failed a batch: boom")),
+        # the report names the failed batch's first record (the quarantine rule logs it)
+        Report(ReaderFailed(TOK, "sink failed a batch: boom", f"{T0 + 2} b 0")),
     ]
     assert d.core.pending == type(d.core.pending)()  # everything in flight dropped
     assert d.core.next_deadline() == 20 + 100_000
@@ -223,7 +224,8 @@ def test_stalls_in_a_row_wait_twice_as_long_up_to_eight_times() -> None:
         error = f"QueryStalled: partition {TOK}: nothing from the source for {seconds}s"
         assert out == [
             CancelQuery(query),
-            Report(ReaderFailed(TOK, f"{error} (not even a heartbeat)")),
+            # marked stalled: the quarantine rule does not count it (no record failed)
+            Report(ReaderFailed(TOK, f"{error} (not even a heartbeat)", stalled=True)),
             StartQuery(query + 1, T0),  # a zero backoff: at once
         ]
         query += 1

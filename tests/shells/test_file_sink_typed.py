@@ -4,6 +4,7 @@ table directory, the partitions' progress files), a column added mid-stream in l
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from pathlib import Path
 
@@ -118,3 +119,39 @@ def test_a_killed_typed_commit_is_all_or_nothing(tmp_path: Path, killed: str) ->
         assert table_dirs(tmp_path) == []
         assert again.committed("p") is None
     assert not any(p.is_file() for p in (tmp_path / STAGING_DIR).rglob("*"))
+
+
+@pytest.mark.asyncio
+async def test_a_value_that_does_not_fit_fails_only_its_partitions_batches(
+    tmp_path: Path,
+) -> None:
+    """A micro-batch of several partitions' batches, one with a value no INT64 holds: only that
+    partition's batches fail (and its next one is refused until it re-reads from before the
+    bad record); the others are committed (docs/design.md#poison-partitions)."""
+    good_a = (rec(10, "T", 1), rec(11, "T", 2))
+    good_c = (rec(12, "U", 3),)
+    mod = Mod(keys='{"Id":"not a number"}', new_values="{}", old_values="{}")
+    bad = DataChange(13, "0", "txn13", True, "T", (ID, WHEN), (mod,), "INSERT")
+    async with FileSink(tmp_path, max_age_s=0.2) as sink:
+        futures = [
+            await sink.put(SinkBatch("a", good_a, 11)),
+            await sink.put(SinkBatch("b", (bad,), 13)),
+            await sink.put(SinkBatch("c", good_c, 12)),
+        ]
+        await asyncio.wait(futures)
+        assert futures[0].exception() is None
+        assert futures[2].exception() is None
+        error = futures[1].exception()
+        assert error is not None
+        assert "typed conversion failed" in str(error)
+        later = await sink.put(SinkBatch("b", (rec(20, "T", 9),), 20))
+        with pytest.raises(Exception, match="re-read from before it"):
+            await later
+        # the re-read from before the bad record is taken (and fails on it again)
+        again = await sink.put(SinkBatch("b", (bad,), 13))
+        with pytest.raises(Exception, match="does not fit"):
+            await again
+    assert await FileSink(tmp_path).durable_position("b") is None
+    assert await FileSink(tmp_path).durable_position("a") is not None
+    rows = sorted(r["Id"] for t in ("T", "U") for r in read_table(tmp_path, t).to_pylist())
+    assert rows == [1, 2, 3]

@@ -177,3 +177,46 @@ async def test_snapshot_progress_in_metrics_display_and_status() -> None:
     cim.apply(0, EpochMessage(task_id="a", epoch=1, members=("a",), snapshot=plan))
     text = format_status("c", cim, 1_700_000_001_000_000)
     assert "snapshot at 2023-11-14T22:13:20Z: 0/2 partitions done" in text
+
+
+@pytest.mark.asyncio
+async def test_a_quarantined_partition_degrades_healthz_and_is_counted() -> None:
+    task = msgspec.structs.replace(
+        _sample().tasks[0], quarantined={"p2": "at 17: sink failed a batch: TypedError"}
+    )
+    current = Sample(at=0.0, tasks=(task,), held_by=("p2",))
+    async with MetricsServer(lambda: current, port=0) as server:
+        # alive (a restart does not help: an operator releases it), and says why
+        assert await _get(server.port, "/healthz") == (
+            200,
+            "degraded: quarantined partitions: p2 (at 17: sink failed a batch: TypedError)\n",
+        )
+        _, metrics = await _get(server.port, "/metrics")
+        assert 'shoal_quarantined_partitions{task="t0"} 1.0' in metrics
+    assert liveness(_sample(), 60.0) == (True, "ok")  # the control: none quarantined
+    from actors.cli.progress import format_table
+
+    table = format_table(current, {})
+    assert table[-1] == "QUARANTINED: p2 on t0 at 17: sink failed a batch: TypedError"
+    assert not [line for line in format_table(_sample(), {}) if "QUARANTINED" in line]
+
+
+def test_status_and_the_quarantine_list_show_a_parked_partition() -> None:
+    from actors.cli.admin import format_status, quarantined
+    from protocol.cim import Cim
+    from protocol.messages import EpochMessage, Partition, Quarantine, StateMessage, TaskState
+
+    cim = Cim()
+    cim.apply(0, EpochMessage(task_id="a", epoch=1, members=("a",)))
+    q = Quarantine(since=5, failures=5, error="TypedError: 1e400", position=1_700_000_000_000_000)
+    parts = (
+        Partition("p1", 0, watermark=1_700_000_000_000_000, quarantine=q),
+        Partition("p2", 0, watermark=1_700_000_000_500_000),
+    )
+    cim.apply(1, StateMessage(task_id="a", epoch=1, connector_state=(TaskState("a", 2, parts),)))
+    text = format_status("c", cim, 1_700_000_001_000_000)
+    assert "HELD BACK by 1 quarantined partition(s)" in text
+    (row,) = [line for line in text.splitlines() if line.startswith("p1 ")]
+    assert row.endswith("QUARANTINED")
+    assert [line for line in text.splitlines() if "QUARANTINED" in line] == [row]
+    assert quarantined(cim) == [("a", parts[0])]
