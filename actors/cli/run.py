@@ -66,6 +66,7 @@ from runtime.config import (
     task_count,
     trail,
 )
+from runtime.filtered import FilterStats
 from runtime.logs import mask
 from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
 from runtime.output_state import OutputState
@@ -325,6 +326,7 @@ class Pipeline:
                 )
             )
         rows, inflight, latency = self._sink_figures()
+        filtered = FilterStats(0, 0) if self._filtered is None else self._filtered.statistics()
         at = time.monotonic()
         sink_health = self._ledger.health if self._ledger is not None else FailureStreak()
         source_health = self._source.health if self._source is not None else FailureStreak()
@@ -348,9 +350,9 @@ class Pipeline:
             sink_rows=rows,
             sink_inflight=inflight,
             sink_commit_latency_s=latency,
-            records_filtered=(
-                0 if self._filtered is None else self._filtered.statistics().records_filtered
-            ),
+            records_filtered=filtered.records_filtered,
+            records_filtered_by=filtered.filtered_by,
+            records_columns_stripped=filtered.columns_stripped,
             sink_failing_s=sink_health.failing_for(at),
             sink_error=mask(sink_health.last_error, self._secrets),
             source_failing_s=source_health.failing_for(at),
@@ -1257,6 +1259,8 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
             records_filtered=final.records_filtered,
+            records_filtered_by=dict(final.records_filtered_by),
+            records_columns_stripped=final.records_columns_stripped,
             snapshot_done=final.snapshot_done,
             snapshot_total=final.snapshot_total,
             warnings=dict(self.warnings),
