@@ -52,6 +52,7 @@ from protocol.dedup import Position
 from protocol.messages import SnapshotItem
 from protocol.records import ChangeRecord
 from protocol.retry import may_drive
+from protocol.stream_options import StreamOptions, start_refusal
 from runtime.config import (
     ConfigError,
     ShoalConfig,
@@ -261,6 +262,8 @@ class Pipeline:
         self._filtered: Any = None  # runtime.filtered.FilteredSource, with a filter
         # a Spanner source's settings (its snapshots are read through them), and its snapshots
         self._spanner_config: Any = None  # runtime.spanner.config.SpannerConfig
+        # the change stream's own options, read once at start (None: not read or no stream)
+        self.stream_options: StreamOptions | None = None
         self._snapshots: Any = None  # runtime.spanner.snapshot_source.SpannerSnapshots
         # the output (a directory or an object store's URI) and a local directory for run
         # files (the embedded broker's log): the output directory itself when it is local
@@ -518,7 +521,12 @@ class Pipeline:
         if self._start_at is not None or self._end_at is not None:
             source = BoundedSource(source, start_at=self._start_at, end_at=self._end_at)
         if self._start_at is not None and self.config.run.source != "sim":
-            source = _StartChecked(source, self.config.run.start_at)
+            source = _StartChecked(
+                source,
+                self.config.run.start_at,
+                self.stream_options,
+                stream=self._spanner_config.change_stream if self._spanner_config else "",
+            )
         if not self._filter.keeps_everything:
             source = self._filtered = FilteredSource(source, self._filter)
         return source
@@ -589,6 +597,7 @@ class Pipeline:
                 source = await SpannerSource.connect(spanner)
                 stack.push_async_callback(source.close)
                 await source.detect_dialect(spanner.database)
+                await self._read_stream_options(source, spanner.change_stream)
                 return source
 
     async def _snapshot_routing(
@@ -690,7 +699,22 @@ class Pipeline:
         self._spanner_config = spanner
         source = await SpannerSource.connect(spanner)
         stack.push_async_callback(source.close)
+        await self._read_stream_options(source, spanner.change_stream)
         return source
+
+    async def _read_stream_options(self, source: Any, stream: str) -> None:
+        """Read the change stream's own options once (``protocol/stream_options.py``) and say
+        them in one line; the first start is checked against its retention (``_StartChecked``).
+        Options that cannot be read are logged and counted, and the run goes on: Spanner itself
+        still refuses a start it does not keep."""
+        try:
+            self.stream_options = await source.stream_options()
+        except Exception as exc:
+            self.count_error("stream_options")
+            log.warning("could not read change stream %s's options: %r", stream, exc)
+            return
+        if self.stream_options is not None:
+            self._say(f"change stream {stream}: {self.stream_options.describe()}")
 
     def _leased(self) -> bool:
         """Whether every task of this process that reads partitions holds a valid lease: the
@@ -1274,9 +1298,18 @@ class _StartChecked:
     start before the database's version retention (or the change stream's retention) is
     refused by Spanner with OUT_OF_RANGE and says which timestamps it accepts."""
 
-    def __init__(self, inner: ChangeStreamSource, start_at: str) -> None:
+    def __init__(
+        self,
+        inner: ChangeStreamSource,
+        start_at: str,
+        stream_options: StreamOptions | None = None,
+        *,
+        stream: str = "",
+    ) -> None:
         self.inner = inner
         self.start_at = start_at
+        self.stream_options = stream_options
+        self.stream = stream
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
@@ -1285,6 +1318,16 @@ class _StartChecked:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch
             return
+        if self.stream_options is not None:  # the first start: inside the stream's retention?
+            refusal = start_refusal(
+                start_ts,
+                wall_micros(),
+                self.stream_options,
+                start_at=self.start_at,
+                stream=self.stream,
+            )
+            if refusal is not None:
+                raise ConfigError(refusal)
         try:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch
