@@ -13,7 +13,6 @@ Pure: no I/O, no clock (``now`` is passed in).
 
 from __future__ import annotations
 
-import datetime
 import re
 from collections.abc import Iterable
 from typing import Final
@@ -115,10 +114,22 @@ def stream_options(rows: Iterable[tuple[str, str]]) -> StreamOptions:
 
 
 def _rfc3339(micros: int) -> str:
-    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(
-        microseconds=micros
-    )
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """Unix microseconds as RFC 3339 UTC text, by the proleptic Gregorian calendar (the days
+    to a civil date as in H. Hinnant's ``civil_from_days``; protocol/ imports no clock module)."""
+    seconds, fraction = divmod(micros, 1_000_000)
+    days, second_of_day = divmod(seconds, 86_400)
+    z = days + 719_468
+    era = z // 146_097
+    doe = z - era * 146_097
+    yoe = (doe - doe // 1_460 + doe // 36_524 - doe // 146_096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    day = doy - (153 * mp + 2) // 5 + 1
+    month = mp + 3 if mp < 10 else mp - 9
+    year = yoe + era * 400 + (month <= 2)
+    hour, rest = divmod(second_of_day, 3_600)
+    minute, second = divmod(rest, 60)
+    return f"{year:04d}-{month:02d}-{day:02d}T{hour:02d}:{minute:02d}:{second:02d}.{fraction:06d}Z"
 
 
 def start_refusal(

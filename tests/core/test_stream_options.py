@@ -74,3 +74,15 @@ def test_a_start_older_than_the_retention_is_refused_in_one_line_naming_both() -
         "retention_period 1h: the oldest start it keeps records for is "
         "2026-11-18T10:06:40.000000Z (now); start later, or raise the stream's retention_period"
     )
+
+
+def test_the_oldest_start_is_shown_as_the_calendar_says() -> None:
+    import datetime
+
+    from protocol.stream_options import _rfc3339
+
+    for micros in (0, 951_782_400_123_456, 1_795_000_000_000_000, 4_107_542_399_999_999):
+        moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(
+            microseconds=micros
+        )
+        assert _rfc3339(micros) == moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ"), micros
