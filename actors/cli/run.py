@@ -715,6 +715,13 @@ class Pipeline:
             return
         if self.stream_options is not None:
             self._say(f"change stream {stream}: {self.stream_options.describe()}")
+            if self.stream_options.mutable_key_range:
+                raise RunFailed(
+                    f"change stream {stream} has partition_mode MUTABLE_KEY_RANGE, which shoal "
+                    "does not read yet (its records are decoded and its partition rules are in "
+                    "protocol/mutable.py, but the readers do not follow them): read an "
+                    "IMMUTABLE_KEY_RANGE change stream"
+                )
 
     def _leased(self) -> bool:
         """Whether every task of this process that reads partitions holds a valid lease: the
