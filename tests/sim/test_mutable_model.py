@@ -5,6 +5,8 @@ holds ignored (the teeth) the same seeds deliver some key out of order."""
 
 from __future__ import annotations
 
+import pytest
+
 from runtime.sim.mutable import run, stream
 
 SEEDS = range(300)
@@ -36,3 +38,16 @@ def test_the_stream_is_deterministic_for_a_seed() -> None:
     assert stream(5) == stream(5)
     assert run(5) == run(5)
     assert stream(5) != stream(6)
+
+
+def test_bench_sim_partition_mode_mutable_passes_and_its_teeth_fail(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench.sim import main
+
+    assert main(["--seeds", "100", "--partition-mode", "mutable"]) == 0
+    assert "100/100 seeds passed" in capsys.readouterr().out
+    assert main(["--seeds", "100", "--partition-mode", "mutable", "--ignore-move-in-holds"]) == 1
+    out = capsys.readouterr().out
+    assert "move-in holds IGNORED" in out
+    assert "FAILED: key " in out
