@@ -10,6 +10,7 @@ nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import hashlib
 import os
@@ -184,6 +185,9 @@ def format_status(
     return "\n".join(lines)
 
 
+OPTIONS_TIMEOUT_S = 30.0  # status and config give up asking the stream's options after this
+
+
 async def change_stream_options(config: ShoalConfig) -> dict[str, Any] | None:
     """With ``--source spanner`` and the database named: the change stream's own options
     (``protocol/stream_options.py``), read once, as ``{"change_stream", "options"}`` (options
@@ -207,11 +211,13 @@ async def change_stream_options(config: ShoalConfig) -> dict[str, Any] | None:
         database_role=s.database_role,
     )
     try:
-        async with await SpannerSource.connect(spanner) as source:
-            await source.detect_dialect(s.database)
-            options = await source.stream_options()
+        async with asyncio.timeout(OPTIONS_TIMEOUT_S):  # an unreachable database: say so
+            async with await SpannerSource.connect(spanner) as source:
+                await source.detect_dialect(s.database)
+                options = await source.stream_options()
     except Exception as exc:  # shown, not swallowed: status and config still print the rest
-        return {"change_stream": s.change_stream, "error": str(exc).splitlines()[0]}
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return {"change_stream": s.change_stream, "error": text}
     return {
         "change_stream": s.change_stream,
         "options": None if options is None else msgspec.to_builtins(options),

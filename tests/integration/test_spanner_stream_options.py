@@ -159,10 +159,11 @@ def test_a_start_older_than_the_streams_retention_is_refused(
         f"shoal: error: start_at {start} (--start-at) is older than change stream {SHORT}'s "
         "retention_period 24h: the oldest start it keeps records for is "
     ), errors[0]
-    # control: a start inside the retention is read (the run ends by its duration, exit 0)
+    # control: a start inside the retention (now: the emulator refuses any start before the
+    # database was created) is read, and the run ends by its duration, exit 0
     inside = _cli(
         *_spanner_flags(emulator, SHORT),
-        "--sink", "files", "--progress", "off", "--start-at", _ago(0.01), "--duration", "8",
+        "--sink", "files", "--progress", "off", "--start-at", _ago(0), "--duration", "8",
         "--output-dir", str(tmp_path / "out2"),
         timeout=200,
     )  # fmt: skip
