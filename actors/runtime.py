@@ -192,9 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.reference:
             sys.stdout.write(options.reference_markdown())
         else:
-            sys.stdout.write(
-                msgspec.json.format(msgspec.json.encode(options.redacted(config))).decode() + "\n"
-            )
+            from actors.cli.admin import change_stream_options
+
+            shown = options.redacted(config)
+            if config.run.source == "spanner":
+                shown["change_stream_options"] = _run_loop(change_stream_options(config))
+            sys.stdout.write(msgspec.json.format(msgspec.json.encode(shown)).decode() + "\n")
         return 0
     secrets = options.secret_values(config)
     try:

@@ -27,7 +27,18 @@ also warms up), then:
 
 Prints figures, and as the last line one JSON object.
 
-``python -m bench spanner [--quick] [--postgresql]``; ``--quick`` stays under a minute.
+4. With ``--partition-mode mutable``: the records of step 1 re-encoded as the
+   ``MUTABLE_KEY_RANGE`` form (one row per record: a PROTO column holding the serialized
+   ``google.spanner.v1.ChangeStreamRecord``, base64, as the documented types say; the emulator
+   cannot create such a stream), then decoded by shoal's decoder
+   (``runtime/spanner/mutable_decode.py``; checked equal to the records they came from) and by the
+   client's default decoding of a PROTO column (``_parse_value_pb`` with the message type as
+   ``column_info``) followed by ``json_format.MessageToDict`` to get the values out
+   (``mutable_ratio``); the client's parse alone, which stops at protobuf messages, is reported
+   too.
+
+``python -m bench spanner [--quick] [--postgresql] [--partition-mode mutable]``; ``--quick``
+stays under a minute.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from runtime import compat
 from runtime.spanner.decode import count_default_decoded, records_from_default_row
@@ -203,6 +215,186 @@ async def _postgresql(args: argparse.Namespace, emulator: SpannerEmulator) -> tu
         await loader.close()
 
 
+def _value_pb(value: object) -> Any:
+    """A JSON value as the ``google.protobuf.Value`` a ChangeStreamRecord carries."""
+    from google.protobuf.struct_pb2 import ListValue, Struct, Value
+
+    if value is None:
+        return Value(null_value=0)
+    if isinstance(value, bool):
+        return Value(bool_value=value)
+    if isinstance(value, int | float):
+        return Value(number_value=value)
+    if isinstance(value, str):
+        return Value(string_value=value)
+    if isinstance(value, list):
+        return Value(list_value=ListValue(values=[_value_pb(v) for v in value]))
+    if isinstance(value, dict):
+        return Value(struct_value=Struct(fields={k: _value_pb(v) for k, v in value.items()}))
+    raise TypeError(f"not a JSON value: {value!r}")
+
+
+def _type_pb(spec: dict[str, Any]) -> Any:
+    from google.cloud.spanner_v1.types import Type, TypeCode
+
+    out = Type(code=getattr(TypeCode, spec["code"]))
+    if "array_element_type" in spec:
+        out.array_element_type = _type_pb(spec["array_element_type"])
+    return out
+
+
+def mutable_rows(records: list[Any]) -> list[Any]:
+    """``records`` (data changes and heartbeats) as MUTABLE_KEY_RANGE rows: each a raw
+    ``Value`` whose ``string_value`` is the base64 of a serialized ``ChangeStreamRecord``."""
+    import base64
+
+    from google.cloud.spanner_v1.types import ChangeStreamRecord
+    from google.protobuf.struct_pb2 import Value
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from protocol.records import DataChange, Heartbeat
+
+    dcr = ChangeStreamRecord.DataChangeRecord
+    mod_types = {"INSERT": 10, "UPDATE": 20, "DELETE": 30}
+    captures = {"OLD_AND_NEW_VALUES": 10, "NEW_VALUES": 20, "NEW_ROW": 30}
+    captures["NEW_ROW_AND_OLD_VALUES"] = 40
+
+    def ts(micros: int) -> Timestamp:
+        return Timestamp(seconds=micros // 1_000_000, nanos=micros % 1_000_000 * 1000)
+
+    rows = []
+    for r in records:
+        if isinstance(r, Heartbeat):
+            msg = ChangeStreamRecord(
+                heartbeat_record=ChangeStreamRecord.HeartbeatRecord(timestamp=ts(r.timestamp))
+            )
+        elif isinstance(r, DataChange):
+            index = {c.name: i for i, c in enumerate(r.column_types)}
+
+            def values(text: str, index: dict[str, int] = index) -> list[Any]:
+                return [
+                    dcr.ModValue(column_metadata_index=index[k], value=_value_pb(v))
+                    for k, v in json.loads(text).items()
+                ]
+
+            msg = ChangeStreamRecord(
+                data_change_record=dcr(
+                    commit_timestamp=ts(r.commit_ts),
+                    record_sequence=r.record_sequence,
+                    server_transaction_id=r.server_transaction_id,
+                    is_last_record_in_transaction_in_partition=(
+                        r.is_last_record_in_transaction_in_partition
+                    ),
+                    table=r.table,
+                    column_metadata=[
+                        dcr.ColumnMetadata(
+                            name=c.name,
+                            type_=_type_pb(json.loads(c.type)),
+                            is_primary_key=c.is_primary_key,
+                            ordinal_position=c.ordinal_position,
+                        )
+                        for c in r.column_types
+                    ],
+                    mods=[
+                        dcr.Mod(
+                            keys=values(m.keys),
+                            new_values=values(m.new_values),
+                            old_values=values(m.old_values),
+                        )
+                        for m in r.mods
+                    ],
+                    mod_type=mod_types[r.mod_type],
+                    value_capture_type=captures.get(r.value_capture_type, 0),
+                    number_of_records_in_transaction=r.number_of_records_in_transaction,
+                    number_of_partitions_in_transaction=r.number_of_partitions_in_transaction,
+                    transaction_tag=r.transaction_tag,
+                    is_system_transaction=r.is_system_transaction,
+                )
+            )
+        else:
+            continue
+        data = ChangeStreamRecord.serialize(msg)
+        rows.append(Value(string_value=base64.b64encode(data).decode()))
+    return rows
+
+
+def _mutable(args: argparse.Namespace, records: list[Any]) -> dict[str, object]:
+    """Step 4: the same records as MUTABLE_KEY_RANGE rows, decoded both ways."""
+    from google.cloud.spanner_v1 import _helpers
+    from google.cloud.spanner_v1.types import Type, TypeCode
+    from google.protobuf import json_format
+
+    from runtime.spanner.mutable_decode import MutableRecordDecoder, change_record_pb
+
+    rows = mutable_rows(records)
+    kept = [r for r in records if type(r).__name__ in ("DataChange", "Heartbeat")]
+    check: list[Any] = []
+    MutableRecordDecoder().decode_values(rows, check)
+    if check != kept:
+        wrong = next(i for i, (a, b) in enumerate(zip(check, kept, strict=False)) if a != b)
+        raise SystemExit(f"mutable decoding differs at record {wrong}: {check[wrong]!r}")
+    column = Type(code=TypeCode.PROTO, proto_type_fqn="google.spanner.v1.ChangeStreamRecord")
+    info = {"ChangeRecord": change_record_pb()}
+    parse: Any = _helpers._parse_value_pb
+
+    def fast() -> int:
+        out: list[Any] = []
+        return MutableRecordDecoder().decode_values(rows, out)
+
+    def default() -> int:
+        n = 0
+        for row in rows:
+            n += bool(json_format.MessageToDict(parse(row, column, "ChangeRecord", info)))
+        return n
+
+    def parse_only() -> int:
+        return len([parse(row, column, "ChangeRecord", info) for row in rows])
+
+    def best(run: Callable[[], int], label: str) -> float:
+        run()
+        rate = 0.0
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            n = run()
+            dt = time.perf_counter() - t0
+            print(f"  {label} round {r + 1}: {n} records in {dt:.2f} s = {n / dt:,.0f}/s")
+            rate = max(rate, n / dt)
+        return rate
+
+    print(f"MUTABLE_KEY_RANGE rows: {len(rows)} ChangeStreamRecord rows of the same records")
+    shoal = best(fast, "shoal mutable")
+    client = best(default, "default+MessageToDict")
+    client_parse = best(parse_only, "default parse only")
+    print(f"shoal, MUTABLE_KEY_RANGE rows:            {shoal:,.0f} records/s")
+    print(
+        f"client default + MessageToDict:           {client:,.0f} records/s  "
+        f"({shoal / client:.1f}x)"
+    )
+    print(
+        f"client default parse only (messages):     {client_parse:,.0f} records/s  "
+        f"({shoal / client_parse:.2f}x)"
+    )
+    return {
+        "mutable_records": len(rows),
+        "mutable_records_per_s": round(shoal),
+        "mutable_default_client_records_per_s": round(client),
+        "mutable_ratio": round(shoal / client, 2) if client else None,
+        "mutable_default_parse_only_records_per_s": round(client_parse),
+    }
+
+
+async def _records(source: SpannerSource, captured: list[list[bytes]]) -> list[Any]:
+    """The records of the captured responses, decoded by shoal's reader."""
+    from google.cloud.spanner_v1._async.streamed import StreamedResultSet
+
+    out: list[Any] = []
+    for payloads in captured:
+        rs = StreamedResultSet(_replay(payloads), lazy_decode=True)
+        async for batch in source.decode_result_set(rs):
+            out.extend(batch)
+    return out
+
+
 async def _run(args: argparse.Namespace, emulator: SpannerEmulator) -> dict[str, object]:
     config = emulator.config
     loader = await LoadGenerator.connect(config, emulator.tables, seed=1)
@@ -253,6 +445,8 @@ async def _run(args: argparse.Namespace, emulator: SpannerEmulator) -> dict[str,
             "end_to_end_records_per_s": round(e2e_fast),
             "end_to_end_default_rows_only_records_per_s": round(e2e_slow),
         }
+        if args.partition_mode == "mutable":
+            result.update(_mutable(args, await _records(source, captured)))
     finally:
         await source.close()
         await loader.close()
@@ -281,6 +475,12 @@ def main(argv: list[str]) -> int:
         "--postgresql",
         action="store_true",
         help="also decode the same load from a PostgreSQL-dialect database",
+    )
+    parser.add_argument(
+        "--partition-mode",
+        choices=("immutable", "mutable"),
+        default="immutable",
+        help="mutable: also decode the same records as MUTABLE_KEY_RANGE ChangeRecord rows",
     )
     args = parser.parse_args(argv)
     if args.records is None:

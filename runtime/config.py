@@ -237,6 +237,29 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "SNAPSHOT, the rows of a snapshot); unset: all."
         ),
     ] = None
+    exclude_transaction_tags: Annotated[
+        str | None,
+        _d(
+            "Drop the records of transactions whose transaction tag matches one of these "
+            "comma-separated glob patterns (case-sensitive; an untagged transaction never "
+            "matches): a pipeline's own writes, to avoid replication loops."
+        ),
+    ] = None
+    exclude_system_transactions: Annotated[
+        bool,
+        _d(
+            "Drop the records of system transactions (is_system_transaction: the deletes of a "
+            "TTL row deletion policy)."
+        ),
+    ] = False
+    exclude_columns: Annotated[
+        str | None,
+        _d(
+            "Take these columns out of every record's new values, old values and column list: "
+            "comma-separated Table.Column items, both parts glob patterns, case-insensitive "
+            "(Users.Email,*.Ssn). Primary-key columns are never taken out."
+        ),
+    ] = None
     snapshot: Annotated[
         bool,
         _d(
@@ -1053,9 +1076,17 @@ def end_micros(run: RunOptions) -> int | None:
 
 
 def record_filter(config: ShoalConfig) -> RecordFilter:
-    """The record filter of ``tables``, ``exclude_tables`` and ``mod_types``."""
+    """The record filter of ``tables``, ``exclude_tables``, ``mod_types``,
+    ``exclude_transaction_tags``, ``exclude_system_transactions`` and ``exclude_columns``."""
     run = config.run
-    return RecordFilter.parse(run.tables, run.exclude_tables, run.mod_types)
+    return RecordFilter.parse(
+        run.tables,
+        run.exclude_tables,
+        run.mod_types,
+        exclude_transaction_tags=run.exclude_transaction_tags,
+        exclude_system_transactions=run.exclude_system_transactions,
+        exclude_columns=run.exclude_columns,
+    )
 
 
 # The Cloud Spanner emulator keeps running a cancelled partition query's server loop until the

@@ -1,6 +1,9 @@
 """``FilteredSource``: a ``ChangeStreamSource`` that keeps only the records a
 :class:`protocol.filters.RecordFilter` keeps (``--tables``, ``--exclude-tables``,
-``--mod-types``), so the partition reader stays unchanged.
+``--mod-types``, ``--exclude-transaction-tags``, ``--exclude-system-transactions``), and those
+without the columns it excludes (``--exclude-columns``), so the partition reader stays
+unchanged. The rules, and the replacement below, are the core's
+(:meth:`protocol.filters.RecordFilter.apply`); this wrapper runs it on each batch and counts.
 
 A data-change record the filter drops is replaced by a ``Heartbeat`` at its commit timestamp,
 never simply left out. Why that is safe, and needed:
@@ -32,8 +35,8 @@ from collections.abc import AsyncGenerator
 
 import msgspec
 
-from protocol.filters import RecordFilter
-from protocol.records import ChangeRecord, DataChange, Heartbeat
+from protocol.filters import FilterCounts, RecordFilter
+from protocol.records import ChangeRecord
 from runtime.ports import ChangeStreamSource
 
 __all__ = ["FilterStats", "FilteredSource"]
@@ -42,6 +45,8 @@ __all__ = ["FilterStats", "FilteredSource"]
 class FilterStats(msgspec.Struct, frozen=True):
     records_kept: int  # data-change records passed on
     records_filtered: int  # data-change records replaced by a heartbeat
+    filtered_by: dict[str, int] = {}  # records_filtered by the rule that dropped them
+    columns_stripped: int = 0  # kept records with columns taken out (--exclude-columns)
 
 
 class FilteredSource:
@@ -50,24 +55,17 @@ class FilteredSource:
     def __init__(self, inner: ChangeStreamSource, rule: RecordFilter) -> None:
         self.inner = inner
         self.rule = rule
-        self._kept = 0
-        self._filtered = 0
+        self._counts = FilterCounts()
 
     def statistics(self) -> FilterStats:
-        return FilterStats(self._kept, self._filtered)
+        c = self._counts
+        return FilterStats(c.kept, c.dropped, c.by_reason(), c.columns_stripped)
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
     ) -> AsyncGenerator[list[ChangeRecord], None]:
-        keeps = self.rule.keeps
+        apply = self.rule.apply
         async for batch in self.inner.query(token, start_ts, end_ts):
-            out: list[ChangeRecord] = []
-            for record in batch:
-                if isinstance(record, DataChange):
-                    if keeps(record):
-                        self._kept += 1
-                    else:
-                        self._filtered += 1
-                        record = Heartbeat(record.commit_ts)
-                out.append(record)
+            out, counts = apply(batch)
+            self._counts += counts
             yield out

@@ -123,6 +123,8 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     sink_inflight: int = 0  # batches (Spark: micro-batches) handed over and not committed yet
     sink_commit_latency_s: float = 0.0  # Spark: oldest put of the last micro-batch to commit
     records_filtered: int = 0  # data-change records dropped by --tables/--exclude-tables/...
+    records_filtered_by: dict[str, int] = {}  # records_filtered by rule (protocol/filters.py)
+    records_columns_stripped: int = 0  # kept records with columns taken out (--exclude-columns)
     # the connector's completeness watermark (protocol/completeness.py), microseconds; -1: none
     low_watermark_us: int = -1
     # the connector's snapshot (protocol/snapshot.py): partitions done and in all (0, 0: none)
@@ -264,6 +266,19 @@ class _SampleCollector(Collector):
             "their commit timestamps still advance the watermarks",
         )
         filtered.add_metric([], sample.records_filtered)
+        by_rule = CounterMetricFamily(
+            "shoal_records_filtered_by_rule",
+            "shoal_records_filtered by the rule that dropped them: table, mod_type, "
+            "system_transaction, transaction_tag",
+            labels=["rule"],
+        )
+        for rule, count in sorted(sample.records_filtered_by.items()):
+            by_rule.add_metric([rule], count)
+        stripped = CounterMetricFamily(
+            "shoal_records_columns_stripped",
+            "Kept change records whose columns --exclude-columns took out (re-reads counted again)",
+        )
+        stripped.add_metric([], sample.records_columns_stripped)
         complete = GaugeMetricFamily(
             "shoal_low_watermark_seconds",
             "The connector's completeness watermark (Unix seconds): every change committed at or "
@@ -315,6 +330,8 @@ class _SampleCollector(Collector):
             inflight,
             latency,
             filtered,
+            by_rule,
+            stripped,
             complete,
             snapshot,
             sink_failing,

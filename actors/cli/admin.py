@@ -16,6 +16,7 @@ nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import hashlib
 import os
@@ -203,15 +204,69 @@ def format_status(
     return "\n".join(lines)
 
 
+OPTIONS_TIMEOUT_S = 30.0  # status and config give up asking the stream's options after this
+
+
+async def change_stream_options(config: ShoalConfig) -> dict[str, Any] | None:
+    """With ``--source spanner`` and the database named: the change stream's own options
+    (``protocol/stream_options.py``), read once, as ``{"change_stream", "options"}`` (options
+    None: the database has no such stream) or ``{"change_stream", "error"}``; None otherwise
+    (the simulator and the emulator source have no stream to ask before a run)."""
+    s = config.spanner
+    if config.run.source != "spanner" or not (
+        s.project and s.instance and s.database and s.change_stream
+    ):
+        return None
+    from runtime.spanner.config import SpannerConfig
+    from runtime.spanner.reader import SpannerSource
+
+    spanner = SpannerConfig(
+        project=s.project,
+        instance=s.instance,
+        database=s.database,
+        change_stream=s.change_stream,
+        credentials_file=s.credentials_file,
+        emulator_host=s.emulator_host,
+        database_role=s.database_role,
+    )
+    try:
+        async with asyncio.timeout(OPTIONS_TIMEOUT_S):  # an unreachable database: say so
+            async with await SpannerSource.connect(spanner) as source:
+                await source.detect_dialect(s.database)
+                options = await source.stream_options()
+    except Exception as exc:  # shown, not swallowed: status and config still print the rest
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return {"change_stream": s.change_stream, "error": text}
+    return {
+        "change_stream": s.change_stream,
+        "options": None if options is None else msgspec.to_builtins(options),
+    }
+
+
+def format_stream_options(found: dict[str, Any]) -> str:
+    """The one line ``status`` prints for :func:`change_stream_options`."""
+    from protocol.stream_options import StreamOptions
+
+    name = found["change_stream"]
+    if "error" in found:
+        return f"change stream {name}: options not read ({found['error']})"
+    if found["options"] is None:
+        return f"change stream {name}: no such change stream in the database"
+    options = msgspec.convert(found["options"], StreamOptions)
+    return f"change stream {name}: {options.describe()}"
+
+
 async def status(
     config: ShoalConfig, out: TextIO, *, as_json: bool = False, wide: bool = False
 ) -> int:
     from actors.task import wall_micros
 
     cim = await replay_cim(config)
+    stream = await change_stream_options(config)
     if as_json:
         data = {
             "connector": config.run.connector,
+            "change_stream_options": stream,
             "epoch": cim.epoch,
             "leader": cim.leader,
             "members": list(cim.members),
@@ -242,6 +297,8 @@ async def status(
             wide=wide,
             stalled_after_s=config.health.failing_s,
         )
+        if stream is not None:
+            text = format_stream_options(stream) + "\n" + text
         out.write(text + "\n")
     return 0
 

@@ -161,7 +161,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     leader: str = ""
     rebalances: int = 0
     errors: dict[str, int] = {}
-    records_filtered: int = 0  # dropped by the table / mod-type filters
+    records_filtered: int = 0  # dropped by the record filters (protocol/filters.py)
+    records_filtered_by: dict[str, int] = {}  # records_filtered by rule (table, mod_type, ...)
+    records_columns_stripped: int = 0  # kept records with columns taken out (--exclude-columns)
     warnings: dict[str, int] = {}  # e.g. filters that match no table, a start in the future
     # --sink spark: micro-batches with rows written by Spark's typed write, the Spark jobs they
     # ran, and the seconds from the first record handed to Spark to the last commit
@@ -194,7 +196,12 @@ def format_summary(s: RunSummary) -> str:
     if s.spark_writes:
         lines.append(f"  Spark jobs: {s.spark_jobs} for {s.spark_writes} micro-batches with rows")
     if s.records_filtered:
-        lines.append(f"  records filtered out: {s.records_filtered}")
+        rules = ", ".join(f"{k} {v}" for k, v in s.records_filtered_by.items() if v)
+        lines.append(
+            f"  records filtered out: {s.records_filtered}" + (f" ({rules})" if rules else "")
+        )
+    if s.records_columns_stripped:
+        lines.append(f"  records with columns taken out: {s.records_columns_stripped}")
     if s.snapshot_total:
         done = s.snapshot_done == s.snapshot_total
         lines.append(

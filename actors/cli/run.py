@@ -52,6 +52,7 @@ from protocol.dedup import Position
 from protocol.messages import SnapshotItem
 from protocol.records import ChangeRecord
 from protocol.retry import may_drive
+from protocol.stream_options import StreamOptions, start_refusal
 from runtime.config import (
     ConfigError,
     ShoalConfig,
@@ -66,6 +67,7 @@ from runtime.config import (
     task_count,
     trail,
 )
+from runtime.filtered import FilterStats
 from runtime.logs import mask
 from runtime.looplag import LoopLag, watch_loop
 from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
@@ -269,6 +271,8 @@ class Pipeline:
         self._filtered: Any = None  # runtime.filtered.FilteredSource, with a filter
         # a Spanner source's settings (its snapshots are read through them), and its snapshots
         self._spanner_config: Any = None  # runtime.spanner.config.SpannerConfig
+        # the change stream's own options, read once at start (None: not read or no stream)
+        self.stream_options: StreamOptions | None = None
         self._snapshots: Any = None  # runtime.spanner.snapshot_source.SpannerSnapshots
         # the output (a directory or an object store's URI) and a local directory for run
         # files (the embedded broker's log): the output directory itself when it is local
@@ -336,6 +340,7 @@ class Pipeline:
                 )
             )
         rows, inflight, latency = self._sink_figures()
+        filtered = FilterStats(0, 0) if self._filtered is None else self._filtered.statistics()
         at = time.monotonic()
         sink_health = self._ledger.health if self._ledger is not None else FailureStreak()
         source_health = self._source.health if self._source is not None else FailureStreak()
@@ -362,9 +367,9 @@ class Pipeline:
             sink_rows=rows,
             sink_inflight=inflight,
             sink_commit_latency_s=latency,
-            records_filtered=(
-                0 if self._filtered is None else self._filtered.statistics().records_filtered
-            ),
+            records_filtered=filtered.records_filtered,
+            records_filtered_by=filtered.filtered_by,
+            records_columns_stripped=filtered.columns_stripped,
             sink_failing_s=sink_health.failing_for(at),
             sink_error=mask(sink_health.last_error, self._secrets),
             source_failing_s=source_health.failing_for(at),
@@ -535,7 +540,12 @@ class Pipeline:
         if self._start_at is not None or self._end_at is not None:
             source = BoundedSource(source, start_at=self._start_at, end_at=self._end_at)
         if self._start_at is not None and self.config.run.source != "sim":
-            source = _StartChecked(source, self.config.run.start_at)
+            source = _StartChecked(
+                source,
+                self.config.run.start_at,
+                self.stream_options,
+                stream=self._spanner_config.change_stream if self._spanner_config else "",
+            )
         if not self._filter.keeps_everything:
             source = self._filtered = FilteredSource(source, self._filter)
         return source
@@ -606,6 +616,7 @@ class Pipeline:
                 source = await SpannerSource.connect(spanner)
                 stack.push_async_callback(source.close)
                 await source.detect_dialect(spanner.database)
+                await self._read_stream_options(source, spanner.change_stream)
                 return source
 
     async def _snapshot_routing(
@@ -707,7 +718,29 @@ class Pipeline:
         self._spanner_config = spanner
         source = await SpannerSource.connect(spanner)
         stack.push_async_callback(source.close)
+        await self._read_stream_options(source, spanner.change_stream)
         return source
+
+    async def _read_stream_options(self, source: Any, stream: str) -> None:
+        """Read the change stream's own options once (``protocol/stream_options.py``) and say
+        them in one line; the first start is checked against its retention (``_StartChecked``).
+        Options that cannot be read are logged and counted, and the run goes on: Spanner itself
+        still refuses a start it does not keep."""
+        try:
+            self.stream_options = await source.stream_options()
+        except Exception as exc:
+            self.count_error("stream_options")
+            log.warning("could not read change stream %s's options: %r", stream, exc)
+            return
+        if self.stream_options is not None:
+            self._say(f"change stream {stream}: {self.stream_options.describe()}")
+            if self.stream_options.mutable_key_range:
+                raise RunFailed(
+                    f"change stream {stream} has partition_mode MUTABLE_KEY_RANGE, which shoal "
+                    "does not read yet (its records are decoded and its partition rules are in "
+                    "protocol/mutable.py, but the readers do not follow them): read an "
+                    "IMMUTABLE_KEY_RANGE change stream"
+                )
 
     def _leased(self) -> bool:
         """Whether every task of this process that reads partitions holds a valid lease: the
@@ -1292,6 +1325,8 @@ class Pipeline:
             rebalances=max((t.rebalances for t in self.tasks), default=0),
             errors=errors,
             records_filtered=final.records_filtered,
+            records_filtered_by=dict(final.records_filtered_by),
+            records_columns_stripped=final.records_columns_stripped,
             snapshot_done=final.snapshot_done,
             snapshot_total=final.snapshot_total,
             loop_lag_p99_s=self.loop_lag.percentile(0.99),
@@ -1307,9 +1342,18 @@ class _StartChecked:
     start before the database's version retention (or the change stream's retention) is
     refused by Spanner with OUT_OF_RANGE and says which timestamps it accepts."""
 
-    def __init__(self, inner: ChangeStreamSource, start_at: str) -> None:
+    def __init__(
+        self,
+        inner: ChangeStreamSource,
+        start_at: str,
+        stream_options: StreamOptions | None = None,
+        *,
+        stream: str = "",
+    ) -> None:
         self.inner = inner
         self.start_at = start_at
+        self.stream_options = stream_options
+        self.stream = stream
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
@@ -1318,6 +1362,16 @@ class _StartChecked:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch
             return
+        if self.stream_options is not None:  # the first start: inside the stream's retention?
+            refusal = start_refusal(
+                start_ts,
+                wall_micros(),
+                self.stream_options,
+                start_at=self.start_at,
+                stream=self.stream,
+            )
+            if refusal is not None:
+                raise ConfigError(refusal)
         try:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch

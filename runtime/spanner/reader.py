@@ -81,6 +81,7 @@ from typing import Any, Final
 import msgspec
 
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
+from protocol.stream_options import StreamOptions, stream_options
 from runtime import compat
 from runtime.ports import Unrecoverable
 from runtime.spanner.config import SpannerConfig
@@ -190,6 +191,16 @@ _ALL_TABLES_SQL = (
 _STREAM_TABLES_SQL = (
     "SELECT TABLE_NAME FROM INFORMATION_SCHEMA.CHANGE_STREAM_TABLES "
     "WHERE CHANGE_STREAM_NAME = @stream"
+)
+
+
+_OPTIONS_SQL = (
+    "SELECT OPTION_NAME, OPTION_VALUE FROM INFORMATION_SCHEMA.CHANGE_STREAM_OPTIONS "
+    "WHERE CHANGE_STREAM_NAME = @stream"
+)
+_PG_OPTIONS_SQL = (
+    "SELECT option_name, option_value FROM information_schema.change_stream_options "
+    "WHERE change_stream_name = $1"
 )
 
 
@@ -398,6 +409,30 @@ class SpannerSource:
         except _service_errors() as exc:
             log.info("could not read the tables change stream %s watches: %s", self._stream, exc)
             return None
+
+    async def stream_options(self) -> StreamOptions | None:
+        """The change stream's options (``protocol.stream_options``), read once from the
+        information schema in the database's dialect (call :meth:`detect_dialect` first);
+        None when the database has no such stream (reading it reports that). A failure to read
+        them propagates: the caller decides."""
+        from google.cloud.spanner_v1 import param_types
+
+        async with self._db.snapshot() as snapshot:
+            rs = await snapshot.execute_sql(_STREAMS_SQL)
+            streams = [str(row[0]) async for row in rs]
+        if self._stream not in streams:
+            return None
+
+        if self._dialect == POSTGRESQL:
+            sql, params = _PG_OPTIONS_SQL, {"p1": self._stream}
+            types = {"p1": param_types.STRING}
+        else:
+            sql, params = _OPTIONS_SQL, {"stream": self._stream}
+            types = {"stream": param_types.STRING}
+        async with self._db.snapshot() as snapshot:
+            rs = await snapshot.execute_sql(sql, params=params, param_types=types)
+            rows = [(str(row[0]), str(row[1])) async for row in rs]
+        return stream_options(rows)
 
     async def close(self) -> None:
         if self._closed:

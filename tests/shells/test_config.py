@@ -336,3 +336,37 @@ def test_snapshot_and_mirror_from_flags_environment_and_file(tmp_path: Path) -> 
     toml.write_text('source = "emulator"\nsink = "files"\nmirror = true\nsnapshot = true\n')
     from_file = _load(["--config", str(toml)])
     assert (from_file.run.snapshot, from_file.run.mirror) == (True, True)
+
+
+def test_the_issue_37_filters_come_from_a_flag_the_environment_or_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "shoal.toml"
+    path.write_text(
+        'exclude_transaction_tags = "from-file"\n'
+        "exclude_system_transactions = true\n"
+        'exclude_columns = "Users.Email"\n'
+    )
+    from_file = _load(["--config", str(path)])
+    assert (
+        from_file.run.exclude_transaction_tags,
+        from_file.run.exclude_system_transactions,
+        from_file.run.exclude_columns,
+    ) == ("from-file", True, "Users.Email")
+    env = {"SHOAL_EXCLUDE_TRANSACTION_TAGS": "from-env", "SHOAL_EXCLUDE_COLUMNS": "*.Ssn"}
+    from_env = _load(["--config", str(path)], env)
+    assert (from_env.run.exclude_transaction_tags, from_env.run.exclude_columns) == (
+        "from-env",
+        "*.Ssn",
+    )
+    flags = _load(
+        ["--config", str(path), "--exclude-transaction-tags", "a*,b",
+         "--no-exclude-system-transactions", "--exclude-columns", "T.C"],
+        env,
+    )  # fmt: skip
+    rule = options.record_filter(flags)
+    assert (
+        rule.exclude_transaction_tags,
+        rule.exclude_system_transactions,
+        rule.exclude_columns,
+    ) == (("a*", "b"), False, ("T.C",))
+    with pytest.raises(options.ConfigError, match=r"exclude_columns: 'Email' is not Table.Column"):
+        options.check(_load(["--exclude-columns", "Email"]))
