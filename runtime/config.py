@@ -123,8 +123,8 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "Layout of the parquet output (--sink files, and --sink spark's default output): "
             "typed (one directory per table, the table's columns in their Spanner types, "
             "old values as _old_<column>, metadata columns; docs/reading-output.md) or generic "
-            "(every table in one schema, keys and values as JSON text). The Spark streaming "
-            "path and the Spark dead-letter queue write generic."
+            "(every table in one schema, keys and values as JSON text). The Spark dead-letter "
+            "queue writes generic."
         ),
     ] = "typed"
     table_format: Annotated[
@@ -917,11 +917,10 @@ def _check_output(config: ShoalConfig) -> None:
                 "table_format delta (--table-format) needs output_layout typed "
                 "(--output-layout): a Delta table per Spanner table"
             )
-        if run.sink == "spark" and (config.spark.path != "embedded" or config.spark.dead_letter):
+        if run.sink == "spark" and config.spark.dead_letter:
             raise ConfigError(
-                "table_format delta (--table-format) with --sink spark is written on the "
-                "embedded path (spark.path) without spark.dead_letter, which write the generic "
-                "layout"
+                "table_format delta (--table-format) with --sink spark is written without "
+                "spark.dead_letter, which writes the generic layout"
             )
         if run.sink == "spark" and is_url(run.output_dir):
             scheme = run.output_dir.split("://", 1)[0].lower()

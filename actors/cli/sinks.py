@@ -587,10 +587,8 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "output_dir": _absolute(config.run.output_dir, "data"),
         "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),
         "path": sc.path,
-        # the streaming path and the RQ/DLQ write through Spark itself: the generic layout
-        "output_layout": "generic"
-        if sc.path == "streaming" or sc.dead_letter
-        else config.run.output_layout,
+        # the RQ/DLQ writes through Spark itself: the generic layout
+        "output_layout": "generic" if sc.dead_letter else config.run.output_layout,
         "table_format": config.run.table_format,
         "restarts": sc.restarts,
         "job_timeout_s": sc.job_timeout_s or None,

@@ -31,6 +31,7 @@ from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
+from runtime.spark.datasource import CHUNK_COLUMN, TypedStreamChangelog
 from runtime.spark.rows import COLUMNS
 
 __all__ = ["SOURCE_NAME", "ShoalSource", "StreamingBackend", "spool_write"]
@@ -40,6 +41,7 @@ log = logging.getLogger("shoal.spark")
 SOURCE_NAME = "shoal"
 _SPARK_TYPES = {"string": "string", "int64": "bigint", "int32": "int"}
 SCHEMA_DDL = ", ".join(f"`{name}` {_SPARK_TYPES[t]}" for name, t in COLUMNS)
+TYPED_SCHEMA_DDL = f"`{CHUNK_COLUMN}` binary"  # the chunks of a typed write (typed layout)
 _FILE = re.compile(r"^(\d{12})\.arrow$")
 
 
@@ -72,9 +74,19 @@ def spool_write(spool: Path, seq: int, table: Any) -> Path:
 
 
 class SpoolPartition(InputPartition):
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
+    """A spool file, or (``batch``) one record batch of it: one chunk of a typed write."""
+
+    def __init__(self, path: str, batch: int | None = None) -> None:
+        super().__init__((path, batch))
         self.path = path
+        self.batch = batch
+
+
+def _batches(path: Path) -> int:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return int(pa.ipc.open_file(source).num_record_batches)
 
 
 class ShoalStreamReader(DataSourceStreamReader):
@@ -83,12 +95,15 @@ class ShoalStreamReader(DataSourceStreamReader):
         if not path:
             raise ValueError("the shoal source needs option path: the spool directory")
         self.spool = Path(path)
+        self.typed = options.get("layout") == "typed"
 
     def initialOffset(self) -> dict[str, int]:  # noqa: N802 - Spark's name
         return {"seq": -1}
 
     def latestOffset(self, start: dict[str, int], limit: Any) -> dict[str, int]:  # noqa: N802
         files = spool_files(self.spool)
+        if self.typed:  # one spool file (one write, with its own specs) per micro-batch
+            return {"seq": start["seq"] + 1 if start["seq"] + 1 in files else start["seq"]}
         return {"seq": max(files, default=start["seq"])}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[SpoolPartition]:
@@ -100,6 +115,10 @@ class ShoalStreamReader(DataSourceStreamReader):
                 f"shoal spool {self.spool}: files {missing[:5]} of offsets "
                 f"{start['seq']}..{end['seq']} are gone (deleted before Spark committed them?)"
             )
+        if self.typed:  # one partition (one task) per chunk
+            return [
+                SpoolPartition(str(files[s]), i) for s in wanted for i in range(_batches(files[s]))
+            ]
         return [SpoolPartition(str(files[s])) for s in wanted]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
@@ -108,6 +127,9 @@ class ShoalStreamReader(DataSourceStreamReader):
         assert isinstance(partition, SpoolPartition)
         with pa.memory_map(partition.path) as source:
             reader = pa.ipc.open_file(source)
+            if partition.batch is not None:
+                yield reader.get_batch(partition.batch)
+                return
             for i in range(reader.num_record_batches):
                 yield reader.get_batch(i)
 
@@ -125,6 +147,8 @@ class ShoalSource(DataSource):
         return SOURCE_NAME
 
     def schema(self) -> str:
+        if self.options.get("layout") == "typed":
+            return TYPED_SCHEMA_DDL
         return SCHEMA_DDL
 
     def streamReader(self, schema: Any) -> ShoalStreamReader:  # noqa: N802 - Spark's name
@@ -152,7 +176,12 @@ class StreamingBackend:
     ``committed()`` how far Spark's checkpoint has committed."""
 
     def __init__(
-        self, spark: Any, config: Any, foreach_batch: Callable[[Any, int], None] | None
+        self,
+        spark: Any,
+        config: Any,
+        foreach_batch: Callable[[Any, int], None] | None,
+        *,
+        typed: bool = False,
     ) -> None:
         out = Path(config.output_dir)
         self.spark = spark
@@ -163,6 +192,8 @@ class StreamingBackend:
         )
         self.trigger_s = config.trigger_interval_s
         self.foreach_batch = foreach_batch
+        self.typed = typed and foreach_batch is None
+        self.sink: type[TypedStreamChangelog] = TypedStreamChangelog  # a subclass in tests
         self.query: Any = None
         self.restarts = 0
 
@@ -173,11 +204,19 @@ class StreamingBackend:
         for leftover in self.spool.glob(".*.tmp"):
             leftover.unlink(missing_ok=True)  # half-written before a crash; never served
         self.spark.dataSource.register(ShoalSource)
-        stream = self.spark.readStream.format(SOURCE_NAME).option("path", str(self.spool)).load()
+        stream = (
+            self.spark.readStream.format(SOURCE_NAME)
+            .option("path", str(self.spool))
+            .option("layout", "typed" if self.typed else "generic")
+            .load()
+        )
         writer = stream.writeStream.option("checkpointLocation", str(self.checkpoint))
         writer = writer.trigger(processingTime=f"{int(self.trigger_s * 1000)} milliseconds")
         if self.foreach_batch is not None:
             writer = writer.foreachBatch(self.foreach_batch)
+        elif self.typed:  # the typed layout: TypedStreamWriter, committed by the bridge
+            self.spark.dataSource.register(self.sink)
+            writer = writer.format(self.sink.name())
         else:
             writer = writer.format("parquet").option("path", str(self.output_dir))
             writer = writer.partitionBy("table")
