@@ -155,6 +155,18 @@ class ShoalSource(DataSource):
         return ShoalStreamReader(self.options)
 
 
+def _activate(spark: Any) -> None:
+    """Make ``spark`` the JVM's active session of the calling thread. Spark finds a Python data
+    source given to ``writeStream.format`` through the thread's active session: in a thread
+    that has none (the bridge starts and restarts its query in worker threads) the lookup fails
+    with ``DATA_SOURCE_NOT_FOUND`` although the source is registered (PySpark 4.3, measured).
+    Spark Connect sessions have no JVM here: nothing to do."""
+    jvm = getattr(spark, "_jvm", None)
+    jsession = getattr(spark, "_jsparkSession", None)
+    if jvm is not None and jsession is not None:
+        jvm.SparkSession.setActiveSession(jsession)
+
+
 def committed_seq(checkpoint: Path) -> int:
     """The highest spool sequence number Spark's checkpoint says is committed (-1: none)."""
     commits = checkpoint / "commits"
@@ -203,6 +215,7 @@ class StreamingBackend:
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.spool.glob(".*.tmp"):
             leftover.unlink(missing_ok=True)  # half-written before a crash; never served
+        _activate(self.spark)
         self.spark.dataSource.register(ShoalSource)
         stream = (
             self.spark.readStream.format(SOURCE_NAME)
@@ -230,7 +243,9 @@ class StreamingBackend:
     def committed(self) -> int:
         """Blocking: the committed sequence number; raises if the query died."""
         query = self.query
-        if query is not None and not query.isActive:
+        if query is None:  # a restart whose start failed: counted as a failure, tried again
+            raise RuntimeError("the Spark streaming query is not running (its start failed)")
+        if not query.isActive:
             error = query.exception()
             raise RuntimeError(f"the Spark streaming query stopped: {error}")
         seq = committed_seq(self.checkpoint)

@@ -136,7 +136,12 @@ async def test_the_streaming_path_writes_the_batch_paths_typed_layout(
 
         for name in TABLES:
             table = DeltaTable(str(streamed / name))
-            assert len(table.history()) == 2  # one Delta commit per micro-batch
+            # the same Delta commits as the batch path's: the first micro-batch creates the
+            # table, the second is one WRITE (T0's new column merged before it)
+            history = [h["operation"] for h in table.history()]
+            assert history == [h["operation"] for h in DeltaTable(str(embedded / name)).history()]
+            assert history[-1] == "CREATE TABLE"
+            assert history[0] == "WRITE"
             on_disk = {p.name for p in (streamed / name).glob("*.parquet")}
             assert on_disk == {u.rsplit("/", 1)[-1] for u in table.file_uris()}
     else:
