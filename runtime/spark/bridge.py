@@ -147,6 +147,13 @@ class SparkBridge:
             raise ValueError("max_attempts must be >= 1")
         if config.dead_letter is not None and config.path != "embedded":
             raise ValueError("dead_letter (the RQ/DLQ) works on the embedded path only")
+        if config.foreach_batch_frames == "typed" and (
+            config.path != "embedded" or config.dead_letter is not None
+        ):
+            raise ValueError(
+                "foreach_batch_frames='typed' works on the embedded path without dead_letter "
+                "(the streaming path's foreach_batch gets Spark's own generic DataFrame)"
+            )
         self.config = config
         # several processes share the RQ/DLQ (dead_letter); this one drives it while true
         self._rq_driver = rq_driver
@@ -287,7 +294,6 @@ class SparkBridge:
                 # no progress files to resume from: learn the tails from the output itself
                 await asyncio.to_thread(self._seed_tails)
             if cfg.path == "streaming":
-
                 self._streaming = self._stream_backend()
                 self._next_seq = await asyncio.to_thread(self._streaming.next_seq)
                 await asyncio.to_thread(self._streaming.start)
@@ -652,6 +658,8 @@ class SparkBridge:
         rows = sum(len(r.mods) for _, records in fresh for r in records)
         if self.layout == "typed" and self.foreach_batch is None:
             return TypedBatch(fresh, rows), fresh, rows
+        if self.foreach_batch is not None and self.config.foreach_batch_frames == "typed":
+            return _TypedTables(fresh, rows), fresh, rows
         table = to_arrow(fresh)
         if self.committer is not None and rows:
             # Handing the rows to the JVM takes a tenth of a micro-batch's time: done here, it
@@ -1158,6 +1166,7 @@ class SparkBridge:
             try:
                 if isinstance(table, TypedBatch):
                     assert self.committer is not None
+                    assert identity is not None
                     table_ = await asyncio.to_thread(
                         table.spool_table,
                         self.committer,
@@ -1379,6 +1388,13 @@ class SparkBridge:
             return self.spark.createDataFrame(table, schema=from_arrow_schema(table.schema))
         return self.spark.createDataFrame(table)
 
+    def _frames_of(self, tables: _TypedTables) -> dict[str, Any]:
+        """A ``foreach_batch``'s typed frames (``SparkConfig.foreach_batch_frames``): each
+        table's typed rows as a DataFrame (``createDataFrame`` from Arrow, as the generic
+        one); a micro-batch without rows gets an empty mapping."""
+        tables.check()
+        return {name: self.spark.createDataFrame(t) for name, t in tables.tables.items()}
+
     def _run_batch(self, batch_id: int, table: Any, identity: str) -> None:
         """In a worker thread: one attempt of one micro-batch."""
         if isinstance(table, TypedBatch):
@@ -1386,7 +1402,7 @@ class SparkBridge:
             table.write_in_place(self.spark, self.config.output_dir, name)
             self._count_typed_write(table)
             return
-        df = self._dataframe(table)
+        df = self._frames_of(table) if isinstance(table, _TypedTables) else self._dataframe(table)
         if self.foreach_batch is not None:
             foreach: Callable[..., None] = self.foreach_batch
             if self._foreach_identity:
@@ -1461,6 +1477,27 @@ def _layout(config: SparkConfig, has_foreach: bool) -> str:
             "s3://, gs:// or file:// URI; use output_layout='generic' here"
         )
     return config.output_layout or ("typed" if typed_ok else "generic")
+
+
+class _TypedTables:
+    """A micro-batch for a ``foreach_batch`` with typed frames: each table's typed rows
+    (``runtime.typed.typed_tables``, the typed layout's conversion), built when it is cut;
+    ``error``: why they could not be built (raised when the batch runs, as a failed batch)."""
+
+    def __init__(self, fresh: Sequence[tuple[str, Sequence[DataChange]]], rows: int) -> None:
+        from runtime.typed import TypedError, typed_tables
+
+        self.num_rows = rows
+        self.tables: dict[str, Any] = {}
+        self.error: TypedError | None = None
+        try:
+            self.tables = typed_tables(fresh)
+        except TypedError as exc:
+            self.error = exc
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 class _Spooled(msgspec.Struct, frozen=True):
