@@ -54,8 +54,8 @@ futures, so a crash anywhere loses nothing.
   process: over Spark Connect the output must be a path this process sees as the server does
   (a shared or local file system); ``SparkConfig.atomic_commit=False`` writes straight into
   place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
-* The default output's layout (``SparkConfig.output_layout``): **typed** (the default on the
-  embedded path without ``dead_letter``, to a path this process writes or an ``s3://``,
+* The default output's layout (``SparkConfig.output_layout``): **typed** (the default without
+  ``dead_letter``, to a path this process writes or an ``s3://``,
   ``gs://`` or ``file://`` URI) is the typed per-table changelog: each micro-batch with rows is
   one Spark job whatever the number of tables, its executors converting the rows and writing
   every table's files (``runtime.spark.datasource``), then committed by the same atomic
@@ -63,12 +63,17 @@ futures, so a crash anywhere loses nothing.
   place (renamed, or copied on an object store), or with ``SparkConfig.table_format = "delta"``
   one Delta table per table, the files written straight into it and made visible by one
   idempotent Delta commit per table and micro-batch (``runtime.lake.delta``; the completeness
-  watermark ``mark()`` in its commit info): exactly once on an object store too. **generic**
-  is the layout described above (the streaming path and the RQ/DLQ always write it; Spark's
-  own URLs such as ``s3a://`` get it, written in place).
+  watermark ``mark()`` in its commit info): exactly once on an object store too. On the
+  streaming path the same files are written by the streaming query's writer
+  (``runtime.spark.datasource.TypedStreamWriter``) from the spooled chunks, and the bridge
+  commits each micro-batch the same way once Spark's checkpoint holds it (``_ack_loop``).
+  **generic** is the layout described above (the RQ/DLQ always writes it; Spark's own URLs
+  such as ``s3a://`` get it, written in place; on the streaming path Spark's file sink).
 * ``foreach_batch(df, batch_id)`` gets a run-local batch number; a ``foreach_batch`` taking a
   third parameter gets ``(df, batch_id, identity)`` with the deterministic batch identity,
-  stable across re-delivery: key an idempotent write on it (docs/operations.md).
+  stable across re-delivery: key an idempotent write on it (docs/operations.md). With
+  ``SparkConfig.foreach_batch_frames = "typed"`` (embedded path) ``df`` is a ``TypedFrames``:
+  table name -> that table's typed DataFrame (docs/reading-output.md).
 """
 
 from __future__ import annotations

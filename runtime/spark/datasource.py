@@ -39,7 +39,14 @@ commits the receipt's files as one Delta transaction per table (the Spark bridge
 ``runtime.commit``'s ``tables=``, idempotent by its application transaction); files of task
 attempts Spark did not count, or of a write that failed, are found by the write's id in their
 name and deleted (:func:`drop_write`); a process killed before its commit leaves files that no
-Delta log names (``VACUUM`` removes them). The class must be importable where
+Delta log names (``VACUUM`` removes them).
+
+**The streaming path** (``format("shoal_typed_stream")``, :class:`TypedStreamWriter`, a
+``DataSourceStreamArrowWriter``): the same executor-side conversion and files
+(:func:`write_task`), the options coming with the chunks (:func:`with_write`: a streaming
+writer's options are fixed when the query starts); the driver's ``commit(messages, batchId)``
+writes the receipt; the caller commits once Spark's checkpoint holds the micro-batch
+(:func:`streamed_receipt`). The classes must be importable where
 Spark runs Python (the executors, the driver's planning and commit processes): shoal installed
 there, or its directory on their ``PYTHONPATH``.
 """

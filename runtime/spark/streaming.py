@@ -5,8 +5,18 @@ The runtime writes each micro-batch the bridge cuts as one file ``<seq>.arrow`` 
 zero-padded, increasing number), atomically (written under a dot-name, then renamed). Spark owns
 everything after that: ``spark.readStream.format("shoal").option("path", spool)`` serves, per
 Spark micro-batch, the files ``start < seq <= end`` (offsets ``{"seq": n}``); the query's
-checkpoint keeps offsets and replays an uncommitted batch after a crash; the default query writes
-parquet partitioned by table through Spark's file sink (exactly once with its checkpoint).
+checkpoint keeps offsets and replays an uncommitted batch after a crash.
+
+The typed layout (the default; option ``layout`` ``typed``): each spool file holds the chunks of
+one micro-batch's wire table (``runtime.spark.datasource.wire_chunks``, column ``_wire``), each
+carrying where and how its task writes (``with_write``); the source serves **one spool file per
+Spark micro-batch** (a micro-batch's tables have one spec each) and one partition (task) per
+chunk, and the query writes through ``TypedStreamWriter``: the executors convert and write the
+files as the embedded path's do, the driver's commit writes the receipt, and the bridge commits
+the micro-batch once the checkpoint holds it. A micro-batch Spark runs again (after a failure,
+from the checkpoint) is the same spool file: the same identity, the same staging directory.
+The generic layout: the query writes parquet partitioned by table through Spark's file sink
+(exactly once with its checkpoint), or hands each micro-batch to the user's ``foreach_batch``.
 
 The ack: when Spark's checkpoint has a commit for micro-batch ``b`` (``commits/b``), every spool
 file up to the end offset of ``b`` (``offsets/b``) is durably in the sink; the backend resolves
