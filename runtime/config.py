@@ -416,7 +416,12 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _d("embedded: createDataFrame per batch; streaming: Structured Streaming source."),
     ] = "embedded"
     checkpoint_dir: Annotated[
-        str | None, _d("Streaming checkpoint directory (default under output_dir).")
+        str | None,
+        _d(
+            "Streaming checkpoint directory (default under output_dir; a local or shared "
+            "directory, needed with an object-store output_dir: the spool goes beside it, "
+            "<checkpoint_dir>-spool)."
+        ),
     ] = None
     max_rows: Annotated[
         Annotated[int, Meta(ge=1)] | None,
@@ -884,6 +889,17 @@ def check(config: ShoalConfig) -> None:
         raise ConfigError(str(exc)) from exc
     if config.spark.dead_letter and config.spark.path != "embedded":
         raise ConfigError("spark.dead_letter works on the embedded path only (spark.path)")
+    if (
+        run.sink == "spark"
+        and config.spark.path == "streaming"
+        and is_url(run.output_dir)
+        and not config.spark.checkpoint_dir
+    ):
+        raise ConfigError(
+            "spark.path streaming with an object-store output_dir (--output-dir) needs "
+            "spark.checkpoint_dir (--spark-checkpoint-dir): a directory for Spark's checkpoint "
+            "and the spool"
+        )
     _check_output(config)
     _check_snapshot(config)
     if kafka.bootstrap_servers is None:

@@ -586,6 +586,11 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "conf": dict(sc.conf),
         "output_dir": _absolute(config.run.output_dir, "data"),
         "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),
+        # the streaming path's spool: under the output, or beside the checkpoint when the
+        # output is an object store (the spool is read as files)
+        "spool_dir": f"{_absolute(sc.checkpoint_dir)}-spool"
+        if sc.path == "streaming" and sc.checkpoint_dir and ":/" in config.run.output_dir
+        else None,
         "path": sc.path,
         # the RQ/DLQ writes through Spark itself: the generic layout
         "output_layout": "generic" if sc.dead_letter else config.run.output_layout,

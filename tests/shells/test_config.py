@@ -290,6 +290,7 @@ def test_sasl_password_with_the_embedded_broker_exits_2_naming_it(
         (["--sink", "spark", "--table-format", "delta", "--spark-dead-letter"], "dead_letter"),
         (["--sink", "spark", "--table-format", "delta", "--output-dir", "s3a://b/p"], "s3://"),
         (["--sink", "files", "--output-dir", "s3://"], "output_dir"),
+        (["--spark-path", "streaming", "--output-dir", "s3://b/p"], "checkpoint_dir"),
     ],
 )
 def test_table_format_and_output_urls_are_checked_at_start(argv: list[str], needle: str) -> None:
