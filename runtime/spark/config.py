@@ -58,8 +58,9 @@ class SparkConfig(msgspec.Struct, frozen=True):
     atomic_commit: bool = True
     dead_letter: DeadLetterConfig | None = None  # RQ/DLQ for rows Spark keeps failing (opt-in)
     # the default output's layout: "typed" (one directory per table, the table's columns in
-    # their types; runtime/spark/typed_output.py, written on the embedded path without
-    # dead_letter to a path this process writes) or "generic" (one schema, JSON text); None:
+    # their types; runtime/spark/typed_output.py, written on either path without dead_letter
+    # to a path this process writes or an s3://, gs://, file:// URI) or "generic" (one
+    # schema, JSON text); None:
     # typed where it can be written, else generic
     output_layout: Literal["typed", "generic"] | None = None
     # the typed default output's table format: "parquet" (batch=<id> directories per table) or
