@@ -1196,9 +1196,9 @@ class SparkBridge:
 
     def _stream_chunks(self) -> int:
         """The chunks (tasks) of a typed micro-batch on the streaming path: the session's
-        parallelism."""
-        sc = getattr(self.spark, "sparkContext", None)
-        return int(sc.defaultParallelism) if sc is not None else 2
+        parallelism, as the query's start found it (spooling never asks Spark: its session may
+        be dead, the spool file then waits for the query on the new one)."""
+        return int(self._streaming.chunks)
 
     async def _warm_stream(self) -> None:
         """Spool an empty file and wait until Spark committed it: the query's first micro-batch

@@ -218,6 +218,7 @@ class StreamingBackend:
         self.sink: type[TypedStreamChangelog] = TypedStreamChangelog  # a subclass in tests
         self.query: Any = None
         self.restarts = 0
+        self.chunks = 2  # the typed layout's chunks (tasks) per micro-batch: set by start()
 
     def start(self) -> None:
         """Blocking: register the source and start the query (from its checkpoint)."""
@@ -226,6 +227,9 @@ class StreamingBackend:
         for leftover in self.spool.glob(".*.tmp"):
             leftover.unlink(missing_ok=True)  # half-written before a crash; never served
         _activate(self.spark)
+        sc = getattr(self.spark, "sparkContext", None)  # none over Spark Connect
+        if sc is not None:
+            self.chunks = max(1, int(sc.defaultParallelism))
         self.spark.dataSource.register(ShoalSource)
         stream = (
             self.spark.readStream.format(SOURCE_NAME)
