@@ -123,8 +123,8 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "Layout of the parquet output (--sink files, and --sink spark's default output): "
             "typed (one directory per table, the table's columns in their Spanner types, "
             "old values as _old_<column>, metadata columns; docs/reading-output.md) or generic "
-            "(every table in one schema, keys and values as JSON text). The Spark streaming "
-            "path and the Spark dead-letter queue write generic."
+            "(every table in one schema, keys and values as JSON text). The Spark dead-letter "
+            "queue writes generic."
         ),
     ] = "typed"
     table_format: Annotated[
@@ -439,7 +439,12 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _d("embedded: createDataFrame per batch; streaming: Structured Streaming source."),
     ] = "embedded"
     checkpoint_dir: Annotated[
-        str | None, _d("Streaming checkpoint directory (default under output_dir).")
+        str | None,
+        _d(
+            "Streaming checkpoint directory (default under output_dir; a local or shared "
+            "directory, needed with an object-store output_dir: the spool goes beside it, "
+            "<checkpoint_dir>-spool)."
+        ),
     ] = None
     max_rows: Annotated[
         Annotated[int, Meta(ge=1)] | None,
@@ -923,6 +928,17 @@ def check(config: ShoalConfig) -> None:
             f"{_flag('task', 'quarantine_after')} 1: the rule compares a failure with the one "
             "before it (did another partition advance between them?); give 0 (off) or at least 2"
         )
+    if (
+        run.sink == "spark"
+        and config.spark.path == "streaming"
+        and is_url(run.output_dir)
+        and not config.spark.checkpoint_dir
+    ):
+        raise ConfigError(
+            "spark.path streaming with an object-store output_dir (--output-dir) needs "
+            "spark.checkpoint_dir (--spark-checkpoint-dir): a directory for Spark's checkpoint "
+            "and the spool"
+        )
     _check_output(config)
     _check_snapshot(config)
     if kafka.bootstrap_servers is None:
@@ -956,11 +972,10 @@ def _check_output(config: ShoalConfig) -> None:
                 "table_format delta (--table-format) needs output_layout typed "
                 "(--output-layout): a Delta table per Spanner table"
             )
-        if run.sink == "spark" and (config.spark.path != "embedded" or config.spark.dead_letter):
+        if run.sink == "spark" and config.spark.dead_letter:
             raise ConfigError(
-                "table_format delta (--table-format) with --sink spark is written on the "
-                "embedded path (spark.path) without spark.dead_letter, which write the generic "
-                "layout"
+                "table_format delta (--table-format) with --sink spark is written without "
+                "spark.dead_letter, which writes the generic layout"
             )
         if run.sink == "spark" and is_url(run.output_dir):
             scheme = run.output_dir.split("://", 1)[0].lower()

@@ -693,11 +693,14 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "conf": dict(sc.conf),
         "output_dir": _absolute(config.run.output_dir, "data"),
         "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),
+        # the streaming path's spool: under the output, or beside the checkpoint when the
+        # output is an object store (the spool is read as files)
+        "spool_dir": f"{_absolute(sc.checkpoint_dir)}-spool"
+        if sc.path == "streaming" and sc.checkpoint_dir and ":/" in config.run.output_dir
+        else None,
         "path": sc.path,
-        # the streaming path and the RQ/DLQ write through Spark itself: the generic layout
-        "output_layout": "generic"
-        if sc.path == "streaming" or sc.dead_letter
-        else config.run.output_layout,
+        # the RQ/DLQ writes through Spark itself: the generic layout
+        "output_layout": "generic" if sc.dead_letter else config.run.output_layout,
         "table_format": config.run.table_format,
         "restarts": sc.restarts,
         "job_timeout_s": sc.job_timeout_s or None,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime.spark.bridge import SparkBridge
-    from runtime.spark.config import BridgeError, BridgeStats, SparkConfig
+    from runtime.spark.config import BridgeError, BridgeStats, SparkConfig, TypedFrames
     from runtime.spark.dead_letter import DeadLetterConfig
     from runtime.spark.keyed import RowsFailed
     from runtime.spark.output import read_output, write_default
@@ -26,6 +26,7 @@ _EXPORTS = {
     "BridgeError": "runtime.spark.config",
     "BridgeStats": "runtime.spark.config",
     "SparkConfig": "runtime.spark.config",
+    "TypedFrames": "runtime.spark.config",
     "DeadLetterConfig": "runtime.spark.dead_letter",
     "RowsFailed": "runtime.spark.keyed",
     "read_output": "runtime.spark.output",
@@ -54,6 +55,7 @@ __all__ = [
     "SparkBridge",
     "SparkConfig",
     "SparkStartError",
+    "TypedFrames",
     "read_output",
     "row_key",
     "write_default",

@@ -54,8 +54,8 @@ futures, so a crash anywhere loses nothing.
   process: over Spark Connect the output must be a path this process sees as the server does
   (a shared or local file system); ``SparkConfig.atomic_commit=False`` writes straight into
   place (at-least-once; re-reads dropped by ``read_output``'s ``dedupe``).
-* The default output's layout (``SparkConfig.output_layout``): **typed** (the default on the
-  embedded path without ``dead_letter``, to a path this process writes or an ``s3://``,
+* The default output's layout (``SparkConfig.output_layout``): **typed** (the default without
+  ``dead_letter``, to a path this process writes or an ``s3://``,
   ``gs://`` or ``file://`` URI) is the typed per-table changelog: each micro-batch with rows is
   one Spark job whatever the number of tables, its executors converting the rows and writing
   every table's files (``runtime.spark.datasource``), then committed by the same atomic
@@ -63,12 +63,17 @@ futures, so a crash anywhere loses nothing.
   place (renamed, or copied on an object store), or with ``SparkConfig.table_format = "delta"``
   one Delta table per table, the files written straight into it and made visible by one
   idempotent Delta commit per table and micro-batch (``runtime.lake.delta``; the completeness
-  watermark ``mark()`` in its commit info): exactly once on an object store too. **generic**
-  is the layout described above (the streaming path and the RQ/DLQ always write it; Spark's
-  own URLs such as ``s3a://`` get it, written in place).
+  watermark ``mark()`` in its commit info): exactly once on an object store too. On the
+  streaming path the same files are written by the streaming query's writer
+  (``runtime.spark.datasource.TypedStreamWriter``) from the spooled chunks, and the bridge
+  commits each micro-batch the same way once Spark's checkpoint holds it (``_ack_loop``).
+  **generic** is the layout described above (the RQ/DLQ always writes it; Spark's own URLs
+  such as ``s3a://`` get it, written in place; on the streaming path Spark's file sink).
 * ``foreach_batch(df, batch_id)`` gets a run-local batch number; a ``foreach_batch`` taking a
   third parameter gets ``(df, batch_id, identity)`` with the deterministic batch identity,
-  stable across re-delivery: key an idempotent write on it (docs/operations.md).
+  stable across re-delivery: key an idempotent write on it (docs/operations.md). With
+  ``SparkConfig.foreach_batch_frames = "typed"`` (embedded path) ``df`` is a ``TypedFrames``:
+  table name -> that table's typed DataFrame (docs/reading-output.md).
 """
 
 from __future__ import annotations
@@ -147,6 +152,13 @@ class SparkBridge:
             raise ValueError("max_attempts must be >= 1")
         if config.dead_letter is not None and config.path != "embedded":
             raise ValueError("dead_letter (the RQ/DLQ) works on the embedded path only")
+        if config.foreach_batch_frames == "typed" and (
+            config.path != "embedded" or config.dead_letter is not None
+        ):
+            raise ValueError(
+                "foreach_batch_frames='typed' works on the embedded path without dead_letter "
+                "(the streaming path's foreach_batch gets Spark's own generic DataFrame)"
+            )
         self.config = config
         # several processes share the RQ/DLQ (dead_letter); this one drives it while true
         self._rq_driver = rq_driver
@@ -159,7 +171,7 @@ class SparkBridge:
         self._mark = mark
         if (
             foreach_batch is None
-            and config.path == "embedded"
+            and (config.path == "embedded" or self.layout == "typed")
             and config.dead_letter is None
             and config.atomic_commit
             and (_is_path(config.output_dir) or self.layout == "typed")
@@ -169,10 +181,21 @@ class SparkBridge:
             foreach_batch is not None or self.layout != "typed" or self.committer is None
         ):
             raise ValueError(
-                "table_format='delta' is the typed default output committed by the bridge: the "
-                "embedded path without foreach_batch, dead_letter or atomic_commit=False, to a "
-                "directory or an s3://, gs:// or file:// URI"
+                "table_format='delta' is the typed default output committed by the bridge: "
+                "without foreach_batch, dead_letter or atomic_commit=False, to a directory or an "
+                "s3://, gs:// or file:// URI"
             )
+        if (
+            config.path == "streaming"
+            and not _is_path(config.output_dir)
+            and not (config.spool_dir and config.checkpoint_dir)
+        ):
+            raise ValueError(
+                "the streaming path keeps its spool and Spark's checkpoint in directories: with "
+                f"output_dir {config.output_dir} give spool_dir and checkpoint_dir"
+            )
+        # the streaming path's typed sink (a subclass of it in tests)
+        self.stream_sink: type[Any] | None = None
         self.spark: Any = spark
         self._owns_spark = spark is None
         self.run_id = f"{time.time_ns():020d}"
@@ -193,9 +216,8 @@ class SparkBridge:
         self._inflight_cuts: dict[int, Cut] = {}
         self._frames: dict[int, Any] = {}  # batch id → its DataFrame, built by the cutter
         self._committer_done = False
-        self._unacked: deque[tuple[int | None, Cut, list[tuple[str, list[DataChange]]], int]] = (
-            deque()
-        )
+        # the streaming path: spooled cuts Spark's checkpoint has not committed yet
+        self._unacked: deque[_Spooled] = deque()
         self._next_seq = 0
         self._ack_kick: asyncio.Event | None = None
         # the streaming query died for good, or the session was lost and not replaced
@@ -277,9 +299,7 @@ class SparkBridge:
                 # no progress files to resume from: learn the tails from the output itself
                 await asyncio.to_thread(self._seed_tails)
             if cfg.path == "streaming":
-                from runtime.spark.streaming import StreamingBackend
-
-                self._streaming = StreamingBackend(self.spark, cfg, self._streaming_foreach())
+                self._streaming = self._stream_backend()
                 self._next_seq = await asyncio.to_thread(self._streaming.next_seq)
                 await asyncio.to_thread(self._streaming.start)
                 async with asyncio.timeout(cfg.start_timeout_s):
@@ -643,6 +663,8 @@ class SparkBridge:
         rows = sum(len(r.mods) for _, records in fresh for r in records)
         if self.layout == "typed" and self.foreach_batch is None:
             return TypedBatch(fresh, rows), fresh, rows
+        if self.foreach_batch is not None and self.config.foreach_batch_frames == "typed":
+            return _TypedTables(fresh, rows), fresh, rows
         table = to_arrow(fresh)
         if self.committer is not None and rows:
             # Handing the rows to the JVM takes a tenth of a micro-batch's time: done here, it
@@ -670,7 +692,7 @@ class SparkBridge:
                     self._fail_cut(cut, BridgeError("an earlier micro-batch failed; re-read"))
                     await self._done(cut)
                 elif self._streaming is not None:
-                    await self._spool(cut, table, fresh, rows)  # acked by _ack_loop
+                    await self._spool(cut, table, fresh, rows, generation)  # see _ack_loop
                 else:
                     try:
                         await self._commit(cut, table, fresh, rows)
@@ -1126,17 +1148,40 @@ class SparkBridge:
     # --- the streaming path ---------------------------------------------------------------
 
     async def _spool(
-        self, cut: Cut, table: Any, fresh: list[tuple[str, list[DataChange]]], rows: int
+        self,
+        cut: Cut,
+        table: Any,
+        fresh: list[tuple[str, list[DataChange]]],
+        rows: int,
+        generation: int,
     ) -> None:
         """Write ``cut`` as the next spool file (none if it has no rows: it is acked with the
-        files before it); Spark's checkpoint acks it (``_ack_loop``)."""
+        files before it); Spark's checkpoint acks it (``_ack_loop``). The typed layout spools
+        the chunks of its wire table, which tell the streaming writer where its files go
+        (``TypedBatch.spool_table``); the bridge commits them once Spark's checkpoint holds
+        the micro-batch."""
         from runtime.spark.streaming import spool_write
 
         seq: int | None = None
+        identity: str | None = None
+        if isinstance(table, TypedBatch):
+            identity = _cut_identity(cut, self.config.connector)
         if rows:
             seq = self._next_seq
             try:
-                await asyncio.to_thread(spool_write, self._streaming.spool, seq, table)
+                if isinstance(table, TypedBatch):
+                    assert self.committer is not None
+                    assert identity is not None
+                    table_ = await asyncio.to_thread(
+                        table.spool_table,
+                        self.committer,
+                        identity,
+                        self.config.table_format,
+                        self._stream_chunks(),
+                    )
+                else:
+                    table_ = table
+                await asyncio.to_thread(spool_write, self._streaming.spool, seq, table_)
             except Exception as exc:
                 self._attempts_failed += 1
                 self._fail_permanently(
@@ -1145,9 +1190,15 @@ class SparkBridge:
                 await self._done(cut)
                 return
             self._next_seq += 1
-        self._unacked.append((seq, cut, fresh, rows))
+        self._unacked.append(_Spooled(seq, cut, fresh, rows, table, identity, generation))
         assert self._ack_kick is not None
         self._ack_kick.set()
+
+    def _stream_chunks(self) -> int:
+        """The chunks (tasks) of a typed micro-batch on the streaming path: the session's
+        parallelism, as the query's start found it (spooling never asks Spark: its session may
+        be dead, the spool file then waits for the query on the new one)."""
+        return int(self._streaming.chunks)
 
     async def _warm_stream(self) -> None:
         """Spool an empty file and wait until Spark committed it: the query's first micro-batch
@@ -1155,7 +1206,13 @@ class SparkBridge:
         from runtime.spark.streaming import spool_write
 
         seq = self._next_seq
-        await asyncio.to_thread(spool_write, self._streaming.spool, seq, to_arrow([]))
+        empty = to_arrow([])
+        if self._streaming.typed:
+            from runtime.spark.datasource import wire_chunks
+            from runtime.typed import wire_table
+
+            empty = wire_chunks(wire_table([])[0], 1).slice(0, 0)
+        await asyncio.to_thread(spool_write, self._streaming.spool, seq, empty)
         self._next_seq += 1
         while True:  # Spark's checkpoint is files: polled, as in _ack_loop
             committed = await asyncio.to_thread(self._streaming.committed)
@@ -1198,30 +1255,100 @@ class SparkBridge:
                             log.warning("%r: restarting the query: %s", self, _error_text(err))
                         continue
                     broken = BridgeError(f"Spark's streaming query failed for good: {exc}")
-                cuts = [cut for _, cut, _, _ in self._unacked]
+                cuts = [spooled.cut for spooled in self._unacked]
                 self._unacked.clear()
                 self._broken = broken
                 self._fail_permanently(cuts, broken)
                 for cut in cuts:
                     await self._done(cut)
                 return
-            while self._unacked and _acked(self._unacked[0][0], committed):
-                _, cut, fresh, rows = self._unacked.popleft()
-                self._succeed(cut, fresh, rows)
-                await self._done(cut)
+            while self._unacked and _acked(self._unacked[0].seq, committed):
+                spooled = self._unacked.popleft()
+                if self.committer is None:
+                    self._succeed(spooled.cut, spooled.fresh, spooled.rows)
+                else:
+                    await self._commit_streamed(spooled)
+                await self._done(spooled.cut)
             await asyncio.sleep(self.config.ack_poll_s)
+
+    def _stream_backend(self) -> Any:
+        from runtime.spark.streaming import StreamingBackend
+
+        backend = StreamingBackend(
+            self.spark,
+            self.config,
+            self._streaming_foreach(),
+            typed=self.layout == "typed" and self.foreach_batch is None,
+        )
+        if self.stream_sink is not None:
+            backend.sink = self.stream_sink
+        return backend
 
     async def _new_stream(self, old: Any) -> Any:
         """The streaming query on the session that replaced a lost one (its query is dropped,
         not stopped: its JVM is gone); its restarts count on."""
-        from runtime.spark.streaming import StreamingBackend
 
-        backend = StreamingBackend(self.spark, self.config, self._streaming_foreach())
+        backend = self._stream_backend()
         backend.restarts = old.restarts
         await asyncio.to_thread(backend.start)
         self._streaming = backend
         log.warning("%r: the streaming query runs again on the new session", self)
         return backend
+
+    async def _commit_streamed(self, spooled: _Spooled) -> None:
+        """The streaming path's typed layout: Spark's checkpoint holds ``spooled``'s
+        micro-batch (its files and receipt written): commit it as the embedded path commits
+        (``runtime.commit``: the moves or Delta commits, the partitions' positions, fences and
+        the lease), once; a cut after a failed one fails (it was de-duplicated assuming the
+        failed one commits)."""
+        cut = spooled.cut
+        if spooled.generation != self._generation:
+            self._fail_cut(cut, BridgeError("an earlier micro-batch failed; re-read"))
+            return
+        table = spooled.table
+        assert isinstance(table, TypedBatch)
+        assert spooled.identity is not None
+        try:
+            await asyncio.to_thread(self._commit_spooled, cut, table, spooled.identity)
+        except Exception as exc:
+            self._attempts_failed += 1
+            if isinstance(exc, CommitIncomplete):
+                self._broken = BridgeError(str(exc))
+            self._fail_permanently(
+                [cut],
+                BridgeError(f"committing streamed micro-batch {cut.batch_id}: {_error_text(exc)}"),
+            )
+            return
+        self._succeed(cut, spooled.fresh, spooled.rows)
+
+    def _commit_spooled(self, cut: Cut, table: TypedBatch, identity: str) -> None:
+        committer = self.committer
+        assert committer is not None
+        moves, tables = table.streamed(committer, identity, self.config.table_format)
+        self._commit_cut(committer, cut, identity, moves, tables)
+
+    def _commit_cut(
+        self,
+        committer: Committer,
+        cut: Cut,
+        identity: str,
+        moves: list[tuple[str, str]],
+        tables: list[TableWrite],
+    ) -> None:
+        """Commit micro-batch ``cut`` (blocking): what it wrote, its partitions' positions, the
+        fences of its batches and, with Delta tables, the completeness watermark."""
+        keys = [k for e in cut.entries if (k := self._fence_keys.get(id(e))) is not None]
+        metadata = None
+        if tables and self._mark is not None:
+            metadata = {"shoal.low_watermark_us": self._mark()}
+        committer.commit(
+            identity,
+            moves,
+            [(e.token, e.records, e.watermark) for e in cut.entries],
+            fence=keys,
+            tables=tables,
+            metadata=metadata,
+        )
 
     def _run_committed(self, cut: Cut, table: Any, identity: str | None) -> None:
         """In a worker thread: one attempt of micro-batch ``cut`` into the default output,
@@ -1249,18 +1376,7 @@ class SparkBridge:
                 )
             rel = committer.staged(identity)
             moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in staged]
-        keys = [k for e in cut.entries if (k := self._fence_keys.get(id(e))) is not None]
-        metadata = None
-        if tables and self._mark is not None:
-            metadata = {"shoal.low_watermark_us": self._mark()}
-        committer.commit(
-            identity,
-            moves,
-            [(e.token, e.records, e.watermark) for e in cut.entries],
-            fence=keys,
-            tables=tables,
-            metadata=metadata,
-        )
+        self._commit_cut(committer, cut, identity, moves, tables)
 
     def _count_typed_write(self, batch: TypedBatch) -> None:
         receipt = batch.receipt
@@ -1277,6 +1393,13 @@ class SparkBridge:
             return self.spark.createDataFrame(table, schema=from_arrow_schema(table.schema))
         return self.spark.createDataFrame(table)
 
+    def _frames_of(self, tables: _TypedTables) -> dict[str, Any]:
+        """A ``foreach_batch``'s typed frames (``SparkConfig.foreach_batch_frames``): each
+        table's typed rows as a DataFrame (``createDataFrame`` from Arrow, as the generic
+        one); a micro-batch without rows gets an empty mapping."""
+        tables.check()
+        return {name: self.spark.createDataFrame(t) for name, t in tables.tables.items()}
+
     def _run_batch(self, batch_id: int, table: Any, identity: str) -> None:
         """In a worker thread: one attempt of one micro-batch."""
         if isinstance(table, TypedBatch):
@@ -1284,7 +1407,7 @@ class SparkBridge:
             table.write_in_place(self.spark, self.config.output_dir, name)
             self._count_typed_write(table)
             return
-        df = self._dataframe(table)
+        df = self._frames_of(table) if isinstance(table, _TypedTables) else self._dataframe(table)
         if self.foreach_batch is not None:
             foreach: Callable[..., None] = self.foreach_batch
             if self._foreach_identity:
@@ -1352,18 +1475,48 @@ def _store_output(output_dir: str) -> bool:
 def _layout(config: SparkConfig, has_foreach: bool) -> str:
     """The default output's layout (see the module docstring); refuses typed where it cannot be
     written."""
-    typed_ok = (
-        not has_foreach
-        and config.path == "embedded"
-        and config.dead_letter is None
-        and _store_output(config.output_dir)
-    )
+    typed_ok = not has_foreach and config.dead_letter is None and _store_output(config.output_dir)
     if config.output_layout == "typed" and not typed_ok and not has_foreach:
         raise ValueError(
-            "output_layout='typed' is written on the embedded path without dead_letter, to a "
-            "directory or an s3://, gs:// or file:// URI; use output_layout='generic' here"
+            "output_layout='typed' is written without dead_letter, to a directory or an "
+            "s3://, gs:// or file:// URI; use output_layout='generic' here"
         )
     return config.output_layout or ("typed" if typed_ok else "generic")
+
+
+class _TypedTables:
+    """A micro-batch for a ``foreach_batch`` with typed frames: each table's typed rows
+    (``runtime.typed.typed_tables``, the typed layout's conversion), built when it is cut;
+    ``error``: why they could not be built (raised when the batch runs, as a failed batch)."""
+
+    def __init__(self, fresh: Sequence[tuple[str, Sequence[DataChange]]], rows: int) -> None:
+        from runtime.typed import TypedError, typed_tables
+
+        self.num_rows = rows
+        self.tables: dict[str, Any] = {}
+        self.error: TypedError | None = None
+        try:
+            self.tables = typed_tables(fresh)
+        except TypedError as exc:
+            self.error = exc
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Spooled(msgspec.Struct, frozen=True):
+    """A cut on the streaming path, spooled (``seq``: its file; None without rows) and waiting
+    for Spark's checkpoint; ``identity``: its batch identity (the typed layout);
+    ``generation``: the bridge's when it was cut."""
+
+    seq: int | None
+    cut: Cut
+    fresh: list[tuple[str, list[DataChange]]]
+    rows: int
+    table: Any
+    identity: str | None
+    generation: int
 
 
 def _cut_identity(cut: Cut, connector: str) -> str:

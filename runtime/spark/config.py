@@ -3,12 +3,17 @@ and the dead-letter tools read them without starting Spark)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import msgspec
 
 from runtime.spark.dead_letter import DeadLetterConfig
+
+TypedFrames = Mapping[str, Any]
+"""What a ``foreach_batch`` gets with ``SparkConfig.foreach_batch_frames = "typed"``: per table
+with rows in the micro-batch (by name, sorted), its rows as a typed ``pyspark.sql.DataFrame``
+(the typed layout's columns and types: docs/reading-output.md)."""
 
 ForeachBatch = Callable[[Any, int], None] | Callable[[Any, int, str], None]
 """``foreach_batch(df, batch_id)``, or ``foreach_batch(df, batch_id, identity)`` to get the
@@ -53,14 +58,20 @@ class SparkConfig(msgspec.Struct, frozen=True):
     atomic_commit: bool = True
     dead_letter: DeadLetterConfig | None = None  # RQ/DLQ for rows Spark keeps failing (opt-in)
     # the default output's layout: "typed" (one directory per table, the table's columns in
-    # their types; runtime/spark/typed_output.py, written on the embedded path without
-    # dead_letter to a path this process writes) or "generic" (one schema, JSON text); None:
+    # their types; runtime/spark/typed_output.py, written on either path without dead_letter
+    # to a path this process writes or an s3://, gs://, file:// URI) or "generic" (one
+    # schema, JSON text); None:
     # typed where it can be written, else generic
     output_layout: Literal["typed", "generic"] | None = None
     # the typed default output's table format: "parquet" (batch=<id> directories per table) or
     # "delta" (one Delta table per table, each micro-batch one idempotent Delta commit per table:
     # exactly once on object stores too; runtime/spark/typed_output.py)
     table_format: Literal["parquet", "delta"] = "parquet"
+    # what a foreach_batch gets as its first argument: "generic" (one DataFrame, one row per
+    # mod, keys and values as JSON text) or "typed" (a TypedFrames: table name -> that table's
+    # typed DataFrame, the typed layout's columns and types); typed on the embedded path
+    # without dead_letter
+    foreach_batch_frames: Literal["generic", "typed"] = "generic"
 
 
 class BridgeStats(msgspec.Struct, frozen=True):

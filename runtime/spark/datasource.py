@@ -39,7 +39,14 @@ commits the receipt's files as one Delta transaction per table (the Spark bridge
 ``runtime.commit``'s ``tables=``, idempotent by its application transaction); files of task
 attempts Spark did not count, or of a write that failed, are found by the write's id in their
 name and deleted (:func:`drop_write`); a process killed before its commit leaves files that no
-Delta log names (``VACUUM`` removes them). The class must be importable where
+Delta log names (``VACUUM`` removes them).
+
+**The streaming path** (``format("shoal_typed_stream")``, :class:`TypedStreamWriter`, a
+``DataSourceStreamArrowWriter``): the same executor-side conversion and files
+(:func:`write_task`), the options coming with the chunks (:func:`with_write`: a streaming
+writer's options are fixed when the query starts); the driver's ``commit(messages, batchId)``
+writes the receipt; the caller commits once Spark's checkpoint holds the micro-batch
+(:func:`streamed_receipt`). The classes must be importable where
 Spark runs Python (the executors, the driver's planning and commit processes): shoal installed
 there, or its directory on their ``PYTHONPATH``.
 """
@@ -59,7 +66,12 @@ from typing import Any
 import msgspec
 import pyarrow as pa
 import pyarrow.fs as pafs
-from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 
 from runtime.typed import TableSpec, decode_specs, encode_specs, tables_from_wire
 from runtime.typed_files import encode_parquet
@@ -68,11 +80,15 @@ __all__ = [
     "CHUNK_COLUMN",
     "NAME",
     "RECEIPT",
+    "STREAM_NAME",
     "Receipt",
     "StagedFile",
+    "StreamTaskWritten",
     "TaskFiles",
     "TaskWritten",
     "TypedChangelog",
+    "TypedStreamChangelog",
+    "TypedStreamWriter",
     "TypedWriteError",
     "TypedWriter",
     "data_file_name",
@@ -81,8 +97,11 @@ __all__ = [
     "filesystem",
     "read_chunks",
     "read_receipt",
+    "streamed_receipt",
     "wire_chunks",
+    "with_write",
     "write_staged_typed",
+    "write_task",
 ]
 
 log = logging.getLogger("shoal.spark")
@@ -192,56 +211,18 @@ class TypedWriter(DataSourceArrowWriter):
             raise TypedWriteError(f"the {NAME} data source's option tables needs batch")
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> TaskWritten:
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        partition = ctx.partitionId() if ctx is not None else 0
-        attempt = ctx.attemptNumber() if ctx is not None else 0
-        task_attempt = ctx.taskAttemptId() if ctx is not None else -1
         t0 = time.monotonic()
         slices = [s for batch in iterator for s in read_chunks(batch)]
-        files: list[StagedFile] = []
-        t1 = t2 = time.monotonic()
-        if slices:
-            tables = tables_from_wire(pa.concat_tables(slices), decode_specs(self.specs_text))
-            t2 = time.monotonic()
-            if self.tables is not None:  # Delta: straight into each table's directory
-                fs, base = filesystem(self.tables)
-                name = data_file_name(self.batch, self.write_id, partition, attempt)
-            else:
-                fs, base = filesystem(self.staging)
-                name = f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:12]}.parquet"
-            for table, typed in tables.items():
-                files.append(self._write(fs, f"{base}/{table}", name, table, typed))
-        t3 = time.monotonic()
-        task = TaskFiles(
-            partition,
-            attempt,
-            task_attempt,
-            os.getpid(),
-            socket.gethostname(),
-            tuple(files),
-            read_s=t1 - t0,
-            convert_s=t2 - t1,
-            write_s=t3 - t2,
+        task = write_task(
+            slices,
+            self.specs_text,
+            staging=self.staging,
+            tables=self.tables,
+            batch=self.batch,
+            write_id=self.write_id,
+            t0=t0,
         )
         return TaskWritten(task)
-
-    def _write(
-        self, fs: pafs.FileSystem, directory: str, name: str, table: str, typed: pa.Table
-    ) -> StagedFile:
-        stats: str | None = None
-        if self.tables is None:
-            data = encode_parquet(typed)
-        else:
-            data, stats = _encode_with_stats(typed)
-        if _is_local(fs):
-            fs.create_dir(directory, recursive=True)
-        path = f"{directory}/{name}"
-        with fs.open_output_stream(path) as out:
-            out.write(data)
-        modified_ms = int(time.time() * 1000)
-        return StagedFile(table, path, typed.num_rows, data.size, modified_ms, stats)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         tasks = []
@@ -261,6 +242,77 @@ class TypedWriter(DataSourceArrowWriter):
                     _delete(fs, f.path)
 
 
+def _task_context() -> tuple[int, int, int]:
+    """(partition, attempt number, task attempt id) of the running Spark task."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if ctx is None:
+        return 0, 0, -1
+    return ctx.partitionId(), ctx.attemptNumber(), ctx.taskAttemptId()
+
+
+def write_task(
+    slices: Sequence[pa.Table],
+    specs_text: str,
+    *,
+    staging: str,
+    tables: str | None,
+    batch: str,
+    write_id: str,
+    t0: float | None = None,
+) -> TaskFiles:
+    """In an executor: turn a task's slices of a wire table into each table's typed rows
+    (``runtime.typed.tables_from_wire``) and write one parquet file per table, under
+    ``<staging>/<table>/`` or, for Delta tables, straight into ``<tables>/<table>/``
+    (:func:`data_file_name`, with the add action's statistics); what the task wrote. The one
+    executor-side conversion of both writers (:class:`TypedWriter`, :class:`TypedStreamWriter`)."""
+    partition, attempt, task_attempt = _task_context()
+    t0 = time.monotonic() if t0 is None else t0
+    files: list[StagedFile] = []
+    t1 = t2 = time.monotonic()
+    if slices:
+        typed = tables_from_wire(pa.concat_tables(slices), decode_specs(specs_text))
+        t2 = time.monotonic()
+        if tables is not None:  # Delta: straight into each table's directory
+            fs, base = filesystem(tables)
+            name = data_file_name(batch, write_id, partition, attempt)
+        else:
+            fs, base = filesystem(staging)
+            name = f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:12]}.parquet"
+        for table, rows in typed.items():
+            files.append(_write_file(fs, f"{base}/{table}", name, table, rows, tables is not None))
+    t3 = time.monotonic()
+    return TaskFiles(
+        partition,
+        attempt,
+        task_attempt,
+        os.getpid(),
+        socket.gethostname(),
+        tuple(files),
+        read_s=t1 - t0,
+        convert_s=t2 - t1,
+        write_s=t3 - t2,
+    )
+
+
+def _write_file(
+    fs: pafs.FileSystem, directory: str, name: str, table: str, typed: pa.Table, delta: bool
+) -> StagedFile:
+    stats: str | None = None
+    if delta:
+        data, stats = _encode_with_stats(typed)
+    else:
+        data = encode_parquet(typed)
+    if _is_local(fs):
+        fs.create_dir(directory, recursive=True)
+    path = f"{directory}/{name}"
+    with fs.open_output_stream(path) as out:
+        out.write(data)
+    modified_ms = int(time.time() * 1000)
+    return StagedFile(table, path, typed.num_rows, data.size, modified_ms, stats)
+
+
 class TypedChangelog(DataSource):
     """The ``shoal_typed`` data source: write only (:class:`TypedWriter`)."""
 
@@ -270,6 +322,127 @@ class TypedChangelog(DataSource):
 
     def writer(self, schema: Any, overwrite: bool) -> TypedWriter:
         return TypedWriter(self.options)
+
+
+# --- the streaming writer --------------------------------------------------------------------
+
+STREAM_NAME = "shoal_typed_stream"
+"""The streaming data source's name (``df.writeStream.format(STREAM_NAME)``)."""
+
+_META_SPECS = b"shoal.specs"
+_META_STAGING = b"shoal.staging"
+_META_TABLES = b"shoal.tables"
+_META_BATCH = b"shoal.batch"
+_META_WRITE = b"shoal.write_id"
+
+
+def with_write(
+    wire: pa.Table,
+    specs: Mapping[str, TableSpec],
+    *,
+    staging: str,
+    write_id: str,
+    tables: str | None = None,
+    batch: str = "",
+) -> pa.Table:
+    """``wire`` carrying, in its schema's metadata, everything a task needs to write it (the
+    options :class:`TypedWriter` takes): the chunks of it (:func:`wire_chunks`) are what the
+    streaming path spools, and every Spark micro-batch of the streaming query then writes its
+    own micro-batch's files (:class:`TypedStreamWriter`: a streaming writer's options are fixed
+    when the query starts)."""
+    meta = {
+        _META_SPECS: encode_specs(dict(specs)).encode(),
+        _META_STAGING: staging.encode(),
+        _META_BATCH: batch.encode(),
+        _META_WRITE: write_id.encode(),
+    }
+    if tables is not None:
+        meta[_META_TABLES] = tables.encode()
+    return wire.replace_schema_metadata(meta)
+
+
+@dataclass(frozen=True)
+class StreamTaskWritten(WriterCommitMessage):
+    """A streaming task's commit message: what it wrote, and for which write (None: it got no
+    chunk)."""
+
+    task: TaskFiles
+    staging: str | None
+    write_id: str | None
+
+
+class TypedStreamWriter(DataSourceStreamArrowWriter):
+    """The streaming path's writer: per Spark micro-batch, the executors write the typed tables
+    of the chunks they get, as :class:`TypedWriter` does (:func:`write_task`, with the options
+    the chunks carry: :func:`with_write`), and the driver's ``commit(messages, batchId)``, run
+    once per micro-batch, writes the receipt of the files of the tasks Spark committed under
+    the micro-batch's staging location. It commits nothing to the output: the bridge does, once
+    Spark's checkpoint holds the micro-batch (``runtime.spark.bridge``)."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.options = dict(options)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> StreamTaskWritten:
+        t0 = time.monotonic()
+        slices = [s for batch in iterator for s in read_chunks(batch)]
+        meta = (slices[0].schema.metadata or {}) if slices else {}
+        if slices and _META_SPECS not in meta:
+            raise TypedWriteError(f"the {STREAM_NAME} data source got chunks without a write")
+        if not slices:
+            task = TaskFiles(*_task_context(), os.getpid(), socket.gethostname(), ())
+            return StreamTaskWritten(task, None, None)
+        staging = meta[_META_STAGING].decode()
+        write_id = meta[_META_WRITE].decode()
+        tables = meta[_META_TABLES].decode() if _META_TABLES in meta else None
+        task = write_task(
+            slices,
+            meta[_META_SPECS].decode(),
+            staging=staging,
+            tables=tables,
+            batch=meta[_META_BATCH].decode(),
+            write_id=write_id,
+            t0=t0,
+        )
+        return StreamTaskWritten(task, staging, write_id)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        written = []
+        for message in messages:
+            if not isinstance(message, StreamTaskWritten):
+                raise TypedWriteError(f"a task of streaming batch {batchId} sent {message!r}")
+            written.append(message)
+        writes = {(m.staging, m.write_id) for m in written if m.staging is not None}
+        if not writes:
+            return  # no chunk: an empty micro-batch
+        if len(writes) > 1:
+            raise TypedWriteError(
+                f"streaming batch {batchId} holds chunks of {len(writes)} writes; each must be "
+                "its own micro-batch"
+            )
+        ((staging, write_id),) = writes
+        assert staging is not None
+        assert write_id is not None
+        tasks = tuple(sorted((m.task for m in written), key=lambda t: t.partition))
+        fs, base = filesystem(staging)
+        _put_atomically(fs, f"{base}/{RECEIPT}", _receipt_encoder.encode(Receipt(write_id, tasks)))
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        for message in messages:
+            if isinstance(message, StreamTaskWritten) and message.staging is not None:
+                fs, _ = filesystem(message.staging)
+                for f in message.task.files:
+                    _delete(fs, f.path)
+
+
+class TypedStreamChangelog(DataSource):
+    """The ``shoal_typed_stream`` data source: the streaming path's writer only."""
+
+    @classmethod
+    def name(cls) -> str:
+        return STREAM_NAME
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> TypedStreamWriter:  # noqa: N802
+        return TypedStreamWriter(self.options)
 
 
 def data_file_name(batch: str, write_id: str, partition: int, attempt: int) -> str:
@@ -451,6 +624,31 @@ def write_staged_typed(
             "typed write %s: deleted %d files of failed task attempts", write_id, len(dropped)
         )
     return msgspec.structs.replace(receipt, spark_jobs=jobs)
+
+
+def streamed_receipt(
+    staging_uri: str,
+    write_id: str,
+    rows: int,
+    *,
+    tables_uri: str | None = None,
+    tables: Sequence[str] = (),
+    batch: str = "",
+) -> Receipt:
+    """The caller's side of a micro-batch the streaming query wrote (:class:`TypedStreamWriter`)
+    once Spark's checkpoint holds it: its receipt, which must hold all ``rows`` rows; every
+    other file of the write is deleted (under ``staging_uri``, and with ``tables_uri`` those of
+    ``tables`` named by the write: attempts Spark did not count, a run of the micro-batch that
+    failed before Spark ran it again)."""
+    receipt = _whole_receipt(staging_uri, write_id, rows)
+    dropped = drop_unlisted(staging_uri, receipt)
+    if tables_uri is not None:
+        dropped += drop_write(tables_uri, tables, batch, write_id, keep=receipt)
+    if dropped:
+        log.warning(
+            "streamed write %s: deleted %d files of failed task attempts", write_id, len(dropped)
+        )
+    return receipt
 
 
 def _whole_receipt(staging_uri: str, write_id: str, rows: int) -> Receipt:

@@ -30,16 +30,26 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol.commit import STAGING_DIR, DataFile
 from protocol.records import DataChange
 from runtime.commit import Committer, TableWrite
-from runtime.spark.datasource import Receipt, write_staged_typed
+from runtime.spark.datasource import (
+    Receipt,
+    streamed_receipt,
+    wire_chunks,
+    with_write,
+    write_staged_typed,
+)
 from runtime.typed import TableSpec, TypedError, wire_table
 from runtime.typed_files import read_changes
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["TypedBatch", "typed_tails"]
 
@@ -55,6 +65,8 @@ class TypedBatch:
         self.specs: dict[str, TableSpec] = {}
         self.error: TypedError | None = None
         self.receipt: Receipt | None = None
+        self.staged: str | None = None  # the streaming path: staging directory, write id
+        self.write_id: str | None = None
         try:
             self.wire, self.specs = wire_table(fresh)
         except TypedError as exc:
@@ -104,14 +116,26 @@ class TypedBatch:
         staged = committer.prepare_staging(identity)
         if table_format != "delta":
             receipt = self._write(spark, store.uri_for(staged), lambda: store.delete_tree(staged))
+        else:
+            receipt = self._write(
+                spark,
+                store.uri_for(staged),
+                lambda: store.delete_tree(staged),
+                tables_uri=store.uri_for(),
+                batch=identity,
+            )
+        return self._commit_args(receipt, staged, identity, table_format)
+
+    def _commit_args(
+        self, receipt: Receipt, staged: str, identity: str, table_format: str
+    ) -> tuple[list[tuple[str, str]], list[TableWrite]]:
+        """What the committer commits of the files ``receipt`` lists: the moves of the staged
+        table directories (parquet), or each Delta table's data files and schema."""
+        missing = sorted(set(self.specs) - set(receipt.tables))
+        if missing:
+            raise TypedError(f"Spark's typed write staged no file of tables {missing[:10]}")
+        if table_format != "delta":
             return [(f"{staged}/{t}", f"{t}/batch={identity}") for t in receipt.tables], []
-        receipt = self._write(
-            spark,
-            store.uri_for(staged),
-            lambda: store.delete_tree(staged),
-            tables_uri=store.uri_for(),
-            batch=identity,
-        )
         files: dict[str, list[DataFile]] = {}
         for f in receipt.files:
             files.setdefault(f.table, []).append(
@@ -124,6 +148,54 @@ class TypedBatch:
                 )
             )
         return [], [(t, files[t], self.specs[t].schema()) for t in sorted(files)]
+
+    # --- the streaming path: Spark's streaming query writes, the bridge commits -------------
+
+    def spool_table(
+        self, committer: Committer, identity: str, table_format: str, chunks: int
+    ) -> pa.Table:
+        """The chunks (``runtime.spark.datasource.wire_chunks``, ``chunks`` of them) that the
+        streaming path spools for this micro-batch, each carrying where and how its task writes
+        (``with_write``: under the committer's staging directory of batch ``identity``, emptied
+        first; Delta data files straight into the tables). :meth:`streamed` then gives what to
+        commit once Spark's checkpoint holds the micro-batch."""
+        self._check()
+        store = committer.store
+        self.staged = committer.prepare_staging(identity)
+        self.write_id = uuid.uuid4().hex
+        delta = table_format == "delta"
+        wire = with_write(
+            self.wire,
+            self.specs,
+            staging=store.uri_for(self.staged),
+            write_id=self.write_id,
+            tables=store.uri_for() if delta else None,
+            batch=identity,
+        )
+        return wire_chunks(wire, chunks)
+
+    def streamed(
+        self, committer: Committer, identity: str, table_format: str
+    ) -> tuple[list[tuple[str, str]], list[TableWrite]]:
+        """After Spark's streaming query committed this micro-batch (spooled by
+        :meth:`spool_table`): the receipt its driver-side commit wrote (it must hold every
+        row), every file of runs Spark did not count deleted, and what the committer commits
+        (as :meth:`stage`)."""
+        if not self.num_rows:
+            return [], []
+        assert self.staged is not None
+        assert self.write_id is not None
+        store = committer.store
+        delta = table_format == "delta"
+        self.receipt = streamed_receipt(
+            store.uri_for(self.staged),
+            self.write_id,
+            self.num_rows,
+            tables_uri=store.uri_for() if delta else None,
+            tables=sorted(self.specs),
+            batch=identity,
+        )
+        return self._commit_args(self.receipt, self.staged, identity, table_format)
 
     def write_unlisted_delta_files(self, spark: Any, root: str) -> Receipt:
         """Write the tables as Delta data files into ``root``'s table directories, committing

@@ -67,7 +67,7 @@ def _kill_jvm(pid: int) -> int:
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["typed", "streaming"])
+@pytest.mark.parametrize("layout", ["typed", "streaming", "streaming-generic"])
 def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     tmp_path: Path, layout: str
 ) -> None:
@@ -77,11 +77,15 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     supervisor and session restart) Spark writes every micro-batch with rows: the bridge starts
     a new session and writes the batch again. On the
     streaming path the query dies with the JVM: the bridge starts a new session and a new
-    query, which goes on from the checkpoint (the output read through Spark's sink log,
-    ``_spark_metadata``)."""
+    query, which goes on from the checkpoint (the typed layout, committed by the bridge; or the
+    generic one, read through Spark's sink log, ``_spark_metadata``)."""
     out = tmp_path / "out"
     start = _now_us()
-    how = ["--spark-path", "streaming"] if layout == "streaming" else ["--output-layout", layout]
+    how = {
+        "typed": ["--output-layout", "typed"],
+        "streaming": ["--spark-path", "streaming"],
+        "streaming-generic": ["--spark-path", "streaming", "--output-layout", "generic"],
+    }[layout]
     proc = _cli(
         [
             *("--duration", "20", "--drain-timeout", "240", *how),
@@ -92,7 +96,7 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
         tmp_path,
     )
     try:
-        committed = first_commit if layout != "streaming" else _first_streaming_commit
+        committed = _first_streaming_commit if layout == "streaming-generic" else first_commit
         wait_until(lambda: committed(out) or proc.poll() is not None, 300, "first commit")
         assert proc.poll() is None, _logs(tmp_path, "run")
         jvm = _kill_jvm(proc.pid)
@@ -102,7 +106,7 @@ def test_spark_jvm_killed_mid_run_is_survived_and_output_equals_stream(
     logs = _logs(tmp_path, "run")
     assert code == 0, logs[-5000:]
     assert f"its JVM (pid {jvm}) was killed by SIGKILL" in logs
-    if layout == "streaming":
+    if layout.startswith("streaming"):
         assert "the streaming query runs again on the new session" in logs
     assert "a new session is up" in logs
     ids = _ids(out / "data")

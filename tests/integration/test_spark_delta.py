@@ -44,7 +44,7 @@ from bench.procs import tree
 from runtime.commit import Committer
 from runtime.lake.store import open_store
 from runtime.ports import SinkBatch
-from runtime.spark import BridgeError, SparkBridge
+from runtime.spark import BridgeError, SparkBridge, SparkConfig
 from runtime.spark.session import start_session
 from runtime.typed_files import output_identities
 from tests.fixtures.s3 import S3Server, s3_server
@@ -188,6 +188,43 @@ async def test_each_micro_batch_is_one_job_and_one_delta_commit_per_table(
         if r.table == "T0"
     }  # the new column merged; older rows hold null
     assert "Note" not in _table(uri, "T1").schema().to_arrow().names
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_the_streaming_path_commits_delta_tables_on_s3(
+    spark: Any, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """``path="streaming"``: the streaming query's executors write the Delta data files into
+    the store, the bridge commits each micro-batch once (one Delta commit per table, the
+    completeness watermark in it); the spool and Spark's checkpoint are local."""
+    uri = s3_server.uri("streaming/data")
+    first, second = micro_batches()
+    settings = msgspec.structs.asdict(config(uri))
+    settings.update(
+        path="streaming",
+        spool_dir=str(tmp_path / "spool"),
+        checkpoint_dir=str(tmp_path / "checkpoint"),
+        trigger_interval_s=0.2,
+        ack_poll_s=0.05,
+    )
+    async with SparkBridge(SparkConfig(**settings), spark=spark, mark=lambda: 1_750) as bridge:
+        assert bridge.layout == "typed"
+        assert bridge.committer is not None
+        app = bridge.committer.app_id
+        await (await bridge.put(first))
+        await (await bridge.put(second))
+        position = await bridge.durable_position(TOKEN)
+    assert position is not None
+    assert position.ts == second.watermark
+    check = _exactly_once(_expected_ids([first, second]))
+    check(_ids(uri))
+    assert_catches_a_double(check, _ids(uri))
+    for name in TABLES:
+        table = _table(uri, name)
+        assert table.transaction_version(app) == 2
+        assert table.history(1)[0]["shoal.low_watermark_us"] == 1_750
+        assert _data_files(uri, name) == _committed_files(uri, name)  # nothing left over
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,7 @@
-"""The Structured Streaming path against local Spark: the bridge spools Arrow files, the
-``shoal`` Python data source serves them to a streaming query writing parquet, and the bridge
-acks only what Spark's checkpoint committed. Three tasks over a simulated stream: the output
+"""The Structured Streaming path against local Spark with the generic layout (the typed one:
+test_spark_streaming_typed.py): the bridge spools Arrow files, the ``shoal`` Python data source
+serves them to a streaming query writing parquet, and the bridge acks only what Spark's
+checkpoint committed. Three tasks over a simulated stream: the output
 equals the stream exactly."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ async def test_streaming_source_output_equals_the_stream(spark: Any, tmp_path: P
     config = SparkConfig(
         output_dir=str(out),
         path="streaming",
+        output_layout="generic",  # the typed layout: test_spark_streaming_typed.py
         max_rows=20_000,
         max_age_s=0.5,
         trigger_interval_s=0.5,

@@ -287,15 +287,20 @@ def test_sasl_password_with_the_embedded_broker_exits_2_naming_it(
     [
         (["--sink", "kafka", "--table-format", "delta"], "--sink files"),
         (["--sink", "files", "--table-format", "delta", "--output-layout", "generic"], "typed"),
-        (["--sink", "spark", "--table-format", "delta", "--spark-path", "streaming"], "embedded"),
         (["--sink", "spark", "--table-format", "delta", "--spark-dead-letter"], "dead_letter"),
         (["--sink", "spark", "--table-format", "delta", "--output-dir", "s3a://b/p"], "s3://"),
         (["--sink", "files", "--output-dir", "s3://"], "output_dir"),
+        (["--spark-path", "streaming", "--output-dir", "s3://b/p"], "checkpoint_dir"),
     ],
 )
 def test_table_format_and_output_urls_are_checked_at_start(argv: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         _load(argv)  # loading checks the options
+
+
+def test_the_streaming_path_takes_delta_tables() -> None:
+    config = _load(["--sink", "spark", "--table-format", "delta", "--spark-path", "streaming"])
+    assert (config.spark.path, config.run.table_format) == ("streaming", "delta")
 
 
 @pytest.mark.parametrize("sink", ["files", "spark"])
