@@ -17,6 +17,7 @@ from runtime.spark import SparkBridge, SparkConfig, read_output
 from runtime.spark.output import write_default
 from runtime.spark.streaming import committed_seq, spool_files
 from tests.fixtures.spark import Cluster, output_rows, spark, wait_for
+from tests.helpers import assert_catches_a_double, exactly
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 __all__ = ["spark"]  # the module-scoped session fixture
@@ -47,7 +48,8 @@ async def test_streaming_source_output_equals_the_stream(spark: Any, tmp_path: P
     df = read_output(spark, str(out), dedupe=False)
     assert df.count() == total
     rows = output_rows(read_output(str(out), dedupe=False))
-    assert sorted(rows) == sorted(cluster.expected())
+    exactly(cluster.expected())(rows)
+    assert_catches_a_double(exactly(cluster.expected()), rows)
     # acked spool files are deleted; the checkpoint committed every one
     spool = out / "_spool"
     assert not spool_files(spool)
@@ -90,4 +92,5 @@ async def test_streaming_query_failing_a_batch_is_restarted_from_its_checkpoint(
     assert stats.attempts_failed >= 1
     assert stats.batches_failed == 0
     rows = output_rows(read_output(str(out / "data"), dedupe=False))
-    assert sorted(rows) == sorted(cluster.expected())
+    exactly(cluster.expected())(rows)
+    assert_catches_a_double(exactly(cluster.expected()), rows)

@@ -33,6 +33,7 @@ from runtime.spark.session import java_executable, start_session
 from runtime.typed import typed_tables, wire_table
 from runtime.typed_files import read_table, table_dirs
 from tests.fixtures.typed_records import all_types_entries, comparable
+from tests.helpers import assert_catches_a_double, assert_no_row_twice
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -242,7 +243,16 @@ async def test_the_bridge_writes_the_typed_layout_with_one_job_per_micro_batch(
         await (await again.put(SinkBatch("p", records[:150], 250)))
         assert again.stats().rows_deduplicated == 150
         assert again.typed_writes == 0  # nothing left to write: no job
-    assert read_output(str(out), dedupe=False).num_rows == 200
+    written = _identities(read_output(str(out), dedupe=False))
+    assert len(written) == 200  # the 200 records' rows, the re-put batch's not again
+    assert_no_row_twice(written)
+    assert_catches_a_double(assert_no_row_twice, written)
+
+
+def _identities(table: Any) -> list[tuple[Any, ...]]:
+    """Each raw row's identity (commit timestamp, transaction, record sequence, mod index)."""
+    cols = ("commit_ts", "server_transaction_id", "record_sequence", "mod_index")
+    return list(zip(*(table.column(c).to_pylist() for c in cols), strict=True))
 
 
 @pytest.mark.asyncio
