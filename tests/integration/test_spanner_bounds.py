@@ -154,9 +154,10 @@ def test_a_start_before_the_earliest_read_timestamp_is_a_bad_option(tmp_path: Pa
     assert result.returncode == 2, err + result.stdout.decode()
     lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
     assert len(lines) == 1, err
+    # refused at start from the stream's own options, before any query asks Spanner
     assert lines[0].startswith(
-        "shoal: error: start_at 2020-01-01T00:00:00Z: the change stream refused this start:"
-    )
-    assert "too far in the past" in lines[0]
-    assert "earliest read timestamp" in lines[0]
+        "shoal: error: start_at 2020-01-01T00:00:00Z (--start-at) is older than change stream "
+        "ShoalStream's retention_period 1d: the oldest start it keeps records for is "
+    ), lines[0]
+    assert lines[0].endswith("start later, or raise the stream's retention_period"), lines[0]
     assert "Traceback" not in err

@@ -276,8 +276,9 @@ def test_a_start_too_far_in_the_past_is_a_bad_option_in_postgresql_too(
     assert proc.returncode == 2, err + proc.stdout.decode()
     lines = [line for line in err.splitlines() if line.startswith("shoal: error:")]
     assert len(lines) == 1, err
-    assert lines[0].startswith(
-        "shoal: error: start_at 2020-01-01T00:00:00Z: the change stream refused this start:"
+    assert lines[0].startswith(  # from the stream's options, read in the PostgreSQL dialect
+        "shoal: error: start_at 2020-01-01T00:00:00Z (--start-at) is older than change stream "
+        "PgStream's retention_period 1d: the oldest start it keeps records for is "
     ), lines[0]
     assert "Traceback" not in err
 
