@@ -6,9 +6,6 @@ after. (The Spark bridge's DLQ through the same subcommand: tests/integration/te
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,8 @@ from tests.fixtures.kafka_sink import (
     read_output,
     workload,
 )
-from tests.helpers import REPO, assert_catches_a_double, exactly
+from tests.fixtures.output_runs import shoal
+from tests.helpers import assert_catches_a_double, exactly
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name
 
@@ -38,20 +36,6 @@ FAST = RetryPolicy(max_attempts=2, base_backoff=0.02, max_backoff=0.05)
 
 def all_ids(changes: list[Any]) -> list[str]:
     return [rid for ids in expected_ids(changes).values() for rid in ids]
-
-
-async def shoal(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
-    env["PYTHONPATH"] = str(REPO)
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "actors.runtime", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
 
 
 @pytest.mark.kafka

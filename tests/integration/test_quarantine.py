@@ -9,34 +9,16 @@ scenario is ``python -m bench poison``'s; afterwards the real entry point lists 
 
 from __future__ import annotations
 
-import asyncio
-import os
-import subprocess
-import sys
-
 import pytest
 
 from bench.poison import scenario
 from runtime.kafka import KafkaConfig
 from runtime.sim.poison import POISON_VALUE
 from tests.fixtures.kafka import kafka_broker, kafka_config
-from tests.helpers import REPO, assert_catches_a_double, exactly
+from tests.fixtures.output_runs import shoal
+from tests.helpers import assert_catches_a_double, exactly
 
 __all__ = ["kafka_broker", "kafka_config"]  # fixtures used by name
-
-
-async def shoal(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
-    env["PYTHONPATH"] = str(REPO)
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "actors.runtime", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
 
 
 @pytest.mark.kafka
@@ -62,7 +44,8 @@ async def test_a_value_the_typed_conversion_cannot_hold_is_quarantined_and_relea
     # raw: every row up to the horizon, the poisoned partition's before and after its bad
     # record too, exactly once, nothing de-duplicated
     check = exactly(figures["expected_rows"])
-    written = [row for row in figures["rows"] if row in set(figures["expected_rows"])]
+    horizon = set(figures["expected_rows"])
+    written = [row for row in figures["rows"] if row in horizon]
     check(written)
     assert_catches_a_double(check, written)
     assert figures["lost"] == 0
