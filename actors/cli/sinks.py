@@ -18,7 +18,11 @@ the same directory applies when it opens. ``<id>`` is the batch identity
 committed twice appears once. A batch's future resolves when its micro-batch committed;
 ``durable_position(token)`` answers a partition's committed position from its progress file (a new
 owner resumes after it). ``max_buffered_rows`` bounds what is accepted and not yet written
-(``put`` waits: backpressure). ``fence(batches)`` fences batches a stopping reader abandons
+(``put`` waits: backpressure); its default, twice ``max_rows``, lets one micro-batch gather while
+the one before it is written, so readers are paced by what the sink commits: on a backlog they
+read no further ahead of it than on a live stream (ten times ``max_rows`` held 480-490 MB of
+buffered changes on a 100,000-record backlog in ``bench catchup``, and the collector's pauses on
+that heap stalled the event loop for seconds, lapsing leases). ``fence(batches)`` fences batches a stopping reader abandons
 (docs/design.md#exactly-once-output, rule 4): the committer refuses a micro-batch holding one
 at its commit point (the whole micro-batch fails; the other partitions' readers re-read theirs).
 A micro-batch of the typed layout holding a value that does not fit its column type fails only
@@ -108,7 +112,7 @@ class FileSink:
         *,
         max_rows: int = 50_000,
         max_age_s: float = 0.5,
-        max_buffered_rows: int = 500_000,
+        max_buffered_rows: int | None = None,
         permit: Callable[[], bool] | None = None,
         fsync: bool = True,
         layout: Literal["typed", "generic"] = "typed",
@@ -127,6 +131,8 @@ class FileSink:
         ``<directory>/_mirror`` (``runtime.lake.mirror``), before its commit point: a batch
         whose commit then fails is read again and merged again, which changes nothing (the
         merge is idempotent per change), so the mirror holds every committed change."""
+        if max_buffered_rows is None:
+            max_buffered_rows = 2 * max_rows
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
             raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
         if table_format == "delta" and layout != "typed":
