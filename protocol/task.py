@@ -1,7 +1,8 @@
 """One task of the protocol (docs/design.md) as a pure state machine: events in, commands out.
 
 Every task is a regular task; the one the group leader's assignor named also plays the Leader for
-that generation. The rules, in the order a reader meets them in :class:`TaskCore`:
+that generation. Time (``now``, every interval of :class:`TaskConfig`) is integer microseconds of
+the shell's wall clock. The rules, in the order a reader meets them in :class:`TaskCore`:
 
 Subscription order and membership
   A task replays the sync topic into its CIM before it joins the heartbeat-topic group (the shell
