@@ -31,7 +31,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
@@ -77,13 +77,12 @@ from runtime.ports import (
     Membership,
     Sink,
     SinkBatch,
+    SinkWrapper,
     Unrecoverable,
-    fence_sink,
-    prepare_sink,
-    sink_committed,
 )
 
 if TYPE_CHECKING:
+    from runtime.kafka import KafkaSyncLog
     from runtime.sim.stream import StreamParams
 
 log = logging.getLogger("shoal.runtime")
@@ -102,12 +101,12 @@ class RunFailed(RuntimeError):
     """A component failed for good; the message says which and why."""
 
 
-class Ledger:
+class Ledger(SinkWrapper):
     """The shared sink, remembering which records it committed (bounded runs only) and whether
     every batch failed since the last commit (``health``)."""
 
     def __init__(self, inner: Sink, *, keep_ids: bool) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.keep_ids = keep_ids
         self.health = FailureStreak()
         self.ids: set[tuple[int, str, str]] = set()
@@ -117,18 +116,12 @@ class Ledger:
         self.duplicates = 0
         self.fatal: Unrecoverable | None = None  # the sink failed for good: the run stops
 
-    async def prepare(self, token: str) -> None:
-        await prepare_sink(self.inner, token)
-
     async def durable_position(self, token: str) -> Position | None:
         try:
-            return await sink_committed(self.inner, token)
+            return await self.inner.durable_position(token)
         except Unrecoverable as exc:  # e.g. an unreadable progress file: the run stops
             self.fatal = self.fatal or exc
             raise
-
-    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
-        return await fence_sink(self.inner, batches)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         try:
@@ -164,7 +157,7 @@ class Ledger:
         return future
 
 
-class WatchedSource:
+class WatchedSource(ChangeStreamSource):
     """A source that keeps a :class:`FailureStreak` of its queries: a batch counts as success,
     a query ending in an exception as a failure (a cancelled one as neither)."""
 
@@ -175,7 +168,7 @@ class WatchedSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         try:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 self.health.success(time.monotonic())
@@ -190,7 +183,9 @@ class WatchedSource:
 class _Task:
     """One task node of this process and what the runtime tracks about it."""
 
-    def __init__(self, node: TaskNode, sink: CountingSink, gate: GatedSource, log: Any) -> None:
+    def __init__(
+        self, node: TaskNode, sink: CountingSink, gate: GatedSource, log: KafkaSyncLog
+    ) -> None:
         self.node = node
         self.sink = sink
         self.gate = gate
@@ -307,7 +302,7 @@ class Pipeline:
                 errors["sink_batch_failed"] = sink.batches_failed
             membership = node.membership
             rebalancing = epochs.rebalancing(
-                bool(getattr(membership, "rebalance_in_progress", False)),
+                membership is not None and membership.rebalance_in_progress,
                 st.member,
                 st.epoch,
                 st.generation,
@@ -1014,8 +1009,8 @@ class Pipeline:
         retrying what cannot be mended would only look alive (docs/operations.md, "When the
         parts around shoal fail")."""
         for port in (self._ledger, self._source, *(t.sync_log for t in self.tasks)):
-            fatal = getattr(port, "fatal", None)
-            if isinstance(fatal, Unrecoverable):
+            fatal = None if port is None else port.fatal
+            if fatal is not None:
                 self.failed = str(fatal)
                 raise fatal
         broker = self._broker
@@ -1336,7 +1331,7 @@ class Pipeline:
         )
 
 
-class _StartChecked:
+class _StartChecked(ChangeStreamSource):
     """A source whose root query (the connector's first start, at ``--start-at``) failing is
     reported as a bad ``start_at`` (exit 2) with the database's own limit, not as a crash: a
     start before the database's version retention (or the change stream's retention) is
@@ -1357,7 +1352,7 @@ class _StartChecked:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         if token is not None:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch
@@ -1429,14 +1424,11 @@ def _rfc3339(micros: int) -> str:
 
 
 async def _watched_tables(source: ChangeStreamSource) -> tuple[str, ...] | None:
-    """The tables ``source`` says its stream carries (an optional ``watched_tables()`` of the
-    simulator and the Spanner reader, asked with a bound), or None where it cannot say."""
-    ask = getattr(source, "watched_tables", None)
-    if ask is None:
-        return None
+    """The tables ``source`` says its stream carries (``watched_tables()`` of the simulator
+    and the Spanner reader, asked with a bound), or None where it cannot say."""
     try:
         async with asyncio.timeout(10):
-            tables = await ask()
+            tables = await source.watched_tables()
     except TimeoutError:
         log.info("the source did not say which tables it watches within 10s")
         return None

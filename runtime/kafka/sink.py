@@ -74,7 +74,7 @@ from runtime.kafka.retry_queue import (
     split_key,
 )
 from runtime.kafka.topics import topic_exists
-from runtime.ports import SinkBatch
+from runtime.ports import Sink, SinkBatch
 
 __all__ = [
     "ROW_KEY_HEADER",
@@ -287,7 +287,7 @@ class DlqRecord(msgspec.Struct, frozen=True):
     record: OutputRecord | None  # None if the payload could not be found or decoded
 
 
-class KafkaSink:
+class KafkaSink(Sink):
     """The Kafka output sink. Use ``async with KafkaSink(config, sink_config) as sink:``."""
 
     def __init__(

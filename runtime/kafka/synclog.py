@@ -87,7 +87,7 @@ class SyncLogStats(msgspec.Struct, frozen=True):
     fragments_dropped: int = 0  # incomplete or orphaned fragmented messages readers skipped
 
 
-class KafkaSyncLog:
+class KafkaSyncLog(SyncLog):
     """The sync topic ``<connector>_connector_sync`` (one partition) as a ``SyncLog``.
 
     Use ``async with KafkaSyncLog(config, connector) as log:`` (or :meth:`start`/:meth:`close`).

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from protocol.records import ChangeRecord, DataChange, Mod
-from runtime.ports import SinkBatch
+from runtime.ports import ChangeStreamSource, SinkBatch
 from runtime.sim.source import SimulatedSource
 from runtime.typed import TypedError, typed_tables
 
@@ -39,7 +39,7 @@ def poisoned(record: DataChange) -> DataChange:
     return msgspec.structs.replace(record, mods=(mod, *record.mods[1:]))
 
 
-class PoisonedSource:
+class PoisonedSource(ChangeStreamSource):
     """``ChangeStreamSource``: ``inner``, with the record of :meth:`poison` made poison."""
 
     def __init__(self, inner: SimulatedSource, token: str, at_ts: int) -> None:
