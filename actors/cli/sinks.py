@@ -60,7 +60,7 @@ from protocol.commit import batch_identity
 from protocol.dedup import Position, Tails
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
-from runtime.kafka.sink import output_records
+from runtime.output_record import output_records
 from runtime.ports import Sink, SinkBatch, SinkWrapper
 
 if TYPE_CHECKING:
