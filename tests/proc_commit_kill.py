@@ -17,8 +17,8 @@ import os
 import signal
 import sys
 
-from actors.cli.embed import GatedSource, drain_node
 from actors.cli.sinks import FileSink
+from actors.embed import GatedSource, drain_node
 from actors.node import TaskNode
 from protocol.dedup import Position
 from runtime.kafka import KafkaConfig, KafkaSyncLog

@@ -38,22 +38,7 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import msgspec
 
-from actors.cli.embed import GatedSource, drain_node
-from actors.cli.progress import PartitionEnd, Progress, RunSummary
-from actors.cli.sinks import CountingSink, FileSink
-from actors.cli.sinks import spark_config as build_spark_config
-from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
-from actors.task import wall_micros
-from protocol import epochs
-from protocol.cim import final_states
-from protocol.commit import StartRecord, start_conflict
-from protocol.completeness import Mark, held_by, low_watermark, mark_due
-from protocol.dedup import Position
-from protocol.messages import SnapshotItem
-from protocol.records import ChangeRecord
-from protocol.retry import may_drive
-from protocol.stream_options import StreamOptions, start_refusal
-from runtime.config import (
+from actors.cli.config import (
     ConfigError,
     ShoalConfig,
     SimOptions,
@@ -67,6 +52,21 @@ from runtime.config import (
     task_count,
     trail,
 )
+from actors.cli.progress import PartitionEnd, Progress, RunSummary
+from actors.cli.sinks import CountingSink, FileSink
+from actors.cli.sinks import spark_config as build_spark_config
+from actors.embed import GatedSource, drain_node
+from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
+from actors.task import wall_micros
+from protocol import epochs
+from protocol.cim import final_states
+from protocol.commit import StartRecord, start_conflict
+from protocol.completeness import Mark, held_by, low_watermark, mark_due
+from protocol.dedup import Position
+from protocol.messages import SnapshotItem
+from protocol.records import ChangeRecord
+from protocol.retry import may_drive
+from protocol.stream_options import StreamOptions, start_refusal
 from runtime.filtered import FilterStats
 from runtime.logs import mask
 from runtime.looplag import LoopLag, watch_loop
@@ -896,14 +896,16 @@ class Pipeline:
             try:
                 return await stack.enter_async_context(make())
             except Exception as exc:
+                from runtime.kafka.errors import bad_setting_in, is_transient, refusal_in
+
                 left = deadline - time.monotonic()
-                refused = _refused(exc)
+                refused = refusal_in(exc)
                 if refused is not None:  # a certificate, a listener, a login: retrying cannot help
                     raise RunFailed(str(refused)) from exc
-                bad = _bad_setting(exc)
+                bad = bad_setting_in(exc)
                 if bad is not None:  # a TLS file, a sync topic of several partitions
                     raise ConfigError(str(bad)) from exc
-                if not _transient(exc) or left <= 0 or self.stop.is_set():
+                if not is_transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
                     ) from exc
@@ -1433,58 +1435,6 @@ async def _watched_tables(source: ChangeStreamSource) -> tuple[str, ...] | None:
         log.info("the source did not say which tables it watches within 10s")
         return None
     return None if tables is None else tuple(tables)
-
-
-def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
-    """The first exception of ``kinds`` in ``exc``'s chain of causes, if any."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, kinds):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _refused(exc: BaseException) -> BaseException | None:
-    """The :class:`runtime.kafka.config.KafkaRefused` behind ``exc`` (an untrusted certificate,
-    a plaintext listener for TLS, a SASL mechanism or login refused), if any."""
-    from runtime.kafka.config import KafkaRefused
-
-    return _cause(exc, (KafkaRefused,))
-
-
-def _bad_setting(exc: BaseException) -> BaseException | None:
-    """A setting found wrong on the way to Kafka (a TLS file, a sync topic of several
-    partitions) behind ``exc``, if any: a bad option (exit 2), not a failure to retry."""
-    from runtime.kafka.config import KafkaSettingError
-    from runtime.kafka.synclog import SyncTopicUnusable
-
-    return _cause(exc, (KafkaSettingError, SyncTopicUnusable))
-
-
-def _transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a connection problem worth retrying."""
-    from aiokafka.errors import (
-        KafkaConnectionError,
-        KafkaTimeoutError,
-        NodeNotReadyError,
-        RequestTimedOutError,
-    )
-
-    transient = (
-        KafkaConnectionError,
-        KafkaTimeoutError,
-        NodeNotReadyError,
-        RequestTimedOutError,
-        ConnectionError,
-        TimeoutError,
-    )
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, transient):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def stream_params(sim: SimOptions, start: int) -> StreamParams:

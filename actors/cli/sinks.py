@@ -64,7 +64,7 @@ from runtime.output_record import output_records
 from runtime.ports import Sink, SinkBatch, SinkWrapper
 
 if TYPE_CHECKING:
-    from runtime.config import ShoalConfig
+    from actors.cli.config import ShoalConfig
     from runtime.kafka import KafkaConfig
     from runtime.spark import SparkConfig
 

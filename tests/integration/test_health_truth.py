@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.cli import config as options
 from actors.cli.run import Pipeline
 from protocol.records import ChangeRecord
-from runtime import config as options
 from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 from runtime.sim.memory import MemorySink
 from runtime.sim.source import SimulatedSource

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from google.cloud.spanner_v1.types import PartialResultSet
 
+from actors.cli.config import EMULATOR_TRAIL_S
 from protocol.records import (
     ChangeRecord,
     ChildPartition,
@@ -28,7 +29,6 @@ from protocol.records import (
     Heartbeat,
     Mod,
 )
-from runtime.config import EMULATOR_TRAIL_S
 from runtime.ports import ChangeStreamSource
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.decode import DecodeError, RecordLayout, parse_timestamp
@@ -446,7 +446,7 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
     by several queries, one after the other, and still every mutation arrives once (every
     record read counts: one read twice is an extra mod; the control doubles one).
 
-    Read trailing, as shoal reads the emulator (``runtime.config.trail``): the emulator's live
+    Read trailing, as shoal reads the emulator (``actors.cli.config.trail``): the emulator's live
     queries miss a commit that falls exactly on one of their scan steps' ends (see "Trailing"
     in runtime/spanner/reader.py), which a loaded CI machine hit (2 mods of one transaction)."""
     config = msgspec.structs.replace(
