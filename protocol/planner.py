@@ -91,9 +91,9 @@ def ownerless(
     # which answered the move, takes it over from that release. A dead task's stale share of the
     # partition (a move it released long ago) must not deal it out beside them: the target gives
     # up its take-over for the plan and the offerer never picks up an offer of what it hands
-    # away, so nobody reads it (sim seed 5799). Only an answered move is held: a released move
-    # to a target that came back under the same id (a fresh life that never answered it) is
-    # stale, and another member may have read on (sim seed 723). A finished copy still wins.
+    # away, so nobody reads it. Only an answered move is held: a released move to a target
+    # that came back under the same id (a fresh life that never answered it) is stale, and
+    # another member may have read on. A finished copy still wins.
     handing: set[str] = set()
     for task, view in cim.tasks.items() if hold_handoffs else ():
         if task not in live:
@@ -129,8 +129,8 @@ def ownerless(
             if share.kind == "move" and not share.released and not dead:
                 continue  # still read by its live offerer
             # (a dead task's move that it had not released is its partition too: its owned
-            # entry may never have reached the CIM, written while its generation was fenced;
-            # sim seed 3330. ``take`` keeps the newest watermark of the two.)
+            # entry may never have reached the CIM, written while its generation was fenced.
+            # ``take`` keeps the newest watermark of the two.)
             if dead or (share.target is not None and share.target not in live):
                 take(share.partition)
             elif task == leader and share.target is None:
@@ -140,7 +140,7 @@ def ownerless(
     for part in cim.orphans.values():
         take(part)
     # Finished anywhere is finished: a dead task's released move (or offer) still carries the
-    # partition as owned after its new owner read it to its end (sim seed 4652).
+    # partition as owned after its new owner read it to its end.
     for token in adopt:
         lost.pop(token, None)
     return lost, adopt
@@ -200,46 +200,3 @@ def plan(
         snapshot=snapshot,
         yielded=yielded,
     )
-
-
-def plan_moving_survivors(
-    cim: Cim,
-    members: tuple[str, ...],
-    leader: str,
-    generation: int,
-    now: int,
-    cap: int,
-    rng: Random,
-    roots: tuple[Partition, ...] = (),
-    stream_start: int = -1,
-    reset: tuple[str, ...] = (),
-    snapshot: SnapshotPlan | None = None,
-    leader_yields: bool = False,
-) -> Plan:
-    """A deliberately broken planner for the simulator's teeth tests: it re-deals *every*
-    unfinished partition round-robin, moving survivors' partitions without a hand-off."""
-    good = plan(
-        cim,
-        members,
-        leader,
-        generation,
-        now,
-        cap,
-        rng,
-        roots,
-        stream_start,
-        reset,
-        snapshot=snapshot,
-        leader_yields=leader_yields,
-    )
-    everything: dict[str, Partition] = {s.token: s.partition for s in good.offers}
-    for view in cim.tasks.values():
-        for part in view.partitions.values():
-            if part.status == "owned":
-                everything[part.token] = part
-    order = sorted(members)
-    offers = tuple(
-        Share(everything[t], target=order[(i + 1) % len(order)], kind="new", since=now)
-        for i, t in enumerate(sorted(everything))
-    )
-    return msgspec.structs.replace(good, offers=offers)

@@ -1,7 +1,8 @@
 """One task of the protocol (docs/design.md) as a pure state machine: events in, commands out.
 
 Every task is a regular task; the one the group leader's assignor named also plays the Leader for
-that generation. The rules, in the order a reader meets them in :class:`TaskCore`:
+that generation. Time (``now``, every interval of :class:`TaskConfig`) is integer microseconds of
+the shell's wall clock. The rules, in the order a reader meets them in :class:`TaskCore`:
 
 Subscription order and membership
   A task replays the sync topic into its CIM before it joins the heartbeat-topic group (the shell
@@ -228,11 +229,10 @@ class TaskConfig(msgspec.Struct, frozen=True):
     task_id: str
     cap: int = 100  # partitions read at once; 0: no cap
     # leader's bounded wait for rebalance answers (micros). A dead task's partitions stay
-    # unread while it lasts, but a leader that plans before its followers' answers (their
-    # assignments late: the embedded broker answers followers' joins up to seconds after the
-    # leader's) meets histories the fault simulator found unsafe at 0.5 s (seeds 3190, 3330,
-    # 4262, 4954 with SimParams(answer_timeout_us=500_000), not fixed yet); 2 s passes its
-    # sweep with followers lagging up to 2 s. See docs/design.md#epochs.
+    # unread while it lasts; a leader that plans before its followers' answers (the embedded
+    # broker answers followers' joins up to seconds after the leader's) plans from less of
+    # the group's word. The fault simulator sweeps the default with followers lagging up to
+    # 2 s. See docs/design.md#epochs.
     answer_timeout: int = ANSWER_TIMEOUT
     publish_interval: int = 250_000  # coalescing of watermark-only changes
     # group commit: hold changes while an own message is unread, at most this long (0: off)
@@ -684,7 +684,7 @@ class TaskCore:
         self._sent_share.clear()
         # what it picked up is gone with its state: an offer it answered that still stands
         # (a released move whose offerer waits for it) is to be answered again once an
-        # epoch takes it back, or the partition is held by nobody (sim seed 4954)
+        # epoch takes it back, or the partition is held by nobody
         self.consumed.clear()
 
     def _yield_replanned(self, view: TaskView) -> None:
@@ -1167,7 +1167,7 @@ class TaskCore:
         # picks the partition up, whatever the offerers' clocks say.
         # An offer to a task that is moving the partition away itself is not ranked: that
         # task never takes it (it hands the partition over instead), so the released move
-        # stands (sim seed 229).
+        # stands.
         offers = list(self.cim.offers())
         newest: dict[str, tuple[int, str]] = {}
         if self.config.rules.newest_offer_only and any(o.target == self.me for _, o in offers):
@@ -1283,9 +1283,9 @@ class TaskCore:
                 # removes, and a plan of their partitions must not be lost.
                 if self._finished(token):
                     # Read to its end (here, or by a member): no task picks a finished partition
-                    # up, so the offer would stand for ever and count in its target's load (sim
-                    # seed 4652: a leader's plan dealt out a dead task's released move of a
-                    # partition another dead task had finished).
+                    # up, so the offer would stand for ever and count in its target's load (a
+                    # leader's plan may deal out a dead task's released move of a partition
+                    # another dead task had finished).
                     self.counters["offers_of_finished_dropped"] += 1
                     taken = True
                 else:
@@ -1569,7 +1569,7 @@ class TaskCore:
             # Likewise a finished partition names its children, and a child offered from here
             # is held by nobody but the share section: sent alone, the parent's end leaves
             # that child unknown to the CIM, and unread for ever if this task dies before the
-            # held section goes out (sim seed 3212). The end waits for the section; meanwhile
+            # held section goes out. The end waits for the section; meanwhile
             # the CIM shows the parent owned here, and dealt out after a death, re-read to its
             # end by its next owner, which registers the children again.
             unsent = {t for t, o in self.shares.items() if self._sent_share.get(t) != o}
