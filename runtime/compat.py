@@ -251,6 +251,15 @@ async def abandon_sends(producer: Any, error: BaseException) -> int:
         # batch failed here while its request is in flight would be queued again and then
         # removed twice from the accumulator's in-flight set)
         batch._ttl = -1.0
+    requeue = accumulator.reenqueue
+
+    def reenqueue(batch: Any) -> None:
+        # a send that erred before the batches expired is queued again after its backoff:
+        # an abandoned batch (its future failed below) is not
+        if not batch.future.done():
+            requeue(batch)
+
+    accumulator.reenqueue = reenqueue
     accumulator.fail_all(error)
     closing = [
         c.close(reason=CloseReason.CONNECTION_BROKEN) for c in producer.client._conns.values()
