@@ -32,6 +32,7 @@ from tests.fixtures.kafka import (
     kafka_broker,
     kafka_config,
     next_assignment,
+    next_change,
     spawn_group_member,
 )
 from tests.helpers import wait_for
@@ -255,7 +256,7 @@ async def test_group_lost_when_the_broker_dies(connector: str) -> None:
             broker.kill()
             killed = time.monotonic()
             async with asyncio.timeout(10):
-                event = await anext(events)
+                event = await next_change(events)
             lost_after = time.monotonic() - killed
             assert isinstance(event, GroupLost), event
             assert "unreachable" in event.reason
@@ -385,7 +386,7 @@ async def test_leaving_an_unreachable_broker_takes_no_rebalance_wait(
             else:
                 os.kill(broker.pid, signal.SIGSTOP)
             async with asyncio.timeout(20):
-                event = await anext(events)
+                event = await next_change(events)
             assert isinstance(event, GroupLost), event
         finally:
             closing = time.monotonic()
