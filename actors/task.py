@@ -115,7 +115,9 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self._trace = trace
         if trace is not None:
             trace.write(tracing.encode(tracing.start(config, seed)))
-        self._validate = validate  # debug: the core checks its invariants after every event
+        # debug: the core (and each reader's) checks its invariants after every event
+        self._validate = validate
+        self._readers_started = 0  # names each reader core in the trace
         self.sync_log = sync_log
         self.source = source
         self.sink = sink
@@ -250,7 +252,11 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             permit=self.permit,
             stall_timeout=self.core.config.stall_timeout / 1e6,
             tail=command.tail,
+            trace=self._trace,
+            trace_name=f"reader:{token}:{self._readers_started}",
+            validate=self._validate,
         )
+        self._readers_started += 1
         log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)
         self.readers[token] = reader
         self.readers_idle.clear()

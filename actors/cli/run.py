@@ -792,6 +792,11 @@ class Pipeline:
                 # the output is a composite topic described by <output>_meta: it can grow
                 # while shoal runs (``output add-storage-topic`` / ``switch-produce``)
                 lease = cfg.kafka.output_lease_s
+                trace = None  # its retry core's trace, beside the tasks' (protocol/trace.py)
+                if cfg.run.trace_dir is not None:
+                    path = Path(cfg.run.trace_dir) / f"retry-{sink_config.name}.trace.jsonl"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    trace = stack.enter_context(path.open("ab"))
                 inner = await stack.enter_async_context(
                     KafkaSink(
                         kafka,
@@ -799,6 +804,8 @@ class Pipeline:
                         driver=self._leads,
                         takeover_grace_s=cfg.run.rq_takeover_grace_s,
                         meta=MetaOptions(lease_ttl_s=lease, margin_s=lease / 5),
+                        trace=trace,
+                        validate=cfg.run.debug_validate,
                     )
                 )
         self._ledger = Ledger(inner, keep_ids=self._bounded or self._end_at is not None)
@@ -850,7 +857,9 @@ class Pipeline:
         connector = cfg.run.connector
 
         async def join(task_id: str) -> Membership:
-            membership = KafkaMembership(kafka, connector, task_id)
+            membership = KafkaMembership(
+                kafka, connector, task_id, validate=cfg.run.debug_validate
+            )
             await membership.start()
             return membership
 

@@ -33,6 +33,7 @@ from protocol.membership import (
     JoinFailed,
     JoinSent,
     LeaseUntil,
+    MemberCommand,
     MemberCore,
     MemberEvent,
     MembershipLost,
@@ -271,7 +272,9 @@ class KafkaMembership:
         epoch_floor: Callable[[], int] | None = None,
         logged_epoch: Callable[[], epochs.Logged] | None = None,
         heartbeat_while_rebalancing: bool = True,
+        validate: bool = False,
     ) -> None:
+        """``validate``: check the member core's invariants after every event (debugging)."""
         check_connector(connector)
         if not task_id:
             raise ValueError("task_id must not be empty")
@@ -297,6 +300,7 @@ class KafkaMembership:
         )
         # this member's epochs and the facts its lease is derived from (protocol/membership.py)
         self._core = MemberCore(task_id, self._timing)
+        self._validate = validate
         # when (our clock, micros) the coordinator last answered a group request as this
         # member's: it is reachable then, whatever the lease (send times) says
         self._heard: int | None = None
@@ -757,7 +761,7 @@ class KafkaMembership:
             floor=self._cim_epoch(),
             logged=logged,
         )
-        [verdict] = self._core.handle(assigned, int(self._clock() * 1e6))
+        [verdict] = self._step(assigned)
         assert isinstance(verdict, Take | Refuse), verdict
         if verdict.landed_first:
             log.info(
@@ -807,11 +811,17 @@ class KafkaMembership:
         self._losses += 1
         self._put(GroupLost(reason=reason))
 
+    def _step(self, event: MemberEvent) -> list[MemberCommand]:
+        commands = self._core.handle(event, int(self._clock() * 1e6))
+        if self._validate:
+            self._core.validate()
+        return commands
+
     def _apply(self, event: MemberEvent) -> None:
         """Hand the member core an event; a lease it reports while this task is a member is
         pushed to the events' reader (one renewal queued at a time: the reader gets the lease
         the facts give when it takes it)."""
-        for command in self._core.handle(event, int(self._clock() * 1e6)):
+        for command in self._step(event):
             member = self._current is not None
             if isinstance(command, LeaseUntil) and member and not self._lease_queued:
                 self._lease_queued = True

@@ -89,11 +89,11 @@ def test_a_loss_forgets_the_facts_but_not_the_epoch() -> None:
 
 def test_an_assignment_newer_than_every_known_epoch_is_taken() -> None:
     core = _core()
-    assert core.fresh
+    assert core.said() == Said("a", NO_EPOCH, fresh=True)
     taken = core.handle(Assigned(8, 1, "b", ("a", "b"), ("b",), floor=7), 0)
     assert taken == [Take(8, "b", ("a", "b"), ("b",))]
     assert core.epoch_seen == 8
-    assert not core.fresh
+    assert core.said() == Said("a", 8, fresh=False)
     assert (core.stale_epochs, core.landed_first) == (0, 0)
 
 
