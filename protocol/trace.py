@@ -7,7 +7,8 @@ seed of its core's random generator; a :class:`TraceStep` is one call of
 :class:`ReaderStart` names each reader core (``core``, unique in the trace) with its settings
 and start, and a :class:`ReaderStep` is one call of its :meth:`ReaderCore.handle`. A retry
 queue's core (``protocol/retry.py``) has a trace of its own, :class:`RetryStart` and
-:class:`RetryStep` lines. Every core is a pure function of its settings, its seed and its
+:class:`RetryStep` lines, and so has a group member's core (``protocol/membership.py``),
+:class:`MemberStart` and :class:`MemberStep` lines. Every core is a pure function of its settings, its seed and its
 inputs, so :func:`replay` feeds the steps through fresh cores and :func:`mismatches` names
 every step whose commands differ from the recorded ones (none, unless the code changed or the
 trace was not written by this code).
@@ -26,6 +27,8 @@ import msgspec
 
 from protocol.dedup import Position
 from protocol.events import TaskCommand, TaskEvent
+from protocol.lease import LeaseTiming
+from protocol.membership import MemberCommand, MemberCore, MemberEvent, MemberRules
 from protocol.reader import ReaderCommand, ReaderConfig, ReaderCore, ReaderEvent
 from protocol.retry import RetryCommand, RetryCore, RetryEvent, RetryPolicy
 from protocol.task import Rules, TaskConfig, TaskCore
@@ -75,8 +78,31 @@ class RetryStep(msgspec.Struct, frozen=True, tag_field="trace", tag="retry-step"
     commands: tuple[RetryCommand, ...]
 
 
-TraceLine = TraceStart | TraceStep | ReaderStart | ReaderStep | RetryStart | RetryStep
-Step = TraceStep | ReaderStep | RetryStep
+class MemberStart(msgspec.Struct, frozen=True, tag_field="trace", tag="member-start"):
+    core: str
+    task_id: str
+    timing: LeaseTiming
+    rules: MemberRules = MemberRules()
+
+
+class MemberStep(msgspec.Struct, frozen=True, tag_field="trace", tag="member-step"):
+    core: str
+    now: int
+    event: MemberEvent
+    commands: tuple[MemberCommand, ...]
+
+
+TraceLine = (
+    TraceStart
+    | TraceStep
+    | ReaderStart
+    | ReaderStep
+    | RetryStart
+    | RetryStep
+    | MemberStart
+    | MemberStep
+)
+Step = TraceStep | ReaderStep | RetryStep | MemberStep
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(TraceLine)
@@ -118,6 +144,7 @@ def replay(lines: Iterable[TraceLine]) -> Iterator[tuple[Step, list[Any]]]:
     core: TaskCore | None = None
     readers: dict[str, ReaderCore] = {}
     retries: dict[str, RetryCore] = {}
+    members: dict[str, MemberCore] = {}
     for line in lines:
         match line:
             case TraceStart():
@@ -142,6 +169,13 @@ def replay(lines: Iterable[TraceLine]) -> Iterator[tuple[Step, list[Any]]]:
                 if retry is None:
                     raise TraceError(f"a step of retry core {line.core!r} before its start line")
                 yield line, list(retry.handle(line.event, line.now))
+            case MemberStart():
+                members[line.core] = MemberCore(line.task_id, line.timing, line.rules)
+            case MemberStep():
+                member = members.get(line.core)
+                if member is None:
+                    raise TraceError(f"a step of member core {line.core!r} before its start line")
+                yield line, list(member.handle(line.event, line.now))
 
 
 def mismatches(lines: Iterable[TraceLine]) -> list[str]:

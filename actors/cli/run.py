@@ -857,8 +857,13 @@ class Pipeline:
         connector = cfg.run.connector
 
         async def join(task_id: str) -> Membership:
+            trace = None  # its member core's trace, beside its task's (protocol/trace.py)
+            if cfg.run.trace_dir is not None:
+                path = Path(cfg.run.trace_dir) / f"member-{task_id}.trace.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                trace = stack.enter_context(path.open("ab"))
             membership = KafkaMembership(
-                kafka, connector, task_id, validate=cfg.run.debug_validate
+                kafka, connector, task_id, trace=trace, validate=cfg.run.debug_validate
             )
             await membership.start()
             return membership

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, BinaryIO, Final, Self
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
@@ -26,6 +26,7 @@ from aiokafka.coordinator.protocol import (
 from aiokafka.errors import KafkaError, RebalanceInProgressError
 
 from protocol import epochs, lease
+from protocol import trace as tracing
 from protocol.membership import (
     Assigned,
     HeartbeatAnswered,
@@ -272,9 +273,11 @@ class KafkaMembership:
         epoch_floor: Callable[[], int] | None = None,
         logged_epoch: Callable[[], epochs.Logged] | None = None,
         heartbeat_while_rebalancing: bool = True,
+        trace: BinaryIO | None = None,
         validate: bool = False,
     ) -> None:
-        """``validate``: check the member core's invariants after every event (debugging)."""
+        """``trace``: record the member core's inputs and commands there (protocol/trace.py);
+        ``validate``: check its invariants after every event (debugging)."""
         check_connector(connector)
         if not task_id:
             raise ValueError("task_id must not be empty")
@@ -300,6 +303,9 @@ class KafkaMembership:
         )
         # this member's epochs and the facts its lease is derived from (protocol/membership.py)
         self._core = MemberCore(task_id, self._timing)
+        self._trace = trace
+        if trace is not None:
+            trace.write(tracing.encode(tracing.MemberStart(task_id, task_id, self._timing)))
         self._validate = validate
         # when (our clock, micros) the coordinator last answered a group request as this
         # member's: it is reachable then, whatever the lease (send times) says
@@ -812,7 +818,11 @@ class KafkaMembership:
         self._put(GroupLost(reason=reason))
 
     def _step(self, event: MemberEvent) -> list[MemberCommand]:
-        commands = self._core.handle(event, int(self._clock() * 1e6))
+        now = int(self._clock() * 1e6)
+        commands = self._core.handle(event, now)
+        if self._trace is not None:
+            step = tracing.MemberStep(self.task_id, now, event, tuple(commands))
+            self._trace.write(tracing.encode(step))
         if self._validate:
             self._core.validate()
         return commands

@@ -59,9 +59,25 @@ def test_broken_traces_are_clear_errors() -> None:
 def _reader_and_retry_trace() -> list[bytes]:
     """A task's trace with one reader core in it, and a retry core's steps."""
     from protocol.dedup import Position
-    from protocol.reader import BatchCommitted, Chunk, ReaderConfig, ReaderCore, ReaderTick, Start
+    from protocol.reader import (
+        BatchCommitted,
+        Chunk,
+        ReaderConfig,
+        ReaderCore,
+        ReaderEvent,
+        ReaderTick,
+        Start,
+    )
     from protocol.records import DataChange, Heartbeat, Mod
-    from protocol.retry import Deliver, DeliveryFailed, ForgetSettled, RetryCore, RetryPolicy, Tick
+    from protocol.retry import (
+        Deliver,
+        DeliveryFailed,
+        ForgetSettled,
+        RetryCore,
+        RetryEvent,
+        RetryPolicy,
+        Tick,
+    )
 
     t0 = 1_700_000_000_000_000
     config = ReaderConfig("p1", batch_records=1)
@@ -78,17 +94,27 @@ def _reader_and_retry_trace() -> list[bytes]:
         mods=(Mod('{"Id":"1"}', "{}", "{}"),),
         mod_type="INSERT",
     )
-    reader_events = [Start(None), Chunk(1, (record, Heartbeat(t0 + 5))), BatchCommitted(1)]
-    for now, event in enumerate([*reader_events, ReaderTick()], 1):
+    reader_events: list[ReaderEvent] = [
+        Start(None),
+        Chunk(1, (record, Heartbeat(t0 + 5))),
+        BatchCommitted(1),
+        ReaderTick(),
+    ]
+    for now, event in enumerate(reader_events, 1):
         commands = reader.handle(event, now)
         lines.append(trace.encode(trace.ReaderStep("reader:p1:0", now, event, tuple(commands))))
     policy = RetryPolicy(max_attempts=2, base_backoff=1.0, jitter=0.5)
     retry = RetryCore(policy, 7)
     lines.append(trace.encode(trace.RetryStart("out", policy, 7, shared=False)))
-    retry_events = [Deliver("r1", "k"), DeliveryFailed("r1", "boom"), Tick(), ForgetSettled(0)]
-    for now, event in zip([1.0, 2.0, 9.0, 10.0], retry_events, strict=True):
-        got = retry.handle(event, now)
-        step = trace.RetryStep("out", now, event, tuple(got))  # type: ignore[arg-type]
+    retry_events: list[RetryEvent] = [
+        Deliver("r1", "k"),
+        DeliveryFailed("r1", "boom"),
+        Tick(),
+        ForgetSettled(0),
+    ]
+    for at, stimulus in zip([1.0, 2.0, 9.0, 10.0], retry_events, strict=True):
+        got = retry.handle(stimulus, at)
+        step = trace.RetryStep("out", at, stimulus, tuple(got))  # type: ignore[arg-type]
         lines.append(trace.encode(step))
     return lines
 
@@ -115,3 +141,32 @@ def test_a_step_of_a_core_never_started_is_a_clear_error() -> None:
     lines = list(trace.decode(_reader_and_retry_trace()))[1:]  # the reader's start left out
     with pytest.raises(trace.TraceError, match="reader core 'reader:p1:0' before its start"):
         trace.mismatches(lines)
+
+
+def test_a_member_core_replays_from_its_trace() -> None:
+    from protocol.lease import LeaseTiming
+    from protocol.membership import (
+        Assigned,
+        HeartbeatAnswered,
+        JoinSent,
+        MemberCore,
+        MemberEvent,
+        SyncAnswered,
+    )
+
+    timing = LeaseTiming(session=3_000, rebalance=6_000, margin=500)
+    core = MemberCore("a", timing)
+    lines = [trace.encode(trace.MemberStart("a", "a", timing))]
+    events: list[MemberEvent] = [
+        JoinSent(100),
+        SyncAnswered(200),
+        Assigned(0, 0, "a", ("a",)),
+        HeartbeatAnswered(1_000, rebalancing=False),
+    ]
+    for now, event in enumerate(events, 1):
+        lines.append(
+            trace.encode(trace.MemberStep("a", now, event, tuple(core.handle(event, now))))
+        )
+    decoded = list(trace.decode(lines))
+    assert trace.mismatches(decoded) == []
+    assert trace.mismatches([*decoded[:2], *decoded[3:]])  # without the SyncGroup's answer
