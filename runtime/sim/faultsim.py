@@ -912,10 +912,8 @@ class Simulation:
                         # the shell's coalescing (actors/task.py, TaskActor.report): a newer
                         # committed position of a partition supersedes an older one
                         seen = node.commits.get(event.token)
-                        if seen is None or (event.watermark, len(event.tail)) > (
-                            seen[0],
-                            len(seen[1]),
-                        ):
+                        new = Position(event.watermark, event.tail)
+                        if seen is None or Position(*seen).newer(new) is new:
                             node.commits[event.token] = (event.watermark, event.tail)
                     else:
                         self.deliver(node, event)
