@@ -216,7 +216,7 @@ class TaskNode:
         await sup.spawn(leader)
         task.leader = leader
         sup.start_soon(task.membership_loop(self.membership), name=f"group:{self.task_id}")
-        sup.start_soon(task.timer_loop(self.membership), name=f"timer:{self.task_id}")
+        sup.start_soon(task.timer_loop(), name=f"timer:{self.task_id}")
         if not task.core.member:  # time out of the group counts from here, not from replay
             task.out_of_group_since = time.monotonic()
         self.ready.set()

@@ -31,10 +31,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import BinaryIO
 
 import msgspec
 
 from actors.kernel import Actor
+from protocol import trace as tracing
 from protocol.dedup import Position
 from protocol.events import Ids, ReaderFailed, ReaderStopped, StopReason, TaskEvent
 from protocol.reader import (
@@ -108,7 +110,13 @@ class PartitionReader(Actor[Stop]):
         batch_records: int = 2000,
         stall_timeout: float = 30.0,
         tail: Ids = (),
+        trace: BinaryIO | None = None,
+        trace_name: str = "",
+        validate: bool = False,
     ) -> None:
+        """``trace``: record the core's inputs and commands there (its task's trace, the core
+        named ``trace_name``: protocol/trace.py); ``validate``: check the core's invariants after
+        every event (debugging)."""
         super().__init__(f"reader:{token}", capacity=4)
         self.token = token
         self._source = source
@@ -125,7 +133,13 @@ class PartitionReader(Actor[Stop]):
             drain_timeout=int(drain_timeout * 1e6),
             stall_timeout=int(stall_timeout * 1e6),
         )
-        self.core = ReaderCore(config, Position(start_ts, tail))
+        start = Position(start_ts, tail)
+        self.core = ReaderCore(config, start)
+        self._trace = trace
+        self._trace_name = trace_name or f"reader:{token}"
+        if trace is not None:
+            trace.write(tracing.encode(tracing.ReaderStart(self._trace_name, config, start)))
+        self._validate = validate
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._query: asyncio.Task[None] | None = None
         self._group: asyncio.TaskGroup | None = None
@@ -218,9 +232,20 @@ class PartitionReader(Actor[Stop]):
                 )
                 await asyncio.sleep(delay)
 
+    def _step(self, event: ReaderEvent) -> list[ReaderCommand]:
+        """One event through the core (traced and checked when asked)."""
+        now = _micros()
+        commands = self.core.handle(event, now)
+        if self._trace is not None:
+            step = tracing.ReaderStep(self._trace_name, now, event, tuple(commands))
+            self._trace.write(tracing.encode(step))
+        if self._validate:
+            self.core.validate()
+        return commands
+
     async def _drive(self) -> TaskEvent:
         sink_position = await self._prepare()
-        commands = self.core.handle(Start(sink_position), _micros())
+        commands = self._step(Start(sink_position))
         while True:
             for command in commands:
                 end = await self._execute(command)
@@ -231,7 +256,7 @@ class PartitionReader(Actor[Stop]):
                 event = msgspec.structs.replace(event, permitted=self._permit())
             late = self.core.out_of_order
             try:
-                commands = self.core.handle(event, _micros())
+                commands = self._step(event)
             finally:
                 if handled is not None and not handled.done():
                     handled.set_result(None)

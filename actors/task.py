@@ -17,7 +17,8 @@ start, the roots then starting after it: ``protocol/snapshot.py``), and tells th
 ``TaskActor.timer_loop`` is the task's only timer, as aioquic's ``get_timer()``: it sleeps until
 the core's ``next_deadline()`` or until the core handled another event (which may move the
 deadline), whichever comes first, then hands the core a ``TaskTick``; an idle task with nothing
-due does not wake. It also renews the core's lease from the membership before it runs out.
+due does not wake. The core's lease comes from the membership, which pushes each renewal (a
+``GroupLease`` event, turned into the core's ``Lease`` by ``membership_loop``): nobody polls it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from protocol import messages, planner
 from protocol import snapshot as snapshots
 from protocol import trace as tracing
 from protocol.cim import Cim
+from protocol.dedup import Position
 from protocol.events import Ids
 from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncMessage
 from protocol.records import ChildPartitions
@@ -74,7 +76,6 @@ from runtime.ports import (
 log = logging.getLogger("shoal.task")
 
 _MIN_GAP = 0.005  # seconds: the least time between two ticks of a deadline that did not move
-_LEASE_RECHECK = 0.1  # seconds: the least time between two looks at the membership's lease
 
 
 def wall_micros() -> int:
@@ -114,7 +115,9 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self._trace = trace
         if trace is not None:
             trace.write(tracing.encode(tracing.start(config, seed)))
-        self._validate = validate  # debug: the core checks its invariants after every event
+        # debug: the core (and each reader's) checks its invariants after every event
+        self._validate = validate
+        self._readers_started = 0  # names each reader core in the trace
         self.sync_log = sync_log
         self.source = source
         self.sink = sink
@@ -138,7 +141,6 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self.stuck = 0  # owned partitions whose watermark stood still too long (last watch)
         self._stepped = asyncio.Event()  # set whenever the core handled an event
         self.ticks = 0  # TaskTicks the timer handed the core
-        self._lease_checked = 0  # core time the membership's lease was last looked at
         # Monotonic time since which the task has not been a group member (None: it is one).
         self.out_of_group_since: float | None = time.monotonic()
 
@@ -190,7 +192,9 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         if not self.alive:
             return
         if isinstance(event, ReaderCommitted):
-            if (event.watermark, len(event.tail)) > _rank(self._commits.get(event.token)):
+            seen = self._commits.get(event.token)
+            new = Position(event.watermark, event.tail)
+            if seen is None or Position(*seen).newer(new) is new:  # a tie keeps the one seen
                 self._commits[event.token] = (event.watermark, event.tail)
         else:
             self._overflow.append(event)
@@ -248,7 +252,11 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             permit=self.permit,
             stall_timeout=self.core.config.stall_timeout / 1e6,
             tail=command.tail,
+            trace=self._trace,
+            trace_name=f"reader:{token}:{self._readers_started}",
+            validate=self._validate,
         )
+        self._readers_started += 1
         log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)
         self.readers[token] = reader
         self.readers_idle.clear()
@@ -366,41 +374,42 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             await self.tell(SyncRead(offset, message))
 
     async def membership_loop(self, membership: Membership) -> None:
+        """The membership's events into the mailbox: an assignment (with the lease it holds
+        then), a loss, and each lease renewal the membership pushes."""
         from protocol.task import Joined, Lost
-        from runtime.ports import GroupAssignment
+        from runtime.ports import GroupAssignment, GroupLease
 
         async for event in membership.events():
             if isinstance(event, GroupAssignment):
-                await self.tell(self.lease(membership))
+                await self.tell(self.lease_at(membership.lease_valid_until()))
                 await self.tell(
                     Joined(event.generation, event.leader, event.members, fresh=event.fresh)
                 )
+            elif isinstance(event, GroupLease):
+                await self.tell(self.lease_at(event.until))
             else:
                 await self.tell(Lost(event.reason))
 
-    def lease(self, membership: Membership) -> Lease:
-        """The membership's lease as an event for the core (on the core's clock)."""
+    def lease_at(self, until: float) -> Lease:
+        """A membership's lease (monotonic seconds) as an event for the core (on its clock)."""
         # A membership that is not (yet) a member has no lease: KafkaMembership says -inf. A
         # lease in the past changes nothing (the core keeps the latest), so clamp it to now.
-        remaining = max(0.0, membership.lease_valid_until() - time.monotonic())
+        remaining = max(0.0, until - time.monotonic())
         return Lease(self.clock() + int(remaining * 1_000_000))
 
     # -- the timer ----------------------------------------------------------------------------
-    async def timer_loop(self, membership: Membership) -> None:
-        """Sleep until the core's next deadline or the lease's renewal, or until the core handled
-        another event, whichever comes first; then renew the lease if the membership has a newer
-        one and, when the deadline is reached, tick the core and wait until it handled the tick.
-        One tick in flight at a time; a deadline the tick did not move (a core bug) is retried
-        at most every ``_MIN_GAP`` seconds, never in a busy loop."""
+    async def timer_loop(self) -> None:
+        """Sleep until the core's next deadline, or until the core handled another event,
+        whichever comes first; when the deadline is reached, tick the core and wait until it
+        handled the tick. One tick in flight at a time; a deadline the tick did not move (a core
+        bug) is retried at most every ``_MIN_GAP`` seconds, never in a busy loop."""
         loop = asyncio.get_running_loop()
         last_tick = -math.inf
         while True:
             self._stepped.clear()
             now = self.clock()
             deadline = self.core.next_deadline()
-            renew = self._renewal_due(now)
-            wake = min((t for t in (deadline, renew) if t is not None), default=None)
-            at = None if wake is None else loop.time() + max(0, wake - now) / 1_000_000
+            at = None if deadline is None else loop.time() + max(0, deadline - now) / 1_000_000
             if deadline is not None and deadline <= now:
                 at = max(loop.time(), last_tick + _MIN_GAP)
             if at is None or at > loop.time():
@@ -411,25 +420,11 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
                 except TimeoutError:
                     pass
             now = self.clock()
-            lease = self.lease(membership)
-            self._lease_checked = now
-            if lease.until > self.core.lease_until:
-                await self.tell(lease)
             deadline = self.core.next_deadline()
             if deadline is not None and deadline <= now:
                 last_tick = loop.time()
                 self.ticks += 1
                 await self.ask(TaskTick())
-
-    def _renewal_due(self, now: int) -> int | None:
-        """When to look at the membership's lease again (core time): half-way through what is
-        left of the core's lease since it was last looked at (as DHCP renews at half the lease),
-        at least ``_LEASE_RECHECK`` later; ``None`` while not a member (a join brings a lease)."""
-        core = self.core
-        if not core.member:
-            return None
-        recheck = self._lease_checked + int(_LEASE_RECHECK * 1_000_000)
-        return max(recheck, (self._lease_checked + core.lease_until) // 2)
 
     async def marker(self, timeout: float) -> None:
         """Write a marker and wait until it is read back: everything before it is in the CIM."""
@@ -520,8 +515,3 @@ class LeaderActor(Actor[PlanRequest]):
                         for c in record.children
                     ]
         return tuple(roots)
-
-
-def _rank(commit: tuple[int, Ids] | None) -> tuple[int, int]:
-    """A committed position's order: its watermark, then how many identities it holds."""
-    return (-1, 0) if commit is None else (commit[0], len(commit[1]))

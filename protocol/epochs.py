@@ -1,7 +1,7 @@
 """Epoch numbering: which epoch a group generation gets, and which epochs a member accepts.
 
-Pure functions (no I/O, no clock); the Kafka membership adapter (:mod:`runtime.kafka.membership`)
-calls them, and a simulator can call the same ones. See ``docs/design.md``, "Epochs".
+Pure functions (no I/O, no clock); the member core (:mod:`protocol.membership`) combines them for
+the Kafka membership adapter and the fault simulator alike. See ``docs/design.md``, "Epochs".
 
 An *epoch* numbers a generation of the heartbeat-topic group in the sync topic, where it fences
 older messages (:mod:`protocol.cim`). Epochs must never go back, but Kafka's generations do: they

@@ -184,6 +184,26 @@ class Observe(Event, frozen=True, tag="observe"):
     entry: LogEntry
 
 
+class ForgetSettled(Event, frozen=True, tag="forget"):
+    """Every entry written before this core's clock was ``upto`` has been observed (a barrier
+    begun then completed): :meth:`RetryCore.forget_settled` as an event, so a trace holds it."""
+
+    upto: int
+
+
+RetryEvent = (
+    Deliver
+    | DeliveryOk
+    | DeliveryFailed
+    | Tick
+    | ReplayDlq
+    | DiscardDlq
+    | Drive
+    | Observe
+    | ForgetSettled
+)
+RetryCommand = SendToSink | ParkInRetry | Released | SendToDlq | Discarded | Duplicate
+
 RQ_ENTRIES = (ParkInRetry, Released)
 DLQ_ENTRIES = (SendToDlq, Discarded)
 
@@ -352,6 +372,10 @@ class RetryCore:
     # -- the transition function -----------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, ForgetSettled):  # no command, and nothing deferred is applied
+            self.forget_settled(event.upto)
+            self.log.append((now, event, ()))
+            return []
         match event:
             case Deliver(record_id=rid, key=key):
                 cmds = self._deliver(rid, key, now)

@@ -69,14 +69,21 @@ class GroupLost(msgspec.Struct, frozen=True):
     reason: str
 
 
-GroupEvent = GroupAssignment | GroupLost
+class GroupLease(msgspec.Struct, frozen=True):
+    """This member's lease was renewed: it is surely a member until ``until`` (monotonic
+    seconds). A membership whose lease moves pushes this; the task does not poll."""
+
+    until: float
+
+
+GroupEvent = GroupAssignment | GroupLost | GroupLease
 
 
 class Membership(Protocol):
     """Membership of the heartbeat-topic consumer group, used only for its rebalance protocol."""
 
     def events(self) -> AsyncIterator[GroupEvent]:
-        """Rebalances and losses, in the order they happen."""
+        """Rebalances, losses and lease renewals, in the order they happen."""
         ...
 
     def lease_valid_until(self) -> float:

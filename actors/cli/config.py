@@ -292,13 +292,18 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trace_dir: Annotated[
         str | None,
         _d(
-            "Write every input of each task's protocol core, and the commands it returned, to "
-            "<dir>/<task id>.trace.jsonl, to replay the run offline (protocol.trace)."
+            "Write every input of each task's protocol cores (its own and its readers'), and "
+            "the commands they returned, to <dir>/<task id>.trace.jsonl (a Kafka sink's retry "
+            "core: <dir>/retry-<output>.trace.jsonl), to replay the run offline "
+            "(protocol.trace)."
         ),
     ] = None
     debug_validate: Annotated[
         bool,
-        _d("Check each task core's invariants after every event (debugging; slower)."),
+        _d(
+            "Check the invariants of every protocol core (the task's, its readers', its group "
+            "membership's, a Kafka sink's retry queue's) after every event (debugging; slower)."
+        ),
     ] = False
 
 

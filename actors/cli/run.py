@@ -788,6 +788,11 @@ class Pipeline:
                 # the output is a composite topic described by <output>_meta: it can grow
                 # while shoal runs (``output add-storage-topic`` / ``switch-produce``)
                 lease = cfg.kafka.output_lease_s
+                trace = None  # its retry core's trace, beside the tasks' (protocol/trace.py)
+                if cfg.run.trace_dir is not None:
+                    path = Path(cfg.run.trace_dir) / f"retry-{sink_config.name}.trace.jsonl"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    trace = stack.enter_context(path.open("ab"))
                 inner = await stack.enter_async_context(
                     KafkaSink(
                         kafka,
@@ -795,6 +800,8 @@ class Pipeline:
                         driver=self._leads,
                         takeover_grace_s=cfg.run.rq_takeover_grace_s,
                         meta=MetaOptions(lease_ttl_s=lease, margin_s=lease / 5),
+                        trace=trace,
+                        validate=cfg.run.debug_validate,
                     )
                 )
         # the identity of every record delivered, for the self-check of a simulated stream or
@@ -851,7 +858,14 @@ class Pipeline:
         connector = cfg.run.connector
 
         async def join(task_id: str) -> Membership:
-            membership = KafkaMembership(kafka, connector, task_id)
+            trace = None  # its member core's trace, beside its task's (protocol/trace.py)
+            if cfg.run.trace_dir is not None:
+                path = Path(cfg.run.trace_dir) / f"member-{task_id}.trace.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                trace = stack.enter_context(path.open("ab"))
+            membership = KafkaMembership(
+                kafka, connector, task_id, trace=trace, validate=cfg.run.debug_validate
+            )
             await membership.start()
             return membership
 

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, BinaryIO, Final, Self
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
@@ -26,10 +26,27 @@ from aiokafka.coordinator.protocol import (
 from aiokafka.errors import KafkaError, RebalanceInProgressError
 
 from protocol import epochs, lease
+from protocol import trace as tracing
+from protocol.membership import (
+    Assigned,
+    HeartbeatAnswered,
+    JoinAnswered,
+    JoinFailed,
+    JoinSent,
+    LeaseUntil,
+    MemberCommand,
+    MemberCore,
+    MemberEvent,
+    MembershipLost,
+    Refuse,
+    Said,
+    SyncAnswered,
+    Take,
+)
 from runtime import compat
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import check_connector, ensure_topic, heartbeat_topic
-from runtime.ports import GroupAssignment, GroupEvent, GroupLost, Membership
+from runtime.ports import GroupAssignment, GroupEvent, GroupLease, GroupLost, Membership
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +91,9 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     """Assigns no partition; carries task ids (and the newest epoch each member knows) up in the
     subscriptions, and the leader, the member list and the generation's epoch down.
 
-    The leader numbers the generation's epoch by :func:`protocol.epochs.number` (the rules are in
-    :mod:`protocol.epochs`): the generation, unless some member knows an epoch at least as new.
+    What a member says and how the leader numbers the generation's epoch are the member core's
+    (:meth:`protocol.membership.MemberCore.said`, :meth:`~protocol.membership.MemberCore.number`):
+    the generation, unless some member knows an epoch at least as new.
 
     aiokafka calls ``metadata``/``on_assignment`` on every member and ``assign`` on the group
     leader only, on this very instance (the ABC declares them classmethods; instances work).
@@ -85,22 +103,19 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     version = 0
 
     def __init__(
-        self,
-        task_id: str,
-        floor: Callable[[], int],
-        generation: Callable[[], int],
-        fresh: Callable[[], bool] = lambda: False,
+        self, core: MemberCore, floor: Callable[[], int], generation: Callable[[], int]
     ) -> None:
-        self._task_id = task_id
-        self._floor = floor
+        self._core = core
+        self._task_id = core.task_id
+        self._floor = floor  # the newest epoch in this member's CIM
         self._generation = generation
-        self._fresh = fresh
         self.received: _GroupInfo | None = None  # the last assignment's info, if it decoded
         self.bad_subscriptions = 0
 
     def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:
+        said = self._core.said(self._floor())
         user_data = msgspec.json.encode(
-            _MemberInfo(task_id=self._task_id, floor=self._floor(), fresh=self._fresh())
+            _MemberInfo(task_id=said.task_id, floor=said.floor, fresh=said.fresh)
         )
         return ConsumerProtocolMemberMetadata(self.version, sorted(topics), user_data)
 
@@ -108,14 +123,13 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
         self, cluster: Any, members: Mapping[str, ConsumerProtocolMemberMetadata]
     ) -> dict[str, ConsumerProtocolMemberAssignment]:
         task_ids: dict[str, str] = {}
-        known = [self._floor()]
-        said: list[tuple[str, bool]] = []  # (task id, fresh) of each member
+        floor = self._floor()
+        said: list[Said] = []  # what each member said in its JoinGroup
         for member_id, metadata in members.items():
             try:
                 member_info = _member_info_decoder.decode(metadata.user_data)
                 task_ids[member_id] = member_info.task_id
-                known.append(member_info.floor)
-                said.append((member_info.task_id, member_info.fresh))
+                said.append(Said(member_info.task_id, member_info.floor, member_info.fresh))
             except msgspec.DecodeError as exc:
                 self.bad_subscriptions += 1
                 log.warning(
@@ -124,9 +138,8 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
                     exc,
                 )
                 task_ids[member_id] = member_id
-                said.append((member_id, False))
+                said.append(Said(member_id))
         unique = sorted(set(task_ids.values()))
-        fresh = epochs.fresh_tasks(said)
         if len(unique) != len(task_ids):
             log.error(
                 "two group members claim the same task id (%s): task ids must be unique",
@@ -135,13 +148,14 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
         # aiokafka sets the coordinator's generation from the JoinGroup response before it asks
         # the leader to assign.
         generation = self._generation()
-        epoch = epochs.number(generation, known)
+        numbered = self._core.number(generation, said, floor)
+        epoch, fresh = numbered.epoch, numbered.fresh
         if epoch != generation:
             log.warning(
                 "group generation %d is not newer than epoch %d a member knows (the group "
                 "started over): this generation is epoch %d",
                 generation,
-                epochs.newest(*known),
+                epochs.newest(self._core.known(floor), *(s.floor for s in said)),
                 epoch,
             )
         info = msgspec.json.encode(
@@ -188,6 +202,7 @@ class MembershipStats(msgspec.Struct, frozen=True):
 
 
 _END: Final = object()
+_LEASE: Final = object()  # the lease was renewed: events() yields the lease it then holds
 
 
 class KafkaMembership(Membership):
@@ -258,7 +273,11 @@ class KafkaMembership(Membership):
         epoch_floor: Callable[[], int] | None = None,
         logged_epoch: Callable[[], epochs.Logged] | None = None,
         heartbeat_while_rebalancing: bool = True,
+        trace: BinaryIO | None = None,
+        validate: bool = False,
     ) -> None:
+        """``trace``: record the member core's inputs and commands there (protocol/trace.py);
+        ``validate``: check its invariants after every event (debugging)."""
         check_connector(connector)
         if not task_id:
             raise ValueError("task_id must not be empty")
@@ -282,20 +301,19 @@ class KafkaMembership(Membership):
         self._timing = lease.LeaseTiming(
             session=session * 1000, rebalance=rebalance * 1000, margin=margin * 1000
         )
-        self._facts = lease.MemberFacts()  # the membership facts the lease is derived from
+        # this member's epochs and the facts its lease is derived from (protocol/membership.py)
+        self._core = MemberCore(task_id, self._timing)
+        self._trace = trace
+        if trace is not None:
+            trace.write(tracing.encode(tracing.MemberStart(task_id, task_id, self._timing)))
+        self._validate = validate
         # when (our clock, micros) the coordinator last answered a group request as this
         # member's: it is reachable then, whatever the lease (send times) says
         self._heard: int | None = None
         self._clock = clock
         self._epoch_floor = epoch_floor
         self._logged_epoch = logged_epoch
-        self._epoch_seen = epochs.NO_EPOCH  # the newest epoch this member was assigned
-        self._assignor = _TaskAssignor(
-            task_id,
-            self._known_epoch,
-            self._coordinator_generation,
-            fresh=lambda: self._epoch_seen == epochs.NO_EPOCH,
-        )
+        self._assignor = _TaskAssignor(self._core, self._cim_epoch, self._coordinator_generation)
         self._events: asyncio.Queue[GroupEvent | object] = asyncio.Queue(event_buffer)
         self._consumer: AIOKafkaConsumer | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -312,8 +330,7 @@ class KafkaMembership(Membership):
         self._heartbeats_failed = 0
         self._poll_errors = 0
         self._events_dropped = 0
-        self._stale_epochs = 0
-        self._landed_first = 0
+        self._lease_queued = False  # a lease renewal waits in the events queue
         self._probes = 0
         self._probes_counted = 0
         self._lease_lapses = 0
@@ -337,12 +354,12 @@ class KafkaMembership(Membership):
     def rebalance_in_progress(self) -> bool:
         """A rebalance started (this member was told so, or is rejoining) and has not completed
         yet."""
-        return self._joining or lease.rebalance_in_progress(self._facts)
+        return self._joining or self._core.rebalance_in_progress()
 
     @property
     def lease_facts(self) -> lease.MemberFacts:
         """The membership facts the lease is derived from (send times in micros of the clock)."""
-        return self._facts
+        return self._core.facts
 
     @property
     def current(self) -> GroupAssignment | None:
@@ -359,9 +376,9 @@ class KafkaMembership(Membership):
         if logged is not None:
             self._logged_epoch = logged
 
-    def _known_epoch(self) -> int:
-        floor = self._epoch_floor() if self._epoch_floor is not None else epochs.NO_EPOCH
-        return epochs.newest(self._epoch_seen, floor)
+    def _cim_epoch(self) -> int:
+        """The newest epoch this task has read in the sync topic (none without ``epoch_floor``)."""
+        return self._epoch_floor() if self._epoch_floor is not None else epochs.NO_EPOCH
 
     def _coordinator_generation(self) -> int:
         consumer = self._consumer
@@ -374,7 +391,7 @@ class KafkaMembership(Membership):
     def lease_valid_until(self) -> float:
         if self._current is None:
             return -math.inf
-        until = lease.valid_until(self._facts, self._timing)
+        until = self._core.lease_until()
         return -math.inf if until is None else until / 1_000_000
 
     def statistics(self) -> MembershipStats:
@@ -389,8 +406,8 @@ class KafkaMembership(Membership):
             heartbeats_failed=self._heartbeats_failed,
             poll_errors=self._poll_errors,
             events_dropped=self._events_dropped,
-            stale_epochs=self._stale_epochs,
-            landed_first=self._landed_first,
+            stale_epochs=self._core.stale_epochs,
+            landed_first=self._core.landed_first,
             probes=self._probes,
             probes_counted=self._probes_counted,
             lease_lapses=self._lease_lapses,
@@ -406,6 +423,12 @@ class KafkaMembership(Membership):
     async def _iterate_events(self) -> AsyncIterator[GroupEvent]:
         while True:
             item = await self._events.get()
+            if item is _LEASE:
+                self._lease_queued = False
+                until = self.lease_valid_until()
+                if until > -math.inf:
+                    yield GroupLease(until=until)
+                continue
             if item is _END:
                 runner = self._runner
                 if runner is not None and runner.done() and not runner.cancelled():
@@ -413,7 +436,7 @@ class KafkaMembership(Membership):
                     if error is not None:
                         raise MembershipError(f"{self!r} failed: {error!r}") from error
                 return
-            assert isinstance(item, GroupAssignment | GroupLost)
+            assert isinstance(item, GroupAssignment | GroupLost | GroupLease)
             yield item
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -483,7 +506,7 @@ class KafkaMembership(Membership):
 
     async def _leave(self, consumer: AIOKafkaConsumer) -> None:
         coordinator = compat.group_coordinator(consumer)
-        silent = lease.silent_for(self._facts, self._heard, int(self._clock() * 1e6)) / 1e6
+        silent = self._core.silent_for(self._heard, int(self._clock() * 1e6)) / 1e6
         unreachable = silent > self._session_s
         if self._joining and unreachable:
             # Nothing answered for a whole session: the coordinator is unreachable (down,
@@ -590,7 +613,7 @@ class KafkaMembership(Membership):
             allowed = self._session_s
             if self._joining:
                 allowed += self._rebalance_timeout_ms / 1000
-            silent = lease.silent_for(self._facts, self._heard, int(self._clock() * 1e6)) / 1e6
+            silent = self._core.silent_for(self._heard, int(self._clock() * 1e6)) / 1e6
             if silent > allowed:
                 self._lose(
                     f"no successful heartbeat for {silent:.1f} s (session timeout "
@@ -612,7 +635,7 @@ class KafkaMembership(Membership):
             return
         self._lapsed_at = now
         self._lease_lapses += 1
-        f = self._facts
+        f = self._core.facts
 
         def ago(t: int | None) -> str:
             return "never" if t is None else f"{now - t / 1e6:.1f} s ago"
@@ -644,7 +667,8 @@ class KafkaMembership(Membership):
         timeout = self._config.request_timeout_ms / 1000
         while True:
             await asyncio.sleep(interval)
-            if self._current is None or not (self._joining or self._facts.join_sent is not None):
+            joining = self._joining or self._core.facts.join_sent is not None
+            if self._current is None or not joining:
                 continue
             life = self._life
             sent = self._clock()
@@ -670,8 +694,7 @@ class KafkaMembership(Membership):
         (micros; protocol/lease.py K1). True when it counted."""
         if error not in (_NONE, _REBALANCE_IN_PROGRESS):
             return False
-        rebalancing = error == _REBALANCE_IN_PROGRESS
-        self._facts = lease.heartbeat_answered(self._facts, sent, rebalancing=rebalancing)
+        self._apply(HeartbeatAnswered(sent, rebalancing=error == _REBALANCE_IN_PROGRESS))
         self._heard = int(self._clock() * 1e6)  # an answer as this member's came now
         return True
 
@@ -694,19 +717,20 @@ class KafkaMembership(Membership):
             if kind == "heartbeat":
                 self._heartbeat_answered(sent, error)
                 return
-            facts = self._facts
+            event: MemberEvent | None = None
             if kind == "join":
                 if error is None:
-                    facts = lease.join_sent(facts, sent)
+                    event = JoinSent(sent)
                 elif error == _NONE:
-                    facts = lease.join_answered(facts)
+                    event = JoinAnswered()
                 else:
-                    facts = lease.join_failed(facts)
+                    event = JoinFailed()
             elif error == _NONE:  # sync
-                facts = lease.sync_answered(facts, sent)
+                event = SyncAnswered(sent)
             if error == _NONE:
                 self._heard = int(self._clock() * 1e6)  # an answer as this member's came now
-            self._facts = facts
+            if event is not None:
+                self._apply(event)
 
         compat.observe_heartbeats(coordinator, self._clock, heartbeat_done)
         compat.observe_group_requests(coordinator, self._clock, answered)
@@ -734,20 +758,27 @@ class KafkaMembership(Membership):
                 "%r: the leader's member list %s does not include this task", self, info.members
             )
         logged = self._logged_epoch() if self._logged_epoch is not None else epochs.Logged()
-        own = epochs.landed_first(info.epoch, info.leader, info.members, self._epoch_seen, logged)
-        verdict = epochs.receive(info.epoch, coordinator.generation, self._known_epoch(), own=own)
-        if own:
-            self._landed_first += 1
+        assigned = Assigned(
+            info.epoch,
+            coordinator.generation,
+            info.leader,
+            info.members,
+            info.fresh,
+            floor=self._cim_epoch(),
+            logged=logged,
+        )
+        [verdict] = self._step(assigned)
+        assert isinstance(verdict, Take | Refuse), verdict
+        if verdict.landed_first:
             log.info(
                 "%r: epoch %d was in the sync topic before this member's assignment (its "
                 "leader planned before this member answered): it is this generation's own",
                 self,
                 info.epoch,
             )
-        if isinstance(verdict, epochs.Stale):
+        if isinstance(verdict, Refuse):
             # The leader did not know how far the epochs went (this member had not told it yet,
             # or the group started over): rejoin, and the next leader learns it from us.
-            self._stale_epochs += 1
             log.warning(
                 "%r: assigned epoch %d (generation %d), not newer than epoch %d known here; "
                 "rejoining",
@@ -759,9 +790,11 @@ class KafkaMembership(Membership):
             self._lose(verdict.reason)
             coordinator.request_rejoin()
             return
-        self._epoch_seen = verdict.epoch
         event = GroupAssignment(
-            generation=verdict.epoch, leader=info.leader, members=info.members, fresh=info.fresh
+            generation=verdict.epoch,
+            leader=verdict.leader,
+            members=verdict.members,
+            fresh=verdict.fresh,
         )
         self._current = event
         self._assignments += 1
@@ -779,16 +812,38 @@ class KafkaMembership(Membership):
             return
         log.warning("%r: group membership lost: %s", self, reason)
         self._current = None
-        self._facts = lease.lost(self._facts)
+        self._apply(MembershipLost(reason))
         self._life += 1
         self._losses += 1
         self._put(GroupLost(reason=reason))
+
+    def _step(self, event: MemberEvent) -> list[MemberCommand]:
+        now = int(self._clock() * 1e6)
+        commands = self._core.handle(event, now)
+        if self._trace is not None:
+            step = tracing.MemberStep(self.task_id, now, event, tuple(commands))
+            self._trace.write(tracing.encode(step))
+        if self._validate:
+            self._core.validate()
+        return commands
+
+    def _apply(self, event: MemberEvent) -> None:
+        """Hand the member core an event; a lease it reports while this task is a member is
+        pushed to the events' reader (one renewal queued at a time: the reader gets the lease
+        the facts give when it takes it)."""
+        for command in self._step(event):
+            member = self._current is not None
+            if isinstance(command, LeaseUntil) and member and not self._lease_queued:
+                self._lease_queued = True
+                self._put(_LEASE)
 
     def _put(self, item: GroupEvent | object) -> None:
         """Queue an event; when nobody reads them, the oldest is dropped (and counted): the
         newest says more about the group than a stale one."""
         if self._events.full():
             dropped = self._events.get_nowait()
+            if dropped is _LEASE:
+                self._lease_queued = False
             self._events_dropped += 1
             log.error("%r: nobody reads group events; dropped the oldest: %r", self, dropped)
         self._events.put_nowait(item)

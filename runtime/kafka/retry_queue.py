@@ -67,14 +67,16 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, Self
+from typing import BinaryIO, Protocol, Self
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
+from protocol import trace as tracing
 from protocol.retry import (
+    Command,
     Deliver,
     DeliveryFailed,
     DeliveryOk,
@@ -85,12 +87,15 @@ from protocol.retry import (
     Duplicate,
     Event,
     FeedPlan,
+    ForgetSettled,
     LogEntry,
     Observe,
     ParkInRetry,
     Released,
     ReplayDlq,
+    RetryCommand,
     RetryCore,
+    RetryEvent,
     RetryPolicy,
     SendToDlq,
     SendToSink,
@@ -489,7 +494,11 @@ class RetryQueue:
         takeover_grace_s: float = 10.0,
         steer_interval_s: float = 0.25,
         gate: WriteGate | None = None,
+        trace: BinaryIO | None = None,
+        validate: bool = False,
     ) -> None:
+        """``trace``: record the retry core's inputs and commands there (protocol/trace.py);
+        ``validate``: check the core's invariants after every event (debugging)."""
         self._config = config
         self.gate = gate  # RQ/DLQ writes ask it for the layout (a shard-count change may hold)
         # Several owners over these topics (see "Several owners" in the module docstring):
@@ -512,6 +521,11 @@ class RetryQueue:
         self._clock = clock
         self.name = name
         self.core = RetryCore(queue.policy, queue.seed, shared=driver is not None)
+        self._trace = trace
+        if trace is not None:
+            start = tracing.RetryStart(name, queue.policy, queue.seed, shared=self._shared)
+            trace.write(tracing.encode(start))
+        self._validate = validate
         self._payloads: dict[str, bytes] = {}
         self._waiters: dict[str, list[_Batch]] = {}
         self._doomed: dict[str, str] = {}  # record id -> error of a failure that happened already
@@ -633,7 +647,7 @@ class RetryQueue:
             for topic in topics:
                 await check_partitions(producer, topic)
             if self._shared:
-                self.core.handle(Drive(False), self._clock())  # until driver() says so
+                self._step(Drive(False))  # until driver() says so
                 return  # the tail reads the topics, the first barrier waits for it
             loaded = await load_log(
                 self._config,
@@ -868,7 +882,7 @@ class RetryQueue:
 
     def _barrier_passed(self, future: asyncio.Future[None], *, upto: int) -> None:
         if not future.cancelled() and future.exception() is None:
-            self.core.forget_settled(upto)
+            self._step(ForgetSettled(upto))
 
     def _fail_barriers(self, error: BaseException) -> None:
         futures = [f for _, f in self._barriers.values()]
@@ -1042,13 +1056,27 @@ class RetryQueue:
         if producer is not None:
             await producer.flush()
 
+    def _step(self, event: Event) -> list[Command]:
+        """One event through the core (traced and checked when asked)."""
+        now = self._clock()
+        cmds = self.core.handle(event, now)
+        if self._trace is not None:
+            assert isinstance(event, RetryEvent), event
+            recorded = tuple(c for c in cmds if isinstance(c, RetryCommand))
+            assert len(recorded) == len(cmds), cmds
+            step = tracing.RetryStep(self.name, now, event, recorded)
+            self._trace.write(tracing.encode(step))
+        if self._validate:
+            self.core.validate()
+        return cmds
+
     async def _handle(self, event: Event) -> None:
         if isinstance(event, DeliveryOk):
             self._n.delivered += 1
             self._settle(event.record_id)
         elif isinstance(event, DeliveryFailed):
             self._n.failures += 1
-        cmds = self.core.handle(event, self._clock())
+        cmds = self._step(event)
         if isinstance(event, ReplayDlq):
             self._replay_pending.discard(event.record_id)
         if isinstance(event, Deliver):

@@ -46,7 +46,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Self
+from typing import BinaryIO, Self
 
 import msgspec
 from aiokafka.errors import KafkaError
@@ -261,8 +261,13 @@ class KafkaSink(Sink):
         driver: Callable[[], bool] | None = None,
         takeover_grace_s: float = 10.0,
         meta: MetaOptions | None = None,
+        trace: BinaryIO | None = None,
+        validate: bool = False,
     ) -> None:
-        """``driver``: several processes share this sink's RQ/DLQ, and this one may send the
+        """``trace``, ``validate``: record its retry core's inputs there, check the core's
+        invariants after every event (:class:`runtime.kafka.retry_queue.RetryQueue`).
+
+        ``driver``: several processes share this sink's RQ/DLQ, and this one may send the
         RQ's records while ``driver()`` is true (see :class:`runtime.kafka.retry_queue.RetryQueue`);
         None: this sink is the RQ/DLQ's only owner.
 
@@ -281,6 +286,8 @@ class KafkaSink(Sink):
         self.session: ProducerSession | None = None
         self._inject = inject
         self._injected = 0
+        self._trace = trace
+        self._validate = validate
         self._configure(sink)
 
     def _configure(self, sink: KafkaSinkConfig, gate: ProducerSession | None = None) -> None:
@@ -298,6 +305,8 @@ class KafkaSink(Sink):
             driver=self._driver,
             takeover_grace_s=self._grace,
             gate=gate,
+            trace=self._trace,
+            validate=self._validate,
         )
 
     def __repr__(self) -> str:

@@ -52,9 +52,10 @@ lost (``join_loss_p``; it then times out and is sent again); the join phase ends
 member joined or the rebalance timeout passed, removing who did not join; followers wait for
 the leader's SyncGroup without being expelled, and answering the SyncGroups restarts every
 member's session (Kafka's ``propagateAssignment``); a removed member learns it only from the
-answer to its next request. Each task's lease comes from the same pure
-rule as the Kafka adapter's (``protocol.lease.valid_until`` over the send times of the requests
-answered), or from a broken one in the teeth tests (``lease_rules``).
+answer to its next request. Each task's membership is the same pure core as the Kafka
+adapter's (``protocol/membership.py``: the epochs it says, numbers and accepts, and the lease
+over the send times of the requests answered), with broken rules in the teeth tests
+(``lease_rules``, ``epoch_rules``, ``accept_landed_epochs``, ``report_fresh``).
 
 With ``poison_at_us`` one partition turns poison (docs/design.md#poison-partitions): the first
 of its records committed that long after the start fails every sink batch that holds it, as a
@@ -91,13 +92,29 @@ from random import Random
 
 import msgspec
 
-from protocol import epochs, lease, messages
+from protocol import messages
 from protocol import snapshot as snapshots
 from protocol.cim import Cim
 from protocol.completeness import low_watermark
 from protocol.dedup import Identity, PartitionTail, Position
+from protocol.epochs import Logged
 from protocol.events import Ids
-from protocol.lease import LeaseRules, LeaseTiming, MemberFacts
+from protocol.lease import LeaseRules, LeaseTiming
+from protocol.membership import (
+    Assigned,
+    HeartbeatAnswered,
+    JoinAnswered,
+    JoinFailed,
+    JoinSent,
+    LeaseUntil,
+    MemberCommand,
+    MemberCore,
+    MemberRules,
+    MembershipLost,
+    Refuse,
+    SyncAnswered,
+    Take,
+)
 from protocol.messages import (
     EpochMessage,
     Partition,
@@ -229,37 +246,15 @@ class SimParams(msgspec.Struct, frozen=True):
     move_p: float = 0.05
     merge_p: float = 0.08
     records_per_s: float = 4.0
-    fence_epochs: bool = True
-    broken_readable: bool = False
+    # the task core's rules (protocol/task.py), as shipped or with one broken for a teeth test;
+    # the observer's CIM takes its CIM rules (fence_epochs, keep_later_answers,
+    # fence_superseded_epochs). Off in the histories some regression seeds were found in:
+    # resume_on_answer and reset_answered_fresh.
+    rules: Rules = Rules()
     broken_planner: bool = False
-    refuse_owned_offers: bool = True
-    adopt_own_state: bool = True
-    resend_failed_epoch: bool = True
-    # the teeth tests turn off the leader's rules of protocol/task.py: planning only under a
-    # valid lease once its own answer is in its CIM, and a plan's offers only in its epoch
-    lead_under_lease: bool = True
-    plan_offers_in_epoch_only: bool = True
-    # ... and the rules that keep a partition held by somebody: a removal travels with the
-    # offer that carries the partition; an epoch keeps a dropped task's later answer
-    release_with_offer: bool = True
-    keep_later_answers: bool = True
-    # ... and that of several 'new' offers of one partition only the newest is picked up
-    newest_offer_only: bool = True
-    reset_only_fresh: bool = True  # Rules.reset_only_fresh (off: a teeth test)
-    # a restarted task that answered is reset too while survivors are members
-    # (Rules.reset_answered_fresh; off: the histories the regression seeds were found in)
-    reset_answered_fresh: bool = True
-    # ... and a fresh leader beside survivors gives up its own (Rules.reset_fresh_leader; off:
-    # the teeth test of the crash-looping leader)
-    reset_fresh_leader: bool = True
     # the plan holds a hand-off in flight between two members (planner.ownerless; off: a
     # teeth test, the plan deals it out for a dead task's stale share of it)
     hold_handoffs: bool = True
-    # a rejoined task reads on its answer, before its generation's epoch (Rules.resume_on_answer;
-    # off: the histories the regression seeds were found in), safe by CIM rule 2a
-    # (Rules.fence_superseded_epochs; off: a teeth test)
-    resume_on_answer: bool = True
-    fence_superseded_epochs: bool = True
     # the group tells the leader which members are fresh lives (never assigned a generation),
     # so a restarted task that has not answered is reset; off, it never is (the histories the
     # regression seeds were found in, before the reset rule)
@@ -288,14 +283,12 @@ class SimParams(msgspec.Struct, frozen=True):
     snapshot_partitions: int = 0
     snapshot_chunks: int = 120
     snapshot_chunks_per_step: int = 1
-    snapshot_done_before_removal: bool = True  # Rules.snapshot_done_before_removal (teeth)
     # the quarantine rule (TaskConfig.quarantine_after; 0: off), and a poison partition from
     # this long after the start (-1: none), released at release_at_us (-1: never). Off unless
     # asked for: with a sink failing a tenth of the batches at random (sink_fail_p 0.1) the
     # rule at 5 parks a partition on some seeds (seed 1: a streak of failures of one partition
     # while the others committed), which is what it does in a run too (docs/operations.md)
     quarantine_after: int = 0
-    park_quarantined: bool = True  # Rules.park_quarantined (off: a teeth test)
     poison_at_us: int = -1
     release_at_us: int = -1
     # the crash loop (-1: none): from this long after the start one task dies again and again,
@@ -389,9 +382,11 @@ class _Assign(msgspec.Struct, frozen=True):
 
 
 class _Node:
-    def __init__(self, task_id: str, core: TaskCore, join_order: int) -> None:
+    def __init__(self, task_id: str, core: TaskCore, member: MemberCore, join_order: int) -> None:
         self.id = task_id
         self.core = core
+        # its membership adapter's core: its epochs and lease facts (protocol/membership.py)
+        self.member = member
         self.join_order = join_order
         self.alive = True
         self.paused_until = -1
@@ -402,10 +397,8 @@ class _Node:
         self.starting: dict[str, StartReader] = {}  # readers being set up, by token
         self.expelled = False
         self.last_land = 0
-        self.epoch_seen = epochs.NO_EPOCH  # the newest epoch this node was assigned
         # readers' newest committed positions, handed to the core once per step (coalesced)
         self.commits: dict[str, tuple[int, Ids]] = {}
-        self.facts = MemberFacts()  # what its membership adapter knows (protocol/lease.py)
         # its JoinGroup in flight: (arrival step, or -1 when lost; step its request times out)
         self.join: tuple[int, int] | None = None
 
@@ -440,10 +433,11 @@ class Simulation:
         # (land step, seq, producer, payload): a paused producer's messages wait in its socket
         # buffer and land only after it resumes, possibly long after newer epochs.
         self.pending_log: list[tuple[int, int, str, bytes]] = []
+        self.rules = params.rules
         self.observer = Cim(
-            fence_epochs=params.fence_epochs,
-            keep_later_answers=params.keep_later_answers,
-            fence_superseded_epochs=params.fence_superseded_epochs,
+            fence_epochs=self.rules.fence_epochs,
+            keep_later_answers=self.rules.keep_later_answers,
+            fence_superseded_epochs=self.rules.fence_superseded_epochs,
         )
         self.max_wm: dict[str, int] = {}
         self.finished: set[str] = set()
@@ -465,28 +459,15 @@ class Simulation:
             rebalance=params.rebalance_timeout_us,
             margin=params.lease_margin_us,
         )
+        self.member_rules = MemberRules(
+            lease=params.lease_rules,
+            epoch_rules=params.epoch_rules,
+            accept_landed_epochs=params.accept_landed_epochs,
+            report_fresh=params.report_fresh,
+        )
         self.stats: Counter[str] = Counter()
         self.restarts: list[tuple[int, str]] = []  # (step, task id) of crashed tasks to restart
         self.log_sizes: deque[int] = deque(maxlen=self.steps(1_000_000) + 1)
-        self.rules = Rules(
-            fence_epochs=params.fence_epochs,
-            readable=(_first_parent if params.broken_readable else Rules().readable),
-            refuse_owned_offers=params.refuse_owned_offers,
-            adopt_own_state=params.adopt_own_state,
-            resend_failed_epoch=params.resend_failed_epoch,
-            lead_under_lease=params.lead_under_lease,
-            plan_offers_in_epoch_only=params.plan_offers_in_epoch_only,
-            release_with_offer=params.release_with_offer,
-            keep_later_answers=params.keep_later_answers,
-            newest_offer_only=params.newest_offer_only,
-            reset_only_fresh=params.reset_only_fresh,
-            reset_answered_fresh=params.reset_answered_fresh,
-            reset_fresh_leader=params.reset_fresh_leader,
-            resume_on_answer=params.resume_on_answer,
-            fence_superseded_epochs=params.fence_superseded_epochs,
-            snapshot_done_before_removal=params.snapshot_done_before_removal,
-            park_quarantined=params.park_quarantined,
-        )
         self.planner: Planner = (
             plan_broken
             if params.broken_planner
@@ -558,7 +539,9 @@ class Simulation:
             quarantine_after=self.p.quarantine_after,
             probation=self.p.probation_us,
         )
-        node = _Node(task_id, TaskCore(config, Random(self.rng.getrandbits(32))), next(self.joins))
+        core = TaskCore(config, Random(self.rng.getrandbits(32)))
+        member = MemberCore(task_id, self.timing, self.member_rules)
+        node = _Node(task_id, core, member, next(self.joins))
         self.nodes[task_id] = node
         # Subscription order: replay the sync log first, then join the group.
         self.read_log(node)
@@ -567,7 +550,9 @@ class Simulation:
 
     def enter_group(self, node: _Node) -> None:
         """A new member's JoinGroup: it starts (or joins) a rebalance, having joined it."""
-        node.facts = lease.join_sent(MemberFacts(), self.now())
+        now = self.now()
+        node.member.handle(MembershipLost(), now)
+        node.member.handle(JoinSent(now), now)
         node.join = None
         self.group[node.id] = self.step
         self.begin_rebalance()
@@ -750,19 +735,20 @@ class Simulation:
                 if member != leader and member in self.group and running:
                     self.send_join(node)
 
-    def renew(self, node: _Node) -> None:
-        """The membership adapter hands the core the lease its facts give (protocol/lease.py)."""
-        until = lease.valid_until(node.facts, self.timing, self.p.lease_rules)
-        if until is not None:
-            self.deliver(node, Lease(until))
+    def renew(self, node: _Node, commands: list[MemberCommand]) -> None:
+        """The membership adapter hands the task core the lease its member core reports."""
+        for command in commands:
+            if isinstance(command, LeaseUntil):
+                self.deliver(node, Lease(command.until))
 
     def send_join(self, node: _Node) -> None:
-        node.facts = lease.join_sent(node.facts, self.now())
+        now = self.now()
+        lease = node.member.handle(JoinSent(now), now)
         lo, hi = self.p.join_delay_steps
         lost = self.churning and self.p.join_loss_p > 0 and self.rng.random() < self.p.join_loss_p
         arrive = -1 if lost else self.step + self.rng.randint(lo, hi)
         node.join = (arrive, self.step + self.steps(self.p.request_timeout_us))
-        self.renew(node)  # the broken rule counts a join in flight
+        self.renew(node, lease)  # the broken rule counts a join in flight
 
     def run_group(self) -> None:
         step = self.step
@@ -780,17 +766,15 @@ class Simulation:
                 self.joined.add(task_id)
                 self.group[task_id] = step
             elif running and join is not None and join[0] == -1 and step >= join[1]:
-                node.facts = lease.join_failed(node.facts)  # timed out: no proof (A3)
+                node.member.handle(JoinFailed(), self.now())  # timed out: no proof (A3)
                 self.send_join(node)
             elif running and join is None and (step - node.join_order) % hb == 0:
                 # a heartbeat, answered at once: NONE, or REBALANCE_IN_PROGRESS (and the
                 # member rejoins at once, sending no heartbeat until it is answered)
                 self.group[task_id] = step
                 rebalancing = self.preparing_since >= 0
-                node.facts = lease.heartbeat_answered(
-                    node.facts, self.now(), rebalancing=rebalancing
-                )
-                self.renew(node)
+                now = self.now()
+                self.renew(node, node.member.handle(HeartbeatAnswered(now, rebalancing), now))
                 if rebalancing and task_id not in self.joined:
                     self.send_join(node)
             elif (
@@ -805,10 +789,9 @@ class Simulation:
                 # while a rebalance is being prepared, else NONE (Kafka's CompletingRebalance)
                 self.group[task_id] = step
                 self.stats["heartbeats_while_rebalancing"] += 1
-                node.facts = lease.heartbeat_answered(
-                    node.facts, self.now(), rebalancing=self.preparing_since >= 0
-                )
-                self.renew(node)
+                now = self.now()
+                answered = HeartbeatAnswered(now, rebalancing=self.preparing_since >= 0)
+                self.renew(node, node.member.handle(answered, now))
             held = self.preparing_since >= 0 and task_id in self.joined  # kept (K4)
             if self.pending is not None and task_id != self.pending[1]:
                 held = held or task_id in self.pending[0]  # waiting for the leader's sync
@@ -856,19 +839,14 @@ class Simulation:
             self.complete_rebalance(members, leader)
 
     def complete_rebalance(self, members: tuple[str, ...], leader: str) -> None:
-        # the epoch rules of the Kafka membership adapter (protocol/epochs.py): the leader
-        # numbers the generation from what every member knows; each member accepts only an
-        # epoch newer than any it knows, else it rejoins
-        known = [
-            epochs.newest(self.nodes[m].epoch_seen, self.nodes[m].core.cim.epoch) for m in members
-        ]
-        epoch = epochs.number(self.generation, known) if self.p.epoch_rules else self.generation
-        # what each member's JoinGroup said: never assigned a generation (a new or restarted
-        # life; an assignment is taken only before the next JoinGroup is sent)
-        fresh = epochs.fresh_tasks(
-            (m, self.p.report_fresh and self.nodes[m].epoch_seen == epochs.NO_EPOCH)
-            for m in members
-        )
+        # the leader's member core numbers the generation from what every member said in its
+        # JoinGroup (protocol/membership.py): the newest epoch it knows, and whether it is a
+        # fresh life (never assigned a generation; an assignment is taken only before the next
+        # JoinGroup is sent)
+        said = [self.nodes[m].member.said(self.nodes[m].core.cim.epoch) for m in members]
+        chief = self.nodes[leader]
+        numbered = chief.member.number(self.generation, said, chief.core.cim.epoch)
+        epoch, fresh = numbered.epoch, numbered.fresh
         for member in members:
             node = self.nodes[member]
             node.expelled = False
@@ -887,46 +865,47 @@ class Simulation:
                 self.assign(node, item)
 
     def assign(self, node: _Node, item: _Assign) -> None:
-        """A generation's assignment reaches a member: the epoch rules of the Kafka membership
-        adapter (protocol/epochs.py) decide whether it takes it."""
+        """A generation's assignment reaches a member: its member core decides whether it takes
+        it (protocol/membership.py), as the Kafka membership adapter's does."""
         if item.generation != self.generation or self.preparing_since >= 0:
             # a newer rebalance began before its answer came: answered REBALANCE_IN_PROGRESS
             # (no proof of membership), it goes back to heartbeating and rejoins from there
             node.join = None
             self.stats["lagging_assignments_superseded"] += 1
             return
-        epoch, leader, members = item.epoch, item.leader, item.members
         cim = node.core.cim
-        own = self.p.accept_landed_epochs and epochs.landed_first(
-            epoch,
-            leader,
-            members,
-            node.epoch_seen,
-            epochs.Logged(cim.epoch, cim.leader, cim.members),
+        now = self.now()
+        assigned = Assigned(
+            item.epoch,
+            self.generation,
+            item.leader,
+            item.members,
+            item.fresh,
+            floor=cim.epoch,
+            logged=Logged(cim.epoch, cim.leader, cim.members),
         )
-        verdict = epochs.receive(
-            epoch, self.generation, epochs.newest(node.epoch_seen, cim.epoch), own=own
-        )
-        if own:
+        [verdict] = node.member.handle(assigned, now)
+        assert isinstance(verdict, Take | Refuse), verdict
+        if verdict.landed_first:
             self.stats["epochs_landed_first"] += 1
-        if not self.p.epoch_rules:
-            verdict = epochs.Accepted(epoch)
         # its JoinGroup answered, then its SyncGroup (sent when the generation completed,
         # answered with the assignment after a delay): both prove membership from their send
         # times
-        node.facts = lease.sync_answered(lease.join_answered(node.facts), item.sent)
+        node.member.handle(JoinAnswered(), now)
+        node.member.handle(SyncAnswered(item.sent), now)
         node.join = None
-        if isinstance(verdict, epochs.Stale):
+        if isinstance(verdict, Refuse):
             self.stats["stale_epochs"] += 1
             self.deliver(node, Lost(verdict.reason))
-            node.facts = lease.join_sent(lease.lost(node.facts), self.now())
+            node.member.handle(MembershipLost(verdict.reason), now)
+            node.member.handle(JoinSent(now), now)
             self.begin_rebalance()  # it rejoins at once, telling the next leader
             self.joined.add(node.id)
             return
-        node.epoch_seen = verdict.epoch
         delay = self.rng.randint(0, 3)  # the adapter's queue to the core
-        self.deliver(node, Joined(verdict.epoch, leader, members, fresh=item.fresh), delay)
-        until = lease.valid_until(node.facts, self.timing, self.p.lease_rules)
+        joined = Joined(verdict.epoch, verdict.leader, verdict.members, fresh=verdict.fresh)
+        self.deliver(node, joined, delay)
+        until = node.member.lease_until()
         if until is not None:
             self.deliver(node, Lease(until), delay)
 
@@ -976,10 +955,8 @@ class Simulation:
                         # the shell's coalescing (actors/task.py, TaskActor.report): a newer
                         # committed position of a partition supersedes an older one
                         seen = node.commits.get(event.token)
-                        if seen is None or (event.watermark, len(event.tail)) > (
-                            seen[0],
-                            len(seen[1]),
-                        ):
+                        new = Position(event.watermark, event.tail)
+                        if seen is None or Position(*seen).newer(new) is new:
                             node.commits[event.token] = (event.watermark, event.tail)
                     else:
                         self.deliver(node, event)
@@ -1238,7 +1215,7 @@ class Simulation:
         arrive, timeout = join
         if arrive == -1:
             if self.step >= timeout:
-                node.facts = lease.join_failed(node.facts)
+                node.member.handle(JoinFailed(), self.now())
                 self.send_join(node)
             return False
         return arrive <= self.step
@@ -1350,6 +1327,9 @@ class Simulation:
             if not node.alive:
                 continue
             node.core.validate()
+            node.member.validate()
+            for reader in node.readers.values():
+                reader.core.validate()
             if not self.active(node):
                 continue
             for token in node.readers:
@@ -1544,12 +1524,6 @@ def _invented(ts: int) -> DataChange:
         mods=(Mod('{"Id":"0"}', "{}", "{}"),),
         mod_type="INSERT",
     )
-
-
-def _first_parent(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:
-    from protocol.broken import first_parent_readable
-
-    return first_parent_readable(part, lookup)
 
 
 def plan_broken(*args: object, **kwargs: object) -> Plan:

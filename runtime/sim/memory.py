@@ -23,6 +23,7 @@ from protocol.records import DataChange
 from runtime.ports import (
     GroupAssignment,
     GroupEvent,
+    GroupLease,
     GroupLost,
     Membership,
     Sink,
@@ -127,12 +128,27 @@ class MemoryMembership(Membership):
         self.assigned = False  # ever assigned a generation (else it is a fresh life)
 
     async def events(self) -> AsyncIterator[GroupEvent]:
+        """The group's events; while a member that heartbeats, a renewed lease (half a session
+        ahead) every quarter of a session."""
         while True:
-            yield await self.events_queue.get()
+            try:
+                async with asyncio.timeout(self.group.session_timeout / 4):
+                    event = await self.events_queue.get()
+            except TimeoutError:
+                if self._heartbeat():
+                    yield GroupLease(self.lease)
+                continue
+            yield event
 
-    def lease_valid_until(self) -> float:
+    def _heartbeat(self) -> bool:
+        """A heartbeat answered: the lease goes on to half a session from now."""
         if self.heartbeats and self.task_id in self.group._members and self.lease > 0:
             self.lease = max(self.lease, time.monotonic() + self.group.session_timeout / 2)
+            return True
+        return False
+
+    def lease_valid_until(self) -> float:
+        self._heartbeat()
         return self.lease
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import math
 import os
 import signal
@@ -24,16 +25,19 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 import pytest
 
+from protocol import trace
+from protocol.membership import Assigned
 from runtime.kafka import KafkaConfig, KafkaMembership, MembershipError, heartbeat_topic
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.synclog import KafkaSyncLog, SyncLogError
 from runtime.net import free_port
-from runtime.ports import GroupAssignment, GroupEvent, GroupLost
+from runtime.ports import GroupAssignment, GroupEvent, GroupLease, GroupLost
 from tests.fixtures.kafka import (
     connector,
     kafka_broker,
     kafka_config,
     next_assignment,
+    next_change,
     spawn_group_member,
 )
 from tests.helpers import wait_for
@@ -257,7 +261,7 @@ async def test_group_lost_when_the_broker_dies(connector: str) -> None:
             broker.kill()
             killed = time.monotonic()
             async with asyncio.timeout(10):
-                event = await anext(events)
+                event = await next_change(events)
             lost_after = time.monotonic() - killed
             assert isinstance(event, GroupLost), event
             assert "unreachable" in event.reason
@@ -269,6 +273,41 @@ async def test_group_lost_when_the_broker_dies(connector: str) -> None:
             assert membership.statistics().losses == 1
     finally:
         await broker.astop()
+
+
+async def test_the_member_pushes_its_lease_and_its_core_replays_from_a_trace(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """A member's events carry its lease renewals (``GroupLease``, each later than the last,
+    as heartbeats are answered); its member core's trace (with its invariants checked after
+    every event) replays to the same commands, and not with the assignment left out."""
+    recorded = io.BytesIO()
+    membership = KafkaMembership(kafka_config, connector, "task-a", trace=recorded, validate=True)
+    await membership.start()
+    try:
+        events = membership.events()
+        await next_assignment(events)
+        leases: list[float] = []
+        async with asyncio.timeout(20):
+            async for event in events:
+                if isinstance(event, GroupLease):
+                    leases.append(event.until)
+                    if len(leases) == 2:
+                        break
+        assert leases[0] < leases[1] <= membership.lease_valid_until()
+    finally:
+        await membership.close()
+    lines = list(trace.decode(recorded.getvalue().splitlines()))
+    assert isinstance(lines[0], trace.MemberStart)
+    steps = [line for line in lines if isinstance(line, trace.MemberStep)]
+    kinds = {type(s.event).__name__ for s in steps}
+    assert {"JoinSent", "JoinAnswered", "SyncAnswered", "Assigned", "HeartbeatAnswered"} <= kinds
+    assert trace.mismatches(lines) == []
+    assigned = next(
+        i for i, s in enumerate(lines) if isinstance(getattr(s, "event", None), Assigned)
+    )
+    again = [*lines[:assigned], lines[assigned], *lines[assigned:]]  # assigned twice: refused
+    assert trace.mismatches(again)
 
 
 async def test_events_has_one_reader_and_ends_on_close(
@@ -395,7 +434,7 @@ async def test_leaving_an_unreachable_broker_takes_no_rebalance_wait(
                 os.kill(broker.pid, signal.SIGSTOP)
             in_flight = asyncio.create_task(sync_log.append(b"in flight"))
             async with asyncio.timeout(20):
-                event = await anext(events)
+                event = await next_change(events)
             assert isinstance(event, GroupLost), event
             assert not in_flight.done()  # the producer retries it until its request timeout
         finally:

@@ -434,8 +434,8 @@ async def test_a_recorded_trace_of_a_real_run_replays_to_the_same_commands(
 ) -> None:
     """Two tasks on the embedded broker record every input of their cores (``trace_dir``, with
     the cores' invariants checked after every event); a task joins and one leaves on the way.
-    Each trace, fed through a fresh core, gives back exactly the commands the run carried out;
-    a trace with an event left out does not."""
+    Each trace, fed through fresh cores (the task's and its readers'), gives back exactly the
+    commands the run carried out; a trace with an event left out does not."""
     traces = tmp_path / "traces"
     await nodes.start_node("n0", trace_dir=str(traces))
     await nodes.wait_settled({"n0"}, TOKENS, timeout=30)
@@ -456,6 +456,11 @@ async def test_a_recorded_trace_of_a_real_run_replays_to_the_same_commands(
         if "TaskTick" in events:  # ticks come only at deadlines: a short-lived task may have none
             ticked.add(task_id)
         assert {"Publish", "StartReader", "StopReader"} <= commands, commands
+        # its readers' cores are in the same trace, and replay too (mismatches covers them)
+        started = [line for line in lines if isinstance(line, trace.ReaderStart)]
+        reads = [line for line in lines if isinstance(line, trace.ReaderStep)]
+        assert started, task_id
+        assert {"PutBatch", "Done"} <= {type(c).__name__ for s in reads for c in s.commands}
         assert trace.mismatches(lines) == [], task_id
 
         assert isinstance(lines[0], trace.TraceStart)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.broken import first_parent_readable
 from protocol.lease import LeaseRules
 from protocol.reader import ReaderRules
 from runtime.sim.faultsim import SimParams, run
+from tests.sim.params import sim_params
 
 CHUNK = 15
 CHUNKS = 8  # 120 seeds in CI; `python -m bench sim --seeds 10000` runs the long sweep
@@ -81,7 +83,7 @@ REGRESSIONS = [
 
 
 def _check(seed: int, **overrides: object) -> None:
-    result = run(SimParams(seed=seed, **overrides))  # type: ignore[arg-type]
+    result = run(sim_params(seed=seed, **overrides))
     assert result.passed, (
         f"seed {seed}: {result.violation} (replay: python -m bench sim --seed {seed} "
         "--snapshot-partitions 0)"
@@ -98,7 +100,7 @@ def test_seed_sweep(chunk: int) -> None:
 def test_seed_sweep_with_a_failing_sink(chunk: int) -> None:
     failures = 0
     for seed in range(5000 + chunk * CHUNK, 5000 + (chunk + 1) * CHUNK):
-        result = run(SimParams(seed=seed, sink_fail_p=SINK_FAIL_P))
+        result = run(sim_params(seed=seed, sink_fail_p=SINK_FAIL_P))
         assert result.passed, (
             f"seed {seed}: {result.violation} (replay: python -m bench sim --seed {seed} "
             f"--sink-fail-p {SINK_FAIL_P} --snapshot-partitions 0)"
@@ -164,7 +166,7 @@ def test_a_finished_partitions_end_waits_for_its_child_offers() -> None:
     with that rule off the child is lost again."""
     _check(3212)
     _check(3212, **HELD_REBALANCES)
-    broken = run(SimParams(seed=3212, release_with_offer=False))
+    broken = run(sim_params(seed=3212, release_with_offer=False))
     assert "p00037 is owned by []" in broken.violation, broken
 
 
@@ -179,12 +181,12 @@ def test_a_move_between_live_members_is_not_dealt_out_for_a_dead_tasks_stale_sha
     _check(5799)
     _check(5799, **HELD_REBALANCES)  # passes in the old membership model's history
     _check(723)
-    broken = run(SimParams(seed=5799, hold_handoffs=False))
+    broken = run(sim_params(seed=5799, hold_handoffs=False))
     assert "is owned by []" in broken.violation, broken
 
 
 def test_runs_are_deterministic() -> None:
-    assert run(SimParams(seed=3)) == run(SimParams(seed=3))
+    assert run(sim_params(seed=3)) == run(sim_params(seed=3))
 
 
 def test_a_cap_is_respected_under_faults() -> None:
@@ -213,7 +215,7 @@ TEETH_SEEDS = tuple(sorted({*MERGE_CHILD_SEEDS, *EPOCH_FENCE_SEEDS, *ADOPT_SEEDS
 def _violations(seeds: tuple[int, ...] | range = TEETH_SEEDS, **broken: object) -> list[str]:
     found = []
     for seed in seeds:
-        result = run(SimParams(seed=seed, **broken))  # type: ignore[arg-type]
+        result = run(sim_params(seed=seed, **broken))
         if not result.passed:
             found.append(result.violation)
     return found
@@ -270,7 +272,7 @@ def test_refusing_offers_of_owned_partitions_keeps_a_bad_planner_mostly_safe() -
 
 
 def test_teeth_merge_child_read_when_first_parent_finishes() -> None:
-    found = _violations(MERGE_CHILD_SEEDS, broken_readable=True)
+    found = _violations(MERGE_CHILD_SEEDS, readable=first_parent_readable)
     assert len(found) == len(MERGE_CHILD_SEEDS), found
     assert all("before its parent" in v for v in found), found
 
@@ -310,7 +312,7 @@ def test_teeth_a_leader_that_does_not_resend_a_failed_epoch() -> None:
     # few seeds since leases hold through rebalances; at 25 % on several.)
     found = []
     for seed in HEAVY_APPEND_FAILURES:
-        result = run(SimParams(seed=seed, append_fail_p=0.25, resend_failed_epoch=False))
+        result = run(sim_params(seed=seed, append_fail_p=0.25, resend_failed_epoch=False))
         if not result.passed:
             found.append(result.violation)
     assert len(found) == len(HEAVY_APPEND_FAILURES), found
@@ -334,7 +336,7 @@ def test_teeth_a_leader_acting_on_a_superseded_generation() -> None:
     broken = {"lead_under_lease": False, "plan_offers_in_epoch_only": False}
     for seed, params in STALE_LEADER_CASES:
         params = {**FOUND_WITH, **params}
-        result = run(SimParams(seed=seed, **broken, **params))  # type: ignore[arg-type]
+        result = run(sim_params(seed=seed, **broken, **params))
         assert "went back" in result.violation, (seed, result)
         for rule in broken:
             _check(seed, **{**params, rule: False})
@@ -350,7 +352,7 @@ def test_teeth_a_partition_held_by_nobody(seed: int, rule: str) -> None:
     the older epoch) now keeps such an epoch from landing at all: the second rule is defence in
     depth behind it, and bites with it off."""
     behind = {"fence_superseded_epochs": False} if rule == "keep_later_answers" else {}
-    result = run(SimParams(seed=seed, **FOUND_WITH, **behind, **{rule: False}))  # type: ignore[arg-type]
+    result = run(sim_params(seed=seed, **FOUND_WITH, **behind, **{rule: False}))
     assert "owned by []" in result.violation, result
 
 
@@ -364,7 +366,7 @@ def test_teeth_refusing_an_epoch_that_landed_before_its_assignment() -> None:
     ``protocol/planner.py``, reset. Seed 7 neither, since a rejoined task reads on its answer.)"""
     for seed in (1, 4, 13, 14):
         broken = run(
-            SimParams(seed=seed, accept_landed_epochs=False, **SHORT_WAIT, **HELD_REBALANCES)  # type: ignore[arg-type]
+            sim_params(seed=seed, accept_landed_epochs=False, **SHORT_WAIT, **HELD_REBALANCES)
         ).violation
         assert "not being read" in broken, (seed, broken)
         _check(seed, **SHORT_WAIT, **HELD_REBALANCES)
@@ -376,11 +378,11 @@ def test_teeth_picking_up_an_old_offer_beside_its_re_plan() -> None:
     ``_follow_offers``); off, the seed that found it has two readers of one partition (in the
     history it was found in: without resets, which now happen to avoid it), and
     ``test_lag_regression_seed`` is the control."""
-    result = run(SimParams(seed=942, newest_offer_only=False, **NO_RESETS))  # type: ignore[arg-type]
+    result = run(sim_params(seed=942, newest_offer_only=False, **NO_RESETS))
     assert "both read" in result.violation, result
     # a released move to a task an epoch dropped, re-planned by the leader, the target back
     # under its id (found with the shipped 2 s wait)
-    result = run(SimParams(seed=387, newest_offer_only=False, **HELD_REBALANCES))  # type: ignore[arg-type]
+    result = run(sim_params(seed=387, newest_offer_only=False, **HELD_REBALANCES))
     assert "both read" in result.violation, result
 
 
@@ -422,7 +424,7 @@ def test_a_sink_that_fails_batches_loses_nothing() -> None:
 
 def test_teeth_a_reader_that_does_not_drop_re_reads() -> None:
     found = [
-        run(SimParams(seed=s, sink_fail_p=0.1, reader_rules=ReaderRules(drop_rereads=False)))
+        run(sim_params(seed=s, sink_fail_p=0.1, reader_rules=ReaderRules(drop_rereads=False)))
         for s in READER_SEEDS
     ]
     assert all("re-read not dropped" in r.violation for r in found), found
@@ -431,7 +433,7 @@ def test_teeth_a_reader_that_does_not_drop_re_reads() -> None:
 def test_teeth_a_reader_that_resumes_past_its_committed_position() -> None:
     # after a failed batch it goes on from what it had read, not from what was committed
     broken = ReaderRules(resume_at_committed=False)
-    found = [run(SimParams(seed=s, sink_fail_p=0.1, reader_rules=broken)) for s in READER_SEEDS]
+    found = [run(sim_params(seed=s, sink_fail_p=0.1, reader_rules=broken)) for s in READER_SEEDS]
     assert all("never reached the sink" in r.violation for r in found), found
 
 
@@ -451,7 +453,7 @@ def test_teeth_a_record_the_stream_never_committed_is_caught(at_us: int) -> None
     sink: the run fails naming it. The control is the same seeds untouched
     (``test_exactly_once_with_the_sinks_durable_position_at_take_over``)."""
     for seed in CHECK_SEEDS:
-        result = run(SimParams(seed=seed, invent_record_at_us=at_us))
+        result = run(sim_params(seed=seed, invent_record_at_us=at_us))
         assert "1 records reached the sink that were never committed" in result.violation, result
         assert "'invented'" in result.violation, result
 
@@ -461,7 +463,7 @@ def test_teeth_a_record_the_sink_commits_twice_is_caught(at_us: int) -> None:
     """The sink commits one record of a batch twice, early or after the horizon: the run fails
     as not exactly once (the same control as above)."""
     for seed in CHECK_SEEDS:
-        result = run(SimParams(seed=seed, double_record_at_us=at_us))
+        result = run(sim_params(seed=seed, double_record_at_us=at_us))
         assert "not exactly once: 1 records reached the sink more than once" in result.violation, (
             result
         )
@@ -476,7 +478,7 @@ def test_exactly_once_with_the_sinks_durable_position_at_take_over() -> None:
 
 
 def test_teeth_take_over_without_the_sinks_durable_position() -> None:
-    found = [run(SimParams(seed=s, sink_position=False)) for s in READER_SEEDS]
+    found = [run(sim_params(seed=s, sink_position=False)) for s in READER_SEEDS]
     caught = [r for r in found if "not exactly once" in r.violation]
     assert len(caught) >= len(READER_SEEDS) - 1, found
     assert all(r.passed or "not exactly once" in r.violation for r in found), found
@@ -509,14 +511,14 @@ def test_a_fence_that_finds_batches_past_their_commit_point_credits_them() -> No
     did happen (batches answered as committed by a fence)."""
     raced = 0
     for seed in range(4):
-        result = run(SimParams(seed=seed, **FENCE_RACE))  # type: ignore[arg-type]
+        result = run(sim_params(seed=seed, **FENCE_RACE))
         assert result.passed, (seed, result.violation)
         raced += result.fence_committed
     assert raced > 0, "no fence found a batch past its commit point: the test proves nothing"
 
 
 def test_teeth_a_sink_that_cannot_fence_writes_abandoned_batches_twice() -> None:
-    found = [run(SimParams(seed=s, sink_fences=False, **SLOW_SINK)) for s in FENCE_SEEDS]  # type: ignore[arg-type]
+    found = [run(sim_params(seed=s, sink_fences=False, **SLOW_SINK)) for s in FENCE_SEEDS]
     assert all("not exactly once" in r.violation for r in found), found
 
 
@@ -557,7 +559,7 @@ def test_teeth_a_lease_that_counts_a_join_in_flight() -> None:
     rebalance: a member cut off from the coordinator, whose heartbeats do not arrive either.)"""
     broken = LeaseRules(join_in_flight_counts=True)
     cut_off = {**LOST_JOINS, "heartbeat_while_rebalancing": False}
-    found = [run(SimParams(seed=s, lease_rules=broken, **cut_off)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
+    found = [run(sim_params(seed=s, lease_rules=broken, **cut_off)) for s in LEASE_SEEDS]
     caught = [r for r in found if "both read" in r.violation]
     assert len(caught) >= 4, found  # 7 of the 12 seeds when this was written
 
@@ -566,7 +568,7 @@ def test_teeth_a_lease_not_bounded_by_the_rebalance_timeout() -> None:
     """A member told REBALANCE_IN_PROGRESS whose JoinGroup is lost is removed when the join
     phase ends; a lease bounded by the session alone outlives that."""
     broken = LeaseRules(rebalance_bound=False)
-    found = [run(SimParams(seed=s, lease_rules=broken, **SHORT_REBALANCE)) for s in LEASE_SEEDS]  # type: ignore[arg-type]
+    found = [run(sim_params(seed=s, lease_rules=broken, **SHORT_REBALANCE)) for s in LEASE_SEEDS]
     caught = [r for r in found if "both read" in r.violation]
     assert len(caught) >= 8, found  # 11 of the 12 seeds when this was written
 
@@ -576,7 +578,7 @@ def test_restarted_members_reset_and_the_runs_still_pass() -> None:
     partitions dealt out (``protocol/planner.py``, reset; CIM rule 5d). The seeds where that
     happens at the shipped settings pass every invariant (no partition read twice, exactly-once
     output, every partition read at the end)."""
-    results = [run(SimParams(seed=seed, **HELD_REBALANCES)) for seed in (8, 37)]  # type: ignore[arg-type]
+    results = [run(sim_params(seed=seed, **HELD_REBALANCES)) for seed in (8, 37)]
     assert all(r.passed for r in results), [r.violation for r in results if not r.passed]
     assert [r.resets for r in results] == [1, 1]
 
@@ -586,7 +588,7 @@ def test_teeth_resetting_a_member_that_is_not_fresh() -> None:
     included; a survivor still reading under its lease then shares its partition with the reader
     it was dealt to. The same seeds with the rule on are the control."""
     for seed in (0, 3):
-        broken = run(SimParams(seed=seed, reset_only_fresh=False, **HELD_REBALANCES)).violation  # type: ignore[arg-type]
+        broken = run(sim_params(seed=seed, reset_only_fresh=False, **HELD_REBALANCES)).violation
         assert "both read" in broken, (seed, broken)
         _check(seed)
         _check(seed, **HELD_REBALANCES)
@@ -599,11 +601,11 @@ def test_a_rejoined_task_reads_on_its_answer_and_teeth_without_the_superseded_ep
     was away lands after its answer, and on seeds 0 and 204 hands a partition it reads to a
     second reader. With both off (reading waits for the epoch) the same seeds pass."""
     for seed in (8, 19):
-        result = run(SimParams(seed=seed, **HELD_REBALANCES))  # type: ignore[arg-type]
+        result = run(sim_params(seed=seed, **HELD_REBALANCES))
         assert result.passed, result
         assert result.read_on_answer > 0, result
     for seed in (0, 204):
-        broken = run(SimParams(seed=seed, fence_superseded_epochs=False, **HELD_REBALANCES))  # type: ignore[arg-type]
+        broken = run(sim_params(seed=seed, fence_superseded_epochs=False, **HELD_REBALANCES))
         assert "both read" in broken.violation, (seed, broken)
         _check(seed)
         _check(seed, **HELD_REBALANCES)
@@ -638,7 +640,7 @@ def test_a_task_in_a_crash_loop_loses_its_partitions_to_the_survivors(leads: boo
     protocol/planner.py) or follow (they are reset), each life's epoch deals out what it holds,
     and balancing gives it nothing back while it is on probation (TaskConfig.probation)."""
     for seed in CRASH_LOOP_SEEDS:
-        result = run(SimParams(seed=seed, crash_loop_leads=leads, **CRASH_LOOP))  # type: ignore[arg-type]
+        result = run(sim_params(seed=seed, crash_loop_leads=leads, **CRASH_LOOP))
         assert result.passed, (seed, result.violation)
         assert result.crash_loop_kills == 3
         assert (result.yields if leads else result.resets) >= 1, result
@@ -660,5 +662,5 @@ def test_teeth_a_crash_loop_holds_partitions_unread(leads: bool, rule: dict[str,
     or a restarted task handed its share back by balancing the moment its epoch lands, dies
     again before reading it, life after life. The test above is the control."""
     for seed in CRASH_LOOP_SEEDS:
-        result = run(SimParams(seed=seed, crash_loop_leads=leads, **CRASH_LOOP, **rule))  # type: ignore[arg-type]
+        result = run(sim_params(seed=seed, crash_loop_leads=leads, **CRASH_LOOP, **rule))
         assert "unread for" in result.violation, (seed, result)

@@ -8,6 +8,7 @@ once. The teeth: the same seeds with the rule off, and with a parked partition r
 from __future__ import annotations
 
 from runtime.sim.faultsim import SimParams, run
+from tests.sim.params import sim_params
 
 SEEDS = range(3)
 POISON = {
@@ -22,7 +23,7 @@ POISON = {
 
 
 def _params(seed: int, **overrides: object) -> SimParams:
-    return SimParams(seed=seed, **{**POISON, **overrides})  # type: ignore[arg-type]
+    return sim_params(seed=seed, **{**POISON, **overrides})
 
 
 def test_a_poison_partition_is_parked_and_everything_else_delivered() -> None:

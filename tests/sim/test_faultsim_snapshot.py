@@ -7,7 +7,8 @@ partitions by default)."""
 from __future__ import annotations
 
 from protocol.reader import ReaderRules
-from runtime.sim.faultsim import SimParams, run
+from runtime.sim.faultsim import run
+from tests.sim.params import sim_params
 
 SNAPSHOT = {"snapshot_partitions": 8}
 # seeds where readers of snapshot partitions were started again after faults (a crash, a pause
@@ -16,7 +17,7 @@ SEEDS = (2, 5, 6, 7)
 
 
 def test_snapshot_partitions_are_read_exactly_once_under_faults() -> None:
-    results = [run(SimParams(seed=seed, **SNAPSHOT)) for seed in SEEDS]  # type: ignore[arg-type]
+    results = [run(sim_params(seed=seed, **SNAPSHOT)) for seed in SEEDS]
     for result in results:
         assert result.passed, (
             f"seed {result.seed}: {result.violation} "
@@ -32,7 +33,7 @@ def test_snapshot_chunks_survive_a_failing_sink() -> None:
     """Batches of snapshot chunks fail (the reader re-reads the partition at T and drops what it
     committed); the control of the teeth below."""
     for seed in (0, 3):
-        result = run(SimParams(seed=seed, sink_fail_p=0.1, **SNAPSHOT))  # type: ignore[arg-type]
+        result = run(sim_params(seed=seed, sink_fail_p=0.1, **SNAPSHOT))
         assert result.passed, f"seed {seed}: {result.violation}"
         assert result.snapshot_resumed > 0
 
@@ -40,9 +41,7 @@ def test_snapshot_chunks_survive_a_failing_sink() -> None:
 def test_teeth_a_reader_that_does_not_drop_re_read_chunks() -> None:
     broken = ReaderRules(drop_rereads=False)
     for seed in (0, 3):
-        result = run(
-            SimParams(seed=seed, sink_fail_p=0.1, reader_rules=broken, **SNAPSHOT)  # type: ignore[arg-type]
-        )
+        result = run(sim_params(seed=seed, sink_fail_p=0.1, reader_rules=broken, **SNAPSHOT))
         assert not result.passed
         assert "re-read not dropped: snapshot:" in result.violation
 
@@ -51,6 +50,6 @@ def test_teeth_a_snapshot_partition_removed_before_the_log_records_it_done() -> 
     """protocol/snapshot.py rule 4 off: a task removes a finished snapshot partition at once,
     so the log never shows it finished and the snapshot never completes (the completeness
     watermark stays below T for good). The control is the first test (same rules on)."""
-    result = run(SimParams(seed=2, snapshot_done_before_removal=False, **SNAPSHOT))  # type: ignore[arg-type]
+    result = run(sim_params(seed=2, snapshot_done_before_removal=False, **SNAPSHOT))
     assert not result.passed
     assert result.violation.startswith("snapshot partitions not done at the end")
