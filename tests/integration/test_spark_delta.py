@@ -286,7 +286,7 @@ async def test_the_next_micro_batch_is_written_while_one_commits_and_waits_for_i
     assert bridge.typed_writes == 2  # both written by Spark (one job each)...
     assert seen[0][1] == 2  # ...the second while the first had not committed yet
     if first_commits:
-        assert outcomes == [None, None]
+        assert list(outcomes) == [None, None]
         assert len(seen) == 2  # in order: 1, then 2
         check = _exactly_once(_expected_ids([first, second]))
         check(_ids(uri))
