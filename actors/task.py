@@ -495,15 +495,17 @@ class LeaderActor(Actor[PlanRequest]):
                 stream_start,
                 request.reset,
                 snapshot=snapshot,
+                leader_yields=request.leader_yields,
             )
         )
         log.info(
-            "leader %s: epoch %d plan: %d offers, %d adopted, reset %s%s",
+            "leader %s: epoch %d plan: %d offers, %d adopted, reset %s, yielded %s%s",
             self.task.core.me,
             request.generation,
             len(result.offers),
             len(result.adopt),
             list(result.reset),
+            list(result.yielded),
             "" if snapshot is None else f", snapshot at {snapshot.read_ts} ({snapshot.total})",
         )
         await self.task.tell(PlanReady(result))

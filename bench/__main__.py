@@ -30,6 +30,7 @@ SCENARIOS = {
     "mirror": "bench.mirror",
     "stalls": "bench.stalls",
     "poison": "bench.poison",
+    "catchup": "bench.catchup",
 }
 
 

@@ -113,6 +113,9 @@ class Cim:
         self.tasks: dict[str, TaskView] = {}
         self.orphans: dict[str, Partition] = {}  # rule 5c
         self.reset: tuple[str, ...] = ()  # the current epoch's reset members (rule 5d)
+        # the current epoch's restarted members: its reset members, and its leader when it
+        # yielded its own earlier life's partitions (protocol/task.py, probation)
+        self.restarted: tuple[str, ...] = ()
         self.snapshot = SnapshotState()  # rule 8
         # rule 9: quarantine releases asked for, token -> the newest quarantine (its since)
         self.releases: dict[str, int] = {}
@@ -159,6 +162,7 @@ class Cim:
                     self.snapshot.record(message.snapshot)  # rule 8
                 live = set(message.members)
                 self.reset = tuple(t for t in message.reset if t in live)
+                self.restarted = self.reset + ((message.task_id,) if message.yielded else ())
                 best = self._newest_watermarks()
                 dropped: list[TaskView] = []
                 for task in [t for t in self.tasks if t not in live]:

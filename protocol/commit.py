@@ -381,10 +381,11 @@ def recovery_plan(
 ) -> list[DeleteStaged]:
     """The staged directories to delete at recovery, after every manifest in ``manifests`` was
     applied (with :func:`apply_plan`, each in turn). ``staged``: each directory found under
-    :func:`staging_dir` (relative to the output) with its modification time, on the clock of
-    ``now``. A directory a manifest names is the manifest's; any other one older than
-    ``max_age_s`` was never committed (its process died before the commit point) and goes; a
-    younger one may be a batch being staged right now, and stays."""
+    :func:`staging_dir` (relative to the output) with its modification time, in float seconds on
+    the clock of ``now`` (the file system's wall clock). A directory a manifest names is the
+    manifest's; any other one older than ``max_age_s`` was never committed (its process died
+    before the commit point) and goes; a younger one may be a batch being staged right now, and
+    stays."""
     named = {m.staging for m in manifests}
     return [
         DeleteStaged(path)

@@ -183,6 +183,9 @@ class RequestPlan(_Command, frozen=True, tag="request-plan"):
     members: tuple[str, ...]
     need_roots: bool
     reset: tuple[str, ...] = ()  # members the plan treats as restarted (planner.plan's reset)
+    # the leader is such a restarted task itself: the plan deals out its own unfinished
+    # partitions too (planner.plan's leader_yields)
+    leader_yields: bool = False
     # with ``need_roots``: plan the connector's snapshot at the stream's start too
     # (protocol/snapshot.py, rule 1)
     snapshot: bool = False

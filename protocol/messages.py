@@ -156,6 +156,9 @@ class EpochMessage(_Message, frozen=True, tag="epoch"):
     reset: tuple[str, ...] = ()
     # the connector's snapshot, recorded with the stream's start (protocol/snapshot.py)
     snapshot: SnapshotPlan | None = None
+    # the leader is a restarted task too: this epoch's own state gives up what its earlier
+    # life held (protocol/planner.py, leader_yields)
+    yielded: bool = False
 
 
 class CheckpointMessage(_Message, frozen=True, tag="checkpoint"):

@@ -2,7 +2,9 @@
 
 A pure core: entries of the metadata topic ``<output>_meta`` (one partition, read from the
 beginning up to a fresh marker; compaction is not relied on) are folded, in log order, by
-:meth:`OutputMeta.apply`; the time is passed in. No I/O, no clock, no randomness.
+:meth:`OutputMeta.apply`; the time is passed in, as float seconds of wall time (the producers'
+lease ``until`` is written to the topic and read by other processes). No I/O, no clock, no
+randomness.
 
 The state (:class:`OutputMeta`): the composite output topic (its storage topics with ``P`` and
 ``K`` and the produce pointer, :class:`protocol.routing.CompositeTopic`), the RQ/DLQ shard count

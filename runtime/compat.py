@@ -20,6 +20,11 @@ aiokafka (:data:`AIOKAFKA`), used by :mod:`runtime.kafka.membership`:
 * :func:`send_leave_group` sends a LeaveGroup through the coordinator's ``_send_req`` (aiokafka
   sends none in generation 0, the embedded broker's first).
 
+aiokafka, used by :mod:`runtime.kafka.synclog`: :func:`abandon_sends` fails a producer's
+unacknowledged batches (``_message_accumulator.fail_all``) and drops its connections
+(``client._conns``), so that its ``stop()`` does not wait for them (aiokafka's ``stop()``
+flushes, for up to the request timeout, with no way to bound it).
+
 google-cloud-spanner (:data:`SPANNER`), used by :mod:`runtime.spanner`:
 
 * :func:`response_iterator` is a result set's ``_response_iterator`` (the stream of partial
@@ -230,6 +235,37 @@ async def abort_connections(consumer: Any) -> None:
         c.close(reason=CloseReason.CONNECTION_BROKEN) for c in consumer._client._conns.values()
     ]
     await asyncio.gather(*closing)
+
+
+async def abandon_sends(producer: Any, error: BaseException) -> int:
+    """Fail every batch of ``producer`` not acknowledged yet with ``error`` and close its
+    connections as broken; returns how many batches it failed."""
+    check(AIOKAFKA, "the producer's message accumulator, to fail the sends in flight")
+    from aiokafka.conn import CloseReason
+
+    accumulator = producer._message_accumulator
+    batches = [b for queued in accumulator._batches.values() for b in queued]
+    batches += list(accumulator._pending_batches)
+    for batch in batches:
+        # expired: the sender fails a send of it that errs rather than queueing it again (a
+        # batch failed here while its request is in flight would be queued again and then
+        # removed twice from the accumulator's in-flight set)
+        batch._ttl = -1.0
+    requeue = accumulator.reenqueue
+
+    def reenqueue(batch: Any) -> None:
+        # a send that erred before the batches expired is queued again after its backoff:
+        # an abandoned batch (its future failed below) is not
+        if not batch.future.done():
+            requeue(batch)
+
+    accumulator.reenqueue = reenqueue
+    accumulator.fail_all(error)
+    closing = [
+        c.close(reason=CloseReason.CONNECTION_BROKEN) for c in producer.client._conns.values()
+    ]
+    await asyncio.gather(*closing)
+    return len(batches)
 
 
 # -- pyspark -------------------------------------------------------------------------------------

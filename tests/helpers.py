@@ -215,23 +215,3 @@ def ps_lines() -> list[str]:
         ["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True
     )
     return result.stdout.splitlines()
-
-
-def descendants(pid: int) -> set[int]:
-    """The pids of every process below ``pid`` (children, their children, ...), now."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found

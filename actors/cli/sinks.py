@@ -18,7 +18,11 @@ the same directory applies when it opens. ``<id>`` is the batch identity
 committed twice appears once. A batch's future resolves when its micro-batch committed;
 ``durable_position(token)`` answers a partition's committed position from its progress file (a new
 owner resumes after it). ``max_buffered_rows`` bounds what is accepted and not yet written
-(``put`` waits: backpressure). ``fence(batches)`` fences batches a stopping reader abandons
+(``put`` waits: backpressure); its default, twice ``max_rows``, lets one micro-batch gather while
+the one before it is written, so readers are paced by what the sink commits: on a backlog they
+read no further ahead of it than on a live stream (ten times ``max_rows`` held 480-490 MB of
+buffered changes on a 100,000-record backlog in ``bench catchup``, and the collector's pauses on
+that heap stalled the event loop for seconds, lapsing leases). ``fence(batches)`` fences batches a stopping reader abandons
 (docs/design.md#exactly-once-output, rule 4): the committer refuses a micro-batch holding one
 at its commit point (the whole micro-batch fails; the other partitions' readers re-read theirs).
 A micro-batch of the typed layout holding a value that does not fit its column type fails only
@@ -60,11 +64,11 @@ from protocol.commit import batch_identity
 from protocol.dedup import Position, Tails
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
-from runtime.kafka.sink import output_records
-from runtime.ports import Sink, SinkBatch, fence_sink, prepare_sink, sink_committed
+from runtime.output_record import output_records
+from runtime.ports import Sink, SinkBatch, SinkWrapper
 
 if TYPE_CHECKING:
-    from runtime.config import ShoalConfig
+    from actors.cli.config import ShoalConfig
     from runtime.kafka import KafkaConfig
     from runtime.spark import SparkConfig
 
@@ -99,7 +103,7 @@ class FileSinkStats(msgspec.Struct, frozen=True):
     fenced_refused: int = 0  # micro-batches refused: they held a batch a stopped reader fenced
 
 
-class FileSink:
+class FileSink(Sink):
     """``Sink`` writing parquet files to ``directory``; ``async with FileSink(...) as sink:``."""
 
     def __init__(
@@ -108,7 +112,7 @@ class FileSink:
         *,
         max_rows: int = 50_000,
         max_age_s: float = 0.5,
-        max_buffered_rows: int = 500_000,
+        max_buffered_rows: int | None = None,
         permit: Callable[[], bool] | None = None,
         fsync: bool = True,
         layout: Literal["typed", "generic"] = "typed",
@@ -127,6 +131,8 @@ class FileSink:
         ``<directory>/_mirror`` (``runtime.lake.mirror``), before its commit point: a batch
         whose commit then fails is read again and merged again, which changes nothing (the
         merge is idempotent per change), so the mirror holds every committed change."""
+        if max_buffered_rows is None:
+            max_buffered_rows = 2 * max_rows
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
             raise ValueError("max_rows >= 1, max_age_s > 0 and max_buffered_rows >= max_rows")
         if table_format == "delta" and layout != "typed":
@@ -634,11 +640,11 @@ class TaskSinkStats(msgspec.Struct, frozen=True):
     inflight_batches: int
 
 
-class CountingSink:
+class CountingSink(SinkWrapper):
     """The shared sink as one task sees it, with counts."""
 
     def __init__(self, inner: Sink) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.records_read = 0
         self.records_delivered = 0
         self.batches_failed = 0
@@ -649,15 +655,6 @@ class CountingSink:
         return TaskSinkStats(
             self.records_read, self.records_delivered, self.batches_failed, self.inflight
         )
-
-    async def prepare(self, token: str) -> None:
-        await prepare_sink(self.inner, token)
-
-    async def durable_position(self, token: str) -> Position | None:
-        return await sink_committed(self.inner, token)
-
-    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
-        return await fence_sink(self.inner, batches)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)
@@ -706,10 +703,12 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "job_timeout_s": sc.job_timeout_s or None,
         "start_timeout_s": sc.start_timeout_s,
     }
-    for name in ("max_rows", "max_age_s", "max_inflight_batches"):
-        value = getattr(sc, name)
-        if value is not None:
-            kwargs[name] = value
+    optional = {
+        "max_rows": sc.max_rows,
+        "max_age_s": sc.max_age_s,
+        "max_inflight_batches": sc.max_inflight_batches,
+    }
+    kwargs.update({name: value for name, value in optional.items() if value is not None})
     if sc.dead_letter:
         if kafka is None:
             raise ValueError("spark.dead_letter needs a Kafka for its topics")

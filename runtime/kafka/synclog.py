@@ -22,11 +22,12 @@ from typing import Self
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.errors import KafkaError, OffsetOutOfRangeError
+from aiokafka.errors import KafkaConnectionError, KafkaError, OffsetOutOfRangeError
 from aiokafka.structs import TopicPartition
 
 from protocol import fragments
 from protocol.messages import MarkerMessage, encode
+from runtime import compat
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import (
     TopicSettingsError,
@@ -87,7 +88,7 @@ class SyncLogStats(msgspec.Struct, frozen=True):
     fragments_dropped: int = 0  # incomplete or orphaned fragmented messages readers skipped
 
 
-class KafkaSyncLog:
+class KafkaSyncLog(SyncLog):
     """The sync topic ``<connector>_connector_sync`` (one partition) as a ``SyncLog``.
 
     Use ``async with KafkaSyncLog(config, connector) as log:`` (or :meth:`start`/:meth:`close`).
@@ -113,6 +114,7 @@ class KafkaSyncLog:
         max_message_bytes: int = 512 * 1024,
         went_back_after_s: float = 10.0,
         create: bool = True,
+        close_timeout_s: float = 1.0,
     ) -> None:
         check_connector(connector)
         if not 1024 <= max_message_bytes <= 64 << 20:
@@ -139,6 +141,10 @@ class KafkaSyncLog:
         )
         if self._send_timeout <= 0:
             raise ValueError(f"send_timeout_s must be positive, got {send_timeout_s}")
+        if close_timeout_s < 0:
+            raise ValueError(f"close_timeout_s must be >= 0, got {close_timeout_s}")
+        # how long close() waits for appends still in flight before abandoning them
+        self._close_timeout = close_timeout_s
         self._fetch_max_wait_ms = fetch_max_wait_ms
         self._compression_type = compression_type
         self.max_message_bytes = max_message_bytes
@@ -257,20 +263,40 @@ class KafkaSyncLog:
         )
 
     async def close(self) -> None:
-        """Disconnect the producer and the checkpoint client. Each reader has its own
-        connection and ends only when it is closed (``contextlib.aclosing``)."""
+        """Disconnect the producer and the checkpoint client. Appends still in flight get
+        ``close_timeout_s`` to be acknowledged; then they are abandoned (each fails with a
+        :class:`SyncLogError`; it may still be written), so closing is bounded whatever the
+        broker does (a frozen broker answers nothing, and the producer's own stop would wait
+        out its request timeout). Each reader has its own connection and ends only when it is
+        closed (``contextlib.aclosing``)."""
         self._closed = True
-        await self._stop_clients()
+        await self._stop_clients(self._close_timeout)
 
-    async def _stop_clients(self) -> None:
+    async def _stop_clients(self, grace: float = 0.0) -> None:
         producer, ckpt = self._producer, self._ckpt
         self._producer = self._ckpt = None
         try:
             if producer is not None:
-                await producer.stop()
+                await self._stop_producer(producer, grace)
         finally:
             if ckpt is not None:
                 await ckpt.stop()
+
+    async def _stop_producer(self, producer: AIOKafkaProducer, grace: float) -> None:
+        try:
+            async with asyncio.timeout(grace):
+                await producer.flush()
+        except TimeoutError:
+            error = KafkaConnectionError(f"the sync log {self.topic!r} closed before its ack")
+            abandoned = await compat.abandon_sends(producer, error)
+            log.warning(
+                "sync log %s: %d appends not acknowledged %.1f s after close: abandoned (each "
+                "may still be written; a restart reads the log as it is)",
+                self.topic,
+                abandoned,
+                grace,
+            )
+        await producer.stop()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -503,9 +529,7 @@ async def replay_until_marker(
                 f"replay start {start} is beyond the end of the log (marker at {marker_offset})"
             )
         reader = log.read(start)
-        aclose = getattr(reader, "aclose", None)
-        if aclose is not None:
-            stack.push_async_callback(aclose)
+        stack.push_async_callback(reader.aclose)
         async for offset, message in reader:
             if message == payload:
                 return ReplayResult(

@@ -67,6 +67,16 @@ message is appended at that time, and the partition must be read again from its 
 every record exactly once; without it, every record but the poison partition's from the poison
 record on reached the sink.
 
+With ``crash_loop_at_us`` one task is in a crash loop (docs/design.md#liveness-failover-and-health):
+at that time the task owning the most partitions is killed; it comes back under its id
+``crash_loop_restart_us`` later and joins first, so it leads the rebalance its return starts (on
+Kafka the first member to join a rebalance leads it, and a restarted process joins first); it is
+killed again ``crash_loop_life_us`` after the first epoch listing it lands, ``crash_loop_kills``
+times in all. From that time on, after every step, no live partition's watermark in the log
+stands still longer than ``unread_limit_us`` (-1: not checked): one fault's recovery bounds a
+partition's unread time, however often the same task dies. ``SimResult.max_unread_us`` is the
+longest such stretch.
+
 ``run(seed)`` returns a :class:`SimResult`; a failure names its seed so it can be replayed.
 """
 
@@ -239,6 +249,9 @@ class SimParams(msgspec.Struct, frozen=True):
     # a restarted task that answered is reset too while survivors are members
     # (Rules.reset_answered_fresh; off: the histories the regression seeds were found in)
     reset_answered_fresh: bool = True
+    # ... and a fresh leader beside survivors gives up its own (Rules.reset_fresh_leader; off:
+    # the teeth test of the crash-looping leader)
+    reset_fresh_leader: bool = True
     # the plan holds a hand-off in flight between two members (planner.ownerless; off: a
     # teeth test, the plan deals it out for a dead task's stale share of it)
     hold_handoffs: bool = True
@@ -285,6 +298,19 @@ class SimParams(msgspec.Struct, frozen=True):
     park_quarantined: bool = True  # Rules.park_quarantined (off: a teeth test)
     poison_at_us: int = -1
     release_at_us: int = -1
+    # the crash loop (-1: none): from this long after the start one task dies again and again,
+    # each life coming back after crash_loop_restart_us and dying crash_loop_life_us after the
+    # first epoch that lists it landed; and the bound on a live partition's unread time
+    # (its watermark in the log standing still), checked from crash_loop_at_us (-1: off)
+    crash_loop_at_us: int = -1
+    crash_loop_kills: int = 3
+    crash_loop_restart_us: int = 1_000_000
+    crash_loop_life_us: int = 700_000
+    crash_loop_leads: bool = True  # each life joins first and leads (off: it joins last)
+    unread_limit_us: int = -1
+    # TaskConfig.probation: a restarted member gets no partition for this long (0: off, the
+    # teeth test of the crash loop: balancing hands the looping task its partitions back)
+    probation_us: int = 10_000_000
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -318,6 +344,12 @@ class SimResult(msgspec.Struct, frozen=True):
     poison_hops: int = 0
     poison_failures: int = 0
     released_and_resumed: bool = False
+    # plans in which a fresh leader dealt out its own partitions (Rules.reset_fresh_leader)
+    yields: int = 0
+    # the crash loop: its kills, and the longest a live partition's watermark in the log stood
+    # still from crash_loop_at_us on (0 without a crash loop)
+    crash_loop_kills: int = 0
+    max_unread_us: int = 0
 
 
 class _Reader:
@@ -449,6 +481,7 @@ class Simulation:
             newest_offer_only=params.newest_offer_only,
             reset_only_fresh=params.reset_only_fresh,
             reset_answered_fresh=params.reset_answered_fresh,
+            reset_fresh_leader=params.reset_fresh_leader,
             resume_on_answer=params.resume_on_answer,
             fence_superseded_epochs=params.fence_superseded_epochs,
             snapshot_done_before_removal=params.snapshot_done_before_removal,
@@ -476,6 +509,15 @@ class Simulation:
         self.poison_tasks: set[str] = set()
         self.healed = False
         self.quarantine_seen = -1
+        # the crash loop (crash_loop_at_us): the looping task, the step of its next kill or
+        # restart (-1: none due; its kill waits for an epoch listing it), the log's epoch when
+        # it came back, and the step each partition's watermark in the log last moved
+        self.looping = ""
+        self.loop_kill_at = -1
+        self.loop_restart_at = -1
+        self.loop_epoch = -1
+        self.moved: dict[str, int] = {}
+        self.max_unread = 0
         # the snapshot at T, one microsecond before the stream's roots (protocol/snapshot.py)
         self.snapshot_ts = start - 1
         self.snapshot = snapshot_records(
@@ -514,6 +556,7 @@ class Simulation:
             rules=self.rules,
             snapshot=self.snapshot_plan is not None,
             quarantine_after=self.p.quarantine_after,
+            probation=self.p.probation_us,
         )
         node = _Node(task_id, TaskCore(config, Random(self.rng.getrandbits(32))), next(self.joins))
         self.nodes[task_id] = node
@@ -605,7 +648,9 @@ class Simulation:
                     stream_start,
                     command.reset,
                     snapshot=snapshot,
+                    leader_yields=command.leader_yields,
                 )
+                self.stats["yields"] += bool(result.yielded)
                 self.deliver(node, PlanReady(result), 1)
 
     def start_reader(self, node: _Node, command: StartReader) -> None:
@@ -675,6 +720,8 @@ class Simulation:
                         f"watermark of {part.token} went back from "
                         f"{self.max_wm[part.token]} to {part.watermark} ({state.task_id})"
                     )
+                if part.watermark > self.max_wm.get(part.token, -1):
+                    self.moved[part.token] = self.step
                 self.max_wm[part.token] = part.watermark
 
     def read_log(self, node: _Node) -> None:
@@ -1123,6 +1170,63 @@ class Simulation:
                 victim.paused_until = self.step + self.rng.randint(span // 2, 3 * span)
                 self.stats["pauses"] += 1
 
+    def crash_loop(self) -> None:
+        """The crash loop (``crash_loop_at_us``): kill the looping task, bring it back under its
+        id joining first, kill it again once an epoch listing it has landed and it lived
+        ``crash_loop_life_us`` more."""
+        p = self.p
+        if p.crash_loop_at_us < 0 or self.now() < self.t0 + p.crash_loop_at_us:
+            return
+        if not self.looping:
+            if not self.churning:
+                return
+            alive = [n for n in self.nodes.values() if n.alive]
+            victim = max(alive, key=lambda n: (sum(1 for _ in n.core.owned_unfinished()), n.id))
+            self.looping = victim.id
+            self.loop_kill_at = self.step
+        node = self.nodes[self.looping]
+        if self.stats["crash_loop_kills"] >= p.crash_loop_kills:
+            return
+        if node.alive and self.loop_kill_at < 0:
+            listed = self.looping in self.observer.members
+            if self.observer.epoch > self.loop_epoch and listed:
+                self.loop_kill_at = self.step + self.steps(p.crash_loop_life_us)
+        if node.alive and 0 <= self.loop_kill_at <= self.step and self.churning:
+            node.alive = False
+            node.readers.clear()
+            self.stats["crashes"] += 1
+            self.stats["crash_loop_kills"] += 1
+            self.loop_kill_at = -1
+            self.loop_restart_at = self.step + self.steps(p.crash_loop_restart_us)
+        elif not node.alive and 0 <= self.loop_restart_at <= self.step:
+            self.loop_restart_at = -1
+            self.loop_epoch = self.observer.epoch
+            back = self.start_node(self.looping)
+            if p.crash_loop_leads:
+                # its JoinGroup is the rebalance's first: it leads (the coordinator's choice)
+                back.join_order = min(n.join_order for n in self.nodes.values()) - 1
+            self.stats["restarts"] += 1
+
+    def check_unread(self) -> None:
+        """From ``crash_loop_at_us`` on: no live partition's watermark in the log stands still
+        longer than ``unread_limit_us``."""
+        start = self.t0 + self.p.crash_loop_at_us
+        if self.p.crash_loop_at_us < 0 or self.now() < start:
+            return
+        first = self.steps(self.p.crash_loop_at_us)
+        for token, info in self.model.partitions.items():
+            if info.end_ts is not None or token in self.finished or token not in self.moved:
+                continue
+            stood = (self.step - max(self.moved[token], first)) * self.p.step_us
+            self.max_unread = max(self.max_unread, stood)
+            if 0 <= self.p.unread_limit_us < stood:
+                raise Violation(
+                    f"{token} unread for {stood / 1e6:.2f} s (its watermark in the log stood "
+                    f"still since {(self.moved[token] * self.p.step_us) / 1e6:.2f} s; crash "
+                    f"loop of {self.looping}: {self.stats['crash_loop_kills']} kills, "
+                    f"{self.stats['yields']} yields, {self.stats['resets']} resets)"
+                )
+
     # -- one step ------------------------------------------------------------------------------
     def learns_removal(self, node: _Node) -> bool:
         """A member the coordinator removed learns it only from the answer to its next request
@@ -1144,6 +1248,7 @@ class Simulation:
         self.churning = churn
         if churn:
             self.faults()
+        self.crash_loop()
         for due in [r for r in self.restarts if r[0] <= self.step]:
             self.restarts.remove(due)
             if not self.nodes[due[1]].alive:
@@ -1259,6 +1364,7 @@ class Simulation:
         if self.snapshot_plan is not None:
             self.check_snapshot_completeness()
         self.check_poison()
+        self.check_unread()
 
     def check_snapshot_completeness(self) -> None:
         """The log's completeness watermark stays below T while a snapshot partition is not
@@ -1347,6 +1453,9 @@ class Simulation:
             poison_hops=len(self.poison_tasks),
             poison_failures=self.stats["poison_failures"],
             released_and_resumed=self.released_and_resumed(),
+            yields=self.stats["yields"],
+            crash_loop_kills=self.stats["crash_loop_kills"],
+            max_unread_us=self.max_unread,
         )
 
     def released_and_resumed(self) -> bool:
@@ -1438,13 +1547,13 @@ def _invented(ts: int) -> DataChange:
 
 
 def _first_parent(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:
-    from protocol.lifecycle import first_parent_readable
+    from protocol.broken import first_parent_readable
 
     return first_parent_readable(part, lookup)
 
 
 def plan_broken(*args: object, **kwargs: object) -> Plan:
-    from protocol.planner import plan_moving_survivors
+    from protocol.broken import plan_moving_survivors
 
     return plan_moving_survivors(*args, **kwargs)  # type: ignore[arg-type]
 

@@ -67,7 +67,10 @@ class StreamModel:
         self.partitions: dict[str, PartitionInfo] = {}
         self._live: list[str] = []
         self._rounds = 0  # boundaries generated: rounds 1.._rounds
+        # generated rounds, kept for re-reads; bounded in records too, so that a long backlog
+        # of a fast stream does not keep every record it served (bench catchup)
         self._cache: dict[tuple[str, int], list[DataChange]] = {}
+        self._cached_records = 0
         self.roots = tuple(self._new(()) for _ in range(params.roots))
 
     # -- topology ---------------------------------------------------------------------------
@@ -142,9 +145,11 @@ class StreamModel:
         key = (token, r)
         cached = self._cache.get(key)
         if cached is None:
-            if len(self._cache) > 100_000:
+            if len(self._cache) > 100_000 or self._cached_records > 50_000:
                 self._cache.clear()
+                self._cached_records = 0
             cached = self._cache[key] = self._make_round_records(token, r)
+            self._cached_records += len(cached)
         return cached
 
     def _make_round_records(self, token: str, r: int) -> list[DataChange]:

@@ -83,7 +83,7 @@ import msgspec
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
 from protocol.stream_options import StreamOptions, stream_options
 from runtime import compat
-from runtime.ports import Unrecoverable
+from runtime.ports import ChangeStreamSource, Unrecoverable
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.decode import (
     DecodeError,
@@ -291,7 +291,7 @@ def _service_errors() -> tuple[type[BaseException], ...]:
     return (api_exceptions.GoogleAPIError, grpc.RpcError)
 
 
-class SpannerSource:
+class SpannerSource(ChangeStreamSource):
     """``ChangeStreamSource`` over one change stream of one database (asyncio client).
 
     Build it with ``await SpannerSource.connect(config)`` (it owns the client and closes it in

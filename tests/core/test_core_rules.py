@@ -1204,6 +1204,117 @@ def test_without_the_rule_a_member_that_is_not_fresh_is_reset_too() -> None:
     assert request.reset == ("b", "c")
 
 
+def _fresh_leader(rules: Rules | None = None, fresh: tuple[str, ...] = ("a",)) -> TaskCore:
+    """``a`` restarted under its id (its earlier life died holding p7) and leads generation 1 of
+    members a, b, c; the CIM credits p8 to c. The group says which members are fresh lives;
+    b's and c's answers are read."""
+    c = TaskCore(TaskConfig(task_id="a", cap=0, rules=rules or Rules()), Random(0))
+    c.handle(SyncRead(0, epoch("a", 0, ("a", "b", "c"))), now=1)
+    c.handle(SyncRead(1, state("a", 1, part("p7", 70))), now=1)
+    c.handle(SyncRead(2, state("c", 2, part("p8", 80))), now=1)
+    c.handle(Lease(until=10**12), now=2)
+    (answer,) = c.handle(Joined(1, "a", ("a", "b", "c"), fresh=fresh), now=3)
+    assert isinstance(answer, Publish)
+    c.handle(SyncRead(3, answer.message), now=4)
+    return c
+
+
+def _answers(c: TaskCore, *tasks: str) -> list[TaskCommand]:
+    out: list[TaskCommand] = []
+    for offset, task in enumerate(tasks, start=4):
+        answer_of = StateMessage(
+            task_id=task, epoch=1, connector_state=(TaskState(task, 2 * 10**9 + 9),)
+        )
+        out += c.handle(SyncRead(offset, answer_of), now=5)
+    return out
+
+
+def test_a_fresh_leader_beside_survivors_yields_the_partitions_its_earlier_life_held() -> None:
+    """The rule of ``_reset_members`` applied to the leader itself (bench chaos --seed 3: the
+    owner came back under its id, led the next epoch keeping its partition and was killed
+    again, 28.5 s unread). a is a fresh life beside survivors b and c: its plan deals out p7 to
+    b, and its epoch message removes p7 from its own state in the same message as the offer,
+    and says a yielded."""
+    c = _fresh_leader()
+    assert _answers(c, "b", "c") == [
+        RequestPlan(1, ("a", "b", "c"), need_roots=True, leader_yields=True)
+    ]
+    result = plan(c.cim, ("a", "b", "c"), "a", 1, now=6, cap=0, rng=Random(0), leader_yields=True)
+    assert result.yielded == ("p7",)
+    offer = Share(partition=part("p7", 70), target="b", kind="new", since=6)
+    assert result.offers == (offer,)
+    (publish,) = c.handle(PlanReady(result), now=7)
+    assert publish == Publish(
+        EpochMessage(
+            task_id="a",
+            message_timestamp=7,
+            epoch=1,
+            sync_epoch=result.sync_epoch,
+            members=("a", "b", "c"),
+            connector_state=(TaskState("a", 2 * 10**9 + 3, removed=("p7",), share=(offer,)),),
+            yielded=True,
+        )
+    )
+    assert c.mine == {}
+    assert c.counters["yielded"] == 1
+    assert c.counters["claims_replanned"] == 0
+
+
+def test_without_the_rule_a_fresh_leader_keeps_what_it_adopted() -> None:
+    """The teeth test's rule off (``reset_fresh_leader``), and the whole group restarted (every
+    member fresh: nobody is a survivor to take p7): the leader keeps p7 either way."""
+    c = _fresh_leader(Rules(reset_fresh_leader=False))
+    assert _answers(c, "b", "c") == [RequestPlan(1, ("a", "b", "c"), need_roots=True)]
+    c = _fresh_leader(fresh=("a", "b", "c"))
+    assert _answers(c, "b", "c") == [RequestPlan(1, ("a", "b", "c"), need_roots=True)]
+    # a leader that is no fresh life (it read under its unbroken membership) keeps p7 too
+    c = _fresh_leader(fresh=("b",))
+    assert _answers(c, "b", "c") == [RequestPlan(1, ("a", "b", "c"), need_roots=True)]
+
+
+def _donor(probation: int = 5_000_000) -> tuple[TaskCore, EpochMessage]:
+    """c owns p1-p4 under epoch 1 of members a and c; epoch 2 (a leads, a yielded: a restarted
+    task) lists a and c. Returns c before it reads epoch 2, and that epoch."""
+    c = TaskCore(TaskConfig(task_id="c", cap=0, probation=probation), Random(0))
+    c.handle(SyncRead(0, epoch("a", 1, ("a", "c"))), now=1)
+    c.handle(Lease(until=10**15), now=1)
+    c.handle(Joined(2, "a", ("a", "c")), now=2)
+    parts = tuple(part(f"p{i}", 10 * i) for i in range(1, 5))
+    c.handle(SyncRead(1, state("c", 1, *parts)), now=2)
+    c.mine = {p.token: p for p in parts}  # (what its earlier messages said)
+    c._sent_parts = dict(c.mine)
+    second = msgspec.structs.replace(epoch("a", 2, ("a", "c")), yielded=True)
+    return c, second
+
+
+def test_a_restarted_member_gets_no_partition_while_on_probation() -> None:
+    """A crash-looping task that came back (reset, or a leader that yielded) would get its
+    share back by balancing at once and die again before reading it, through every life: it
+    is on probation for ``TaskConfig.probation`` after the epoch that dealt out what it held.
+    c would offer a two moves at once; on probation nothing, and the probation's end is c's
+    next deadline, when the moves go out."""
+    c, second = _donor()
+    c.handle(SyncRead(2, second), now=10)
+    assert c.cim.restarted == ("a",)
+    assert c.on_probation("a")
+    c.handle(TaskTick(), now=1_000_000)
+    assert c.moves == {}
+    assert c.shares == {}
+    assert c.next_deadline() == 10 + 5_000_000
+    c.handle(TaskTick(), now=10 + 5_000_000)
+    assert sorted((t, m.pending) for t, m in c.moves.items()) == [("p1", "a"), ("p2", "a")]
+
+
+def test_without_probation_the_restarted_member_gets_its_share_at_once() -> None:
+    """The control (``probation`` 0, the simulator's teeth test of the crash loop): the moves
+    to a go out at the first negotiation round after the epoch."""
+    c, second = _donor(probation=0)
+    c.handle(SyncRead(2, second), now=10)
+    assert not c.on_probation("a")
+    c.handle(TaskTick(), now=1_000_000)
+    assert sorted((t, m.pending) for t, m in c.moves.items()) == [("p1", "a"), ("p2", "a")]
+
+
 def test_an_epoch_that_resets_a_restarted_task_drops_what_it_adopted_before_it_reads() -> None:
     """b's new life adopts p7 at its first join; the epoch of that generation resets it and
     deals p7 to a: b drops p7 and starts no reader. The control: an epoch without the reset,

@@ -222,6 +222,45 @@ def test_the_reset_of_the_leader_or_of_a_non_member_is_ignored() -> None:
     assert result.offers == ()
 
 
+def test_a_yielding_leader_deals_out_its_own_unfinished_partitions_and_keeps_its_offers() -> None:
+    """``leader_yields`` (a fresh leader beside survivors): what the CIM credits to the leader's
+    earlier life that is unfinished goes to the others, in load order; its finished partition
+    and its offer to a member stay as they are, and the plan lists what it yielded."""
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s", "u"))
+    cim.apply(2, state("s", 2, part("a")))
+    to_u = Share(partition=part("z", 3), target="u", kind="new", since=2)
+    done = part("y", 6, status="finished")
+    cim.apply(3, _offers("L", to_u, data=(part("x", 5), part("w", 4), done)))
+    result = plan(cim, ("L", "s", "u"), "L", 2, now=9, cap=0, rng=Random(0), leader_yields=True)
+    assert result.yielded == ("w", "x")
+    assert result.reset == ()
+    assert [(s.token, s.partition.watermark, s.target) for s in result.offers] == [
+        ("w", 4, "s"),
+        ("x", 5, "u"),
+    ]
+    assert result.adopt == ()
+    # the control: without it the leader keeps w and x
+    kept = plan(cim, ("L", "s", "u"), "L", 2, now=9, cap=0, rng=Random(0))
+    assert (kept.yielded, kept.offers) == ((), ())
+
+
+def test_a_yielding_leader_keeps_what_no_other_member_has_room_for_and_alone_keeps_all() -> None:
+    cim = Cim()
+    cim.apply(1, epoch("L", 1, "L", "s"))
+    cim.apply(2, state("s", 2, part("a")))
+    cim.apply(3, state("L", 3, part("x", 5), part("w", 4)))
+    result = plan(cim, ("L", "s"), "L", 2, now=9, cap=2, rng=Random(0), leader_yields=True)
+    assert [(s.token, s.target) for s in result.offers] == [("w", "s"), ("x", "L")]
+    # every other member reset: nobody is there to take them; L keeps w and x, and s's a
+    # waits for room (L is at the cap)
+    alone = plan(
+        cim, ("L", "s"), "L", 2, now=9, cap=2, rng=Random(0), reset=("s",), leader_yields=True
+    )
+    assert alone.yielded == ()
+    assert [(s.token, s.target) for s in alone.offers] == [("a", None)]
+
+
 def test_a_reset_members_partitions_are_parked_when_the_others_are_at_the_cap() -> None:
     cim = Cim()
     cim.apply(1, epoch("L", 1, "L", "r"))

@@ -25,7 +25,9 @@ import msgspec
 import pytest
 
 from runtime.kafka import KafkaConfig, KafkaMembership, MembershipError, heartbeat_topic
-from runtime.kafka.broker import EmbeddedBroker, free_port
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.kafka.synclog import KafkaSyncLog, SyncLogError
+from runtime.net import free_port
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost
 from tests.fixtures.kafka import (
     connector,
@@ -370,13 +372,20 @@ async def test_leaving_an_unreachable_broker_takes_no_rebalance_wait(
 ) -> None:
     """A member whose broker went away (killed, or frozen with SIGSTOP so that nothing answers)
     leaves at once on close: it does not wait for a rebalance that cannot finish (twice the
-    rebalance timeout) and each request it still sends is bounded by the request timeout."""
+    rebalance timeout) and each request it still sends is bounded by the request timeout.
+    And the sync log, whose producer has an append in flight to that broker, closes within its
+    ``close_timeout_s`` (1 s), not the request timeout its producer's own stop waits out (8 s
+    with the broker frozen, before): the append fails, naming the sync log."""
     broker = EmbeddedBroker()
     await broker.astart()
     try:
         config = KafkaConfig.embedded(broker.bootstrap)
         membership = KafkaMembership(config, connector, "task-a")
+        sync_log = KafkaSyncLog(config, connector)
+        await sync_log.start()
+        await sync_log.append(b"before the outage")
         await membership.start()
+        in_flight: asyncio.Task[int] | None = None
         try:
             events = membership.events()
             await next_assignment(events)
@@ -384,16 +393,25 @@ async def test_leaving_an_unreachable_broker_takes_no_rebalance_wait(
                 broker.kill()
             else:
                 os.kill(broker.pid, signal.SIGSTOP)
+            in_flight = asyncio.create_task(sync_log.append(b"in flight"))
             async with asyncio.timeout(20):
                 event = await anext(events)
             assert isinstance(event, GroupLost), event
+            assert not in_flight.done()  # the producer retries it until its request timeout
         finally:
             closing = time.monotonic()
             await membership.close()
             took = time.monotonic() - closing
-        print(f"{outage} broker: close took {took:.1f} s")
+            closing = time.monotonic()
+            await sync_log.close()
+            log_took = time.monotonic() - closing
+        print(f"{outage} broker: close took {took:.1f} s, the sync log's {log_took:.1f} s")
         bound = config.request_timeout_ms / 1000 + 2.0
         assert took < bound, f"close took {took:.1f} s (bound {bound:.1f} s)"
+        assert log_took < 2.5, f"the sync log's close took {log_took:.1f} s"
+        assert in_flight is not None
+        with pytest.raises(SyncLogError, match="closed before its ack"):
+            await in_flight
     finally:
         if outage == "frozen":
             with contextlib.suppress(ProcessLookupError):

@@ -26,13 +26,14 @@ import msgspec
 import pytest
 
 from actors.cli.progress import RunSummary
+from bench.procs import descendants
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.emulator import EmulatorUnavailable, SpannerEmulator, sync_client
 from runtime.typed_files import read_table
 from tests.fixtures.kafka import kafka_broker
 from tests.fixtures.spanner import CHURN_ALIVE_S, until_past
-from tests.helpers import assert_catches_a_double, descendants, exactly, wait_until
+from tests.helpers import assert_catches_a_double, exactly, wait_until
 from tests.integration.test_cli import _cli, _finish, _logs, _nothing_read_twice
 from tests.integration.test_faults_spark import first_commit
 from tests.parts import require_part

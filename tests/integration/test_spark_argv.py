@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
+from bench.procs import descendants
 from runtime import compat
 from runtime.spark import SparkBridge, SparkConfig
-from tests.helpers import command_lines, descendants, ps_lines, wait_until
+from tests.helpers import command_lines, ps_lines, wait_until
 from tests.parts import require_java
 
 pytestmark = [

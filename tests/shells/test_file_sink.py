@@ -42,3 +42,43 @@ async def test_a_re_read_partition_is_written_once(tmp_path: Path) -> None:
         ("q", 20, "1"),
     ]
     assert stats.duplicates_dropped == 2
+
+
+def _rows(n: int, at: int) -> tuple[DataChange, ...]:
+    return tuple(rec(at + i, "0") for i in range(n))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("max_buffered", [None, 40])
+async def test_readers_are_paced_by_what_the_sink_commits(
+    tmp_path: Path, max_buffered: int | None
+) -> None:
+    """By default the sink accepts two micro-batches' rows (``2 * max_rows``): one being written,
+    one gathering; a put past that waits until the write commits, so a reader on a backlog is
+    held to the sink's pace instead of buffering ahead of it. The control: a larger
+    ``max_buffered_rows`` takes the third batch at once."""
+    import asyncio
+    import threading
+
+    release = threading.Event()
+    async with FileSink(
+        tmp_path, max_rows=4, max_age_s=0.5, max_buffered_rows=max_buffered
+    ) as sink:
+        commit = sink._commit_batch
+
+        def slow_commit(*args: object, **kwargs: object) -> None:
+            release.wait(10)
+            commit(*args, **kwargs)  # type: ignore[arg-type]
+
+        sink._commit_batch = slow_commit  # type: ignore[method-assign]
+        first = await sink.put(SinkBatch("p", _rows(4, 10), 13))  # full: its write starts
+        second = await sink.put(SinkBatch("q", _rows(4, 10), 13))  # gathers meanwhile
+        third = asyncio.create_task(sink.put(SinkBatch("r", _rows(1, 10), 10)))
+        await asyncio.sleep(0.3)
+        assert third.done() == (max_buffered is not None)
+        release.set()
+        await first
+        await asyncio.wait_for(third, 5)
+        await second
+        await third.result()
+    assert len(list(read_rows(tmp_path))) == 9

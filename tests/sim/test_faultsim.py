@@ -608,3 +608,57 @@ def test_a_rejoined_task_reads_on_its_answer_and_teeth_without_the_superseded_ep
         _check(seed)
         _check(seed, **HELD_REBALANCES)
         _check(seed, fence_superseded_epochs=False, resume_on_answer=False, **HELD_REBALANCES)
+
+
+# -- a task in a crash loop (docs/design.md#liveness-failover-and-health) ----------------------
+
+# One task dies again and again from 12 s on (killed 0.7 s after each epoch listing it lands,
+# back 1 s later), with no other fault and no partition churn, so every unread stretch is the
+# loop's; a change-stream query takes 1-1.5 s to start (reader_start_steps), as a real one does.
+CRASH_LOOP: dict[str, object] = {
+    "crash_p": 0.0,
+    "pause_p": 0.0,
+    "leave_p": 0.0,
+    "join_p": 0.0,
+    "split_p": 0.0,
+    "move_p": 0.0,
+    "merge_p": 0.0,
+    "reader_start_steps": (20, 30),
+    "crash_loop_at_us": 12_000_000,
+    "unread_limit_us": 8_000_000,
+}
+CRASH_LOOP_SEEDS = range(6)
+
+
+@pytest.mark.parametrize("leads", [True, False], ids=["leader", "follower"])
+def test_a_task_in_a_crash_loop_loses_its_partitions_to_the_survivors(leads: bool) -> None:
+    """However often the task dies, one fault's recovery bounds a partition's unread time: 3.9
+    to 5.5 s on these seeds when this was written, against the 8 s bound. Whether its lives lead
+    (they join first, as a restarted process does on Kafka: the leader yields its own partitions,
+    protocol/planner.py) or follow (they are reset), each life's epoch deals out what it holds,
+    and balancing gives it nothing back while it is on probation (TaskConfig.probation)."""
+    for seed in CRASH_LOOP_SEEDS:
+        result = run(SimParams(seed=seed, crash_loop_leads=leads, **CRASH_LOOP))  # type: ignore[arg-type]
+        assert result.passed, (seed, result.violation)
+        assert result.crash_loop_kills == 3
+        assert (result.yields if leads else result.resets) >= 1, result
+        assert 0 < result.max_unread_us <= 8_000_000
+
+
+@pytest.mark.parametrize(
+    ("leads", "rule"),
+    [
+        (True, {"reset_fresh_leader": False}),
+        (True, {"probation_us": 0}),
+        (False, {"probation_us": 0}),
+    ],
+    ids=["leader-keeps-its-partitions", "leader-gets-them-back", "follower-gets-them-back"],
+)
+def test_teeth_a_crash_loop_holds_partitions_unread(leads: bool, rule: dict[str, object]) -> None:
+    """Each rule off fails the bound on every seed (12.9 to 15.6 s unread when this was
+    written): a leader that keeps what its earlier life held (bench chaos --seed 3: 28.5 s),
+    or a restarted task handed its share back by balancing the moment its epoch lands, dies
+    again before reading it, life after life. The test above is the control."""
+    for seed in CRASH_LOOP_SEEDS:
+        result = run(SimParams(seed=seed, crash_loop_leads=leads, **CRASH_LOOP, **rule))  # type: ignore[arg-type]
+        assert "unread for" in result.violation, (seed, result)
