@@ -26,8 +26,9 @@ never read or recover each other's.
 A commit (:meth:`Committer.commit`, blocking: run it in a worker thread) checks ``permit()`` (the
 lease) right before the commit point, writes the manifest atomically (locally a temporary file,
 fsync, ``os.replace``; on an object store one PUT), renames (or copies) each staged directory
-into place, commits each Delta table (several tables in parallel threads), writes each
-partition's progress file atomically and deletes the manifest. :meth:`recover` applies the manifests a killed
+into place, commits each Delta table and writes each partition's progress file atomically (those
+in parallel threads: past the commit point each is idempotent and independent of the others) and
+deletes the manifest. :meth:`recover` applies the manifests a killed
 process left and deletes staged directories no manifest names once they are older than
 ``garbage_age_s``; it runs at open and before :meth:`committed` answers. :meth:`committed` reads
 one progress file.
@@ -419,6 +420,12 @@ class Committer:
             for table, files, schema in tables
         )
 
+    def discard(self, batch: str, tables: Sequence[TableWrite] = ()) -> None:
+        """Blocking: delete what ``batch`` staged (its staging directory and the Delta data
+        files of ``tables``), for a batch that will not be committed. Nothing of it is
+        visible: only a commit makes it so."""
+        self._drop(self.staged(batch), tables)
+
     def _drop(self, staging: str, tables: Sequence[TableWrite]) -> None:
         """Delete what a refused batch wrote: its staging directory and its data files."""
         self.store.delete_tree(staging)
@@ -434,7 +441,10 @@ class Committer:
 
     def _apply(self, manifest: Manifest, current: dict[str, Position | None] | None = None) -> None:
         """Apply ``manifest``; ``current``: the partitions' positions, if known (else each
-        progress file is read). Consecutive Delta commits run in parallel threads."""
+        progress file is read). Consecutive Delta commits and progress writes run in parallel
+        threads: past the commit point they are independent (each idempotent, and a process
+        killed half-way leaves the manifest, which recovery applies again before any position
+        is read); the staging directory and then the manifest go only after all of them."""
         paths = [p for m in manifest.moves for p in (m.staged, m.final)]
         present = {p for p in paths if self.store.exists(p)}
         if current is None:
@@ -442,7 +452,7 @@ class Committer:
         ops = apply_plan(manifest, present, current, rename=self.store.can_rename)
         group: list[Op] = []
         for op in [*ops, None]:
-            if isinstance(op, CommitTable):
+            if isinstance(op, CommitTable | WriteProgress):
                 group.append(op)
                 continue
             if len(group) > 1 and self.apply_threads > 1:

@@ -170,6 +170,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     spark_writes: int | None = None
     spark_jobs: int | None = None
     sink_write_s: float | None = None
+    # of those seconds, summed over the micro-batches: building them ("prepare"), Spark's write
+    # ("write") and the commit ("commit"; Delta commits, progress files, manifest)
+    sink_phase_s: dict[str, float] = {}
     # the connector's snapshot at the end (docs/mirror.md): partitions done and in all
     snapshot_done: int = 0
     snapshot_total: int = 0

@@ -1322,6 +1322,7 @@ class Pipeline:
             }
             if bridge.first_put_at is not None and bridge.last_commit_at is not None:
                 spark_figures["sink_write_s"] = bridge.last_commit_at - bridge.first_put_at
+                spark_figures["sink_phase_s"] = {k: round(v, 3) for k, v in bridge.phase_s.items()}
             counts = {
                 "duplicate_rows_dropped_by_spark": spark.rows_deduplicated,
                 "spark_batches_failed": spark.batches_failed,

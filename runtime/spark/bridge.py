@@ -7,7 +7,10 @@ records (``Tails``) and builds the Arrow table off the event loop; a committer t
 micro-batch, in order, to Spark (``createDataFrame`` from Arrow, then the default parquet sink or
 the user's ``foreach_batch(df, batch_id)``), and resolves the futures of its ``SinkBatch``es
 only once Spark has committed it. Readers advance their committed watermark only over resolved
-futures, so a crash anywhere loses nothing.
+futures, so a crash anywhere loses nothing. With the default output's committer the micro-batches
+are pipelined (``_commit_in_order``): Spark writes the next one (its files invisible until
+committed) while the committer makes the previous one visible; commits stay in order, and one
+behind a micro-batch that fails commits nothing (its files are deleted) and fails with it.
 
 * Backpressure: at most ``max_inflight_batches`` micro-batches are cut and not yet committed;
   while that many are in flight and the buffer is full, ``put`` waits.
@@ -239,6 +242,10 @@ class SparkBridge(Sink):
         self._rows_parked = self._rows_retried = self._isolation_runs = 0
         # typed micro-batches written through Spark (with a known job count) and their jobs
         self.typed_writes = self.typed_write_jobs = 0
+        # seconds spent per phase of the default output's micro-batches (summed): "prepare"
+        # (dropping replays, building the wire or Arrow table), "write" (the Spark job and
+        # its receipt), "commit" (the committer: Delta commits, progress, manifest)
+        self.phase_s: dict[str, float] = {"prepare": 0.0, "write": 0.0, "commit": 0.0}
         # when the first batch with records came and the last micro-batch with rows committed
         # (time.monotonic()): the span the output was being written
         self.first_put_at: float | None = None
@@ -577,6 +584,7 @@ class SparkBridge(Sink):
                     self._tails.rewind(self._committed)
                     self._tails_generation = generation
                 await self._seed_from_progress(cut)
+                log.debug("%r: cut micro-batch %d (%d rows)", self, cut.batch_id, cut.rows)
                 prepared = await asyncio.to_thread(self._prepare, cut)
                 await self._queue.put((cut, generation, *prepared))
         finally:
@@ -659,10 +667,13 @@ class SparkBridge(Sink):
 
     def _prepare(self, cut: Cut) -> tuple[Any, list[tuple[str, list[DataChange]]], int]:
         """Off the loop: drop replays, build the Arrow table."""
+        t0 = time.monotonic()
         fresh = [(e.token, self._tails.fresh(e.token, e.records)) for e in cut.entries]
         rows = sum(len(r.mods) for _, records in fresh for r in records)
         if self.layout == "typed" and self.foreach_batch is None:
-            return TypedBatch(fresh, rows), fresh, rows
+            batch = TypedBatch(fresh, rows)
+            self.phase_s["prepare"] += time.monotonic() - t0
+            return batch, fresh, rows
         if self.foreach_batch is not None and self.config.foreach_batch_frames == "typed":
             return _TypedTables(fresh, rows), fresh, rows
         table = to_arrow(fresh)
@@ -680,6 +691,9 @@ class SparkBridge(Sink):
     # --- the committer --------------------------------------------------------------------
 
     async def _commit_loop(self) -> None:
+        # the default output's micro-batches are pipelined (_pipelined): one commits while the
+        # next is written; these are the tasks of the last two, oldest first
+        running: deque[asyncio.Task[None]] = deque()
         try:
             while True:
                 item = await self._queue.get()
@@ -693,13 +707,52 @@ class SparkBridge(Sink):
                     await self._done(cut)
                 elif self._streaming is not None:
                     await self._spool(cut, table, fresh, rows, generation)  # see _ack_loop
+                elif self._pipelined():
+                    assert self._group is not None
+                    while len(running) > 1:  # the one before the previous must be done
+                        await asyncio.wait([running.popleft()])
+                    written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    order = _Order(running[-1] if running else None, written, generation)
+                    running.append(
+                        self._group.create_task(
+                            self._commit_in_order(cut, table, fresh, rows, order),
+                            name=f"spark-bridge-batch-{cut.batch_id}",
+                        )
+                    )
+                    await written  # its Spark write ended: the next one's may start
                 else:
                     try:
                         await self._commit(cut, table, fresh, rows)
                     finally:
                         await self._done(cut)
         finally:
+            if running:
+                await asyncio.wait(running)
             self._committer_done = True
+
+    def _pipelined(self) -> bool:
+        """Whether micro-batches are committed by the committer while the next one is written:
+        the default output without the RQ (``_commit_in_order``)."""
+        return self.committer is not None and self._rq is None
+
+    async def _commit_in_order(
+        self,
+        cut: Cut,
+        table: Any,
+        fresh: list[tuple[str, list[DataChange]]],
+        rows: int,
+        order: _Order,
+    ) -> None:
+        """Write micro-batch ``cut`` through Spark as soon as the one before it is written, and
+        commit it once the one before it is committed (``order``): Spark writes the next
+        micro-batch while the committer makes this one visible (its files are invisible until
+        then: docs/design.md#exactly-once-output). If the one before it fails, this one
+        commits nothing (its files are deleted) and fails as cut after a failure does."""
+        try:
+            await self._commit(cut, table, fresh, rows, order)
+        finally:
+            order.wrote()
+            await self._done(cut)
 
     async def _done(self, cut: Cut) -> None:
         """``cut`` is no longer in flight (committed or failed)."""
@@ -713,7 +766,12 @@ class SparkBridge(Sink):
         self._kick.set()  # a micro-batch held back by age (Batcher.due) may be cut now
 
     async def _commit(
-        self, cut: Cut, table: Any, fresh: list[tuple[str, list[DataChange]]], rows: int
+        self,
+        cut: Cut,
+        table: Any,
+        fresh: list[tuple[str, list[DataChange]]],
+        rows: int,
+        order: _Order | None = None,
     ) -> None:
         if self._rq is not None:
             try:
@@ -726,7 +784,12 @@ class SparkBridge(Sink):
             return
         error = None
         if self.committer is not None:
-            error = await self._attempts(cut.batch_id, table, rows, cut, commit=True)
+            error = await self._attempts(cut.batch_id, table, rows, cut, commit=True, order=order)
+            if order is not None:
+                await order.after_prior()  # failed early: still after the one before it
+                if order.generation != self._generation:  # the one before it failed
+                    self._fail_cut(cut, BridgeError("an earlier micro-batch failed; re-read"))
+                    return
             if isinstance(error, CommitRefused | CommitIncomplete):
                 if isinstance(error, CommitIncomplete):
                     self._broken = BridgeError(str(error))
@@ -757,11 +820,15 @@ class SparkBridge(Sink):
         *,
         commit: bool = False,
         identity: str | None = None,
+        order: _Order | None = None,
     ) -> Exception | None:
         """Run micro-batch ``cut`` (its rows: ``table``) up to ``max_attempts`` times (with
         backoff); the last error, or None once it committed. With ``commit`` it goes through
-        the committer (a refused or incomplete commit is not retried: it is returned at once).
-        ``identity``: the batch identity, if not the cut's (its rows were filtered)."""
+        the committer (a refused or incomplete commit is not retried: it is returned at once):
+        Spark writes it (one job at a time), then it is committed, with ``order`` only once the
+        micro-batch before it is done (if that one failed, what this one wrote is deleted and
+        None returned: the caller sees the generation moved). ``identity``: the batch
+        identity, if not the cut's (its rows were filtered)."""
         cfg = self.config
         error: Exception | None = None
         if identity is None:
@@ -777,9 +844,21 @@ class SparkBridge(Sink):
             try:
                 async with self._spark_lock:
                     if commit:
-                        await self._spark_job(table, self._run_committed, cut, table, identity)
+                        staged = await self._spark_job(table, self._stage, cut, table, identity)
                     else:
                         await self._spark_job(table, self._run_batch, batch_id, table, identity)
+                if commit:
+                    if order is not None:
+                        order.wrote()
+                        await order.after_prior()
+                        if order.generation != self._generation:
+                            await asyncio.to_thread(self._discard, identity, staged)
+                            return None
+                    t0 = time.monotonic()
+                    committer = self.committer
+                    assert committer is not None
+                    await asyncio.to_thread(self._commit_cut, committer, cut, identity, *staged)
+                    self._log_commit(cut, table, staged, time.monotonic() - t0)
             except (CommitRefused, CommitIncomplete) as exc:
                 self._job_succeeded()  # Spark wrote it; the commit itself was refused
                 return exc
@@ -929,23 +1008,21 @@ class SparkBridge(Sink):
         self._job_succeeded()
         return None
 
-    async def _spark_job(self, table: Any, run: Callable[..., None], *args: Any) -> None:
-        """Run ``run(*args)`` (one attempt of a batch of ``table``) in a worker thread, under
-        ``SparkConfig.job_timeout_s`` where Spark runs it: past it the session's jobs are
-        cancelled and, once the thread ended, :class:`SparkJobTimeout` is raised (the
-        supervisor then replaces the session). A job that finished as it was cancelled counts
+    async def _spark_job(self, table: Any, run: Callable[..., Any], *args: Any) -> Any:
+        """Run ``run(*args)`` (one attempt of a batch of ``table``) in a worker thread and
+        return what it returns, under ``SparkConfig.job_timeout_s`` where Spark runs it: past
+        it the session's jobs are cancelled and, once the thread ended,
+        :class:`SparkJobTimeout` is raised (the supervisor then replaces the session). A job that finished as it was cancelled counts
         as done. A thread that does not end after the cancel is a session that cannot be
         trusted with the batch again (it may still commit it): :class:`SparkLost`."""
         limit = self.config.job_timeout_s
         if limit is None:
-            await asyncio.to_thread(run, *args)
-            return
+            return await asyncio.to_thread(run, *args)
         job = asyncio.ensure_future(asyncio.to_thread(run, *args))
         try:
             done, _ = await asyncio.wait({job}, timeout=limit)
             if job in done:
-                job.result()
-                return
+                return job.result()
             log.error(
                 "%r: a Spark job ran past spark.job_timeout_s (%gs): cancelling it", self, limit
             )
@@ -967,7 +1044,7 @@ class SparkBridge(Sink):
         failed = job.exception()
         if failed is None:
             log.warning("%r: the Spark job finished as it was cancelled", self)
-            return
+            return job.result()
         raise SparkJobTimeout(
             f"a Spark job ran past spark.job_timeout_s ({limit:g}s) and was cancelled"
         ) from failed
@@ -1350,16 +1427,20 @@ class SparkBridge(Sink):
             metadata=metadata,
         )
 
-    def _run_committed(self, cut: Cut, table: Any, identity: str | None) -> None:
-        """In a worker thread: one attempt of micro-batch ``cut`` into the default output,
-        committed atomically (see the module docstring): the typed layout through
-        ``TypedBatch.stage`` (parquet or Delta tables); the generic one partitioned by table by
-        Spark, each ``table=<t>`` renamed to ``table=<t>/batch=<identity>``."""
+    def _stage(
+        self, cut: Cut, table: Any, identity: str
+    ) -> tuple[list[tuple[str, str]], list[TableWrite]]:
+        """In a worker thread: Spark's write of one attempt of micro-batch ``cut`` into the
+        default output, to be committed atomically (see the module docstring): the typed
+        layout through ``TypedBatch.stage`` (parquet or Delta tables); the generic one
+        partitioned by table by Spark, each ``table=<t>`` to be renamed to
+        ``table=<t>/batch=<identity>``. What the committer then commits (moves, Delta tables);
+        nothing is visible until it does."""
         committer = self.committer
         assert committer is not None
-        assert identity is not None
         moves: list[tuple[str, str]] = []
         tables: list[TableWrite] = []
+        t0 = time.monotonic()
         if isinstance(table, TypedBatch):
             moves, tables = table.stage(self.spark, committer, identity, self.config.table_format)
             self._count_typed_write(table)
@@ -1376,7 +1457,35 @@ class SparkBridge(Sink):
                 )
             rel = committer.staged(identity)
             moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in staged]
-        self._commit_cut(committer, cut, identity, moves, tables)
+        self.phase_s["write"] += time.monotonic() - t0
+        return moves, tables
+
+    def _discard(
+        self, identity: str, staged: tuple[list[tuple[str, str]], list[TableWrite]]
+    ) -> None:
+        """In a worker thread: delete what :meth:`_stage` wrote for a micro-batch that will
+        not be committed (the one before it failed)."""
+        committer = self.committer
+        assert committer is not None
+        committer.discard(identity, staged[1])
+
+    def _log_commit(
+        self,
+        cut: Cut,
+        table: Any,
+        staged: tuple[list[tuple[str, str]], list[TableWrite]],
+        seconds: float,
+    ) -> None:
+        self.phase_s["commit"] += seconds
+        moves, tables = staged
+        log.debug(
+            "%r: micro-batch %d (%d rows, %d tables) committed in %.3f s",
+            self,
+            cut.batch_id,
+            table.num_rows,
+            len(tables) or len(moves),
+            seconds,
+        )
 
     def _count_typed_write(self, batch: TypedBatch) -> None:
         receipt = batch.receipt
@@ -1503,6 +1612,29 @@ class _TypedTables:
     def check(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+class _Order:
+    """A pipelined micro-batch's place in line (``SparkBridge._commit_in_order``): the task of
+    the micro-batch before it (None: none in flight), a future this one sets once its Spark
+    write ended (the next one's may start), and the bridge's generation when it was cut (moved
+    on: one before it failed, so it must not commit)."""
+
+    def __init__(
+        self, prior: asyncio.Task[None] | None, written: asyncio.Future[None], generation: int
+    ) -> None:
+        self.prior = prior
+        self.written = written
+        self.generation = generation
+
+    def wrote(self) -> None:
+        if not self.written.done():
+            self.written.set_result(None)
+
+    async def after_prior(self) -> None:
+        """Once the micro-batch before this one is done (committed or failed)."""
+        if self.prior is not None:
+            await asyncio.wait([self.prior])
 
 
 class _Spooled(msgspec.Struct, frozen=True):

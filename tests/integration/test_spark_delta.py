@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,62 @@ async def test_a_fenced_micro_batch_is_refused_and_its_data_files_deleted(
     assert bridge.stats().fenced_refused == 1
     assert all(not _data_files(uri, name) for name in TABLES)  # ...and they were deleted
     assert _ids(uri) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("first_commits", [True, False], ids=["committed", "refused"])
+async def test_the_next_micro_batch_is_written_while_one_commits_and_waits_for_it(
+    spark: Any, s3_server: S3Server, first_commits: bool
+) -> None:
+    """Pipelined micro-batches: Spark writes micro-batch 2 while micro-batch 1 is still before
+    its commit (the committer holds 1 until 2's files are written), and 2 is committed only
+    after 1. If 1 is refused at its commit point, 2 commits nothing either: its data files,
+    already written, are deleted and its batch fails to be re-read."""
+    uri = s3_server.uri(f"pipelined-{first_commits}/data")
+    first, second = micro_batches()
+    each = msgspec.structs.replace(config(uri), max_rows=len(first.records))  # a cut per put
+    async with SparkBridge(each, spark=spark) as bridge:
+        committer = bridge.committer
+        assert committer is not None
+        real = committer.commit
+        seen: list[tuple[str, int]] = []  # (batch identity, Spark writes done) per commit
+
+        def commit(batch: str, *args: Any, **kwargs: Any) -> Any:
+            if not seen:  # micro-batch 1: hold it until micro-batch 2 is written
+                for _ in range(1200):
+                    if bridge.typed_writes >= 2:
+                        break
+                    time.sleep(0.05)
+            seen.append((batch, bridge.typed_writes))
+            if not first_commits:
+                committer.permit = lambda: False  # the lease ran out: refused, files dropped
+            return real(batch, *args, **kwargs)
+
+        committer.commit = commit  # type: ignore[method-assign]
+        one = await bridge.put(first)
+        two = await bridge.put(second)
+        outcomes = await asyncio.gather(one, two, return_exceptions=True)
+    assert bridge.typed_writes == 2  # both written by Spark (one job each)...
+    assert seen[0][1] == 2  # ...the second while the first had not committed yet
+    if first_commits:
+        assert list(outcomes) == [None, None]
+        assert len(seen) == 2  # in order: 1, then 2
+        check = _exactly_once(_expected_ids([first, second]))
+        check(_ids(uri))
+        assert_catches_a_double(check, _ids(uri))
+        for name in TABLES:
+            assert _data_files(uri, name) == _committed_files(uri, name)
+        return
+    assert isinstance(outcomes[0], BridgeError)
+    assert "lease ran out" in str(outcomes[0])
+    assert bridge.committer is not None
+    assert bridge.committer.fenced_refused == 0  # refused by the lease, not by a fence
+    assert isinstance(outcomes[1], BridgeError)
+    assert "earlier micro-batch failed" in str(outcomes[1])
+    assert len(seen) == 1  # micro-batch 2 never reached the committer
+    assert _ids(uri) == []
+    assert all(not _data_files(uri, name) for name in TABLES)  # 2's files were deleted too
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
