@@ -1460,7 +1460,11 @@ class TaskCore:
             if (
                 token not in offered
                 and lifecycle.removable(part, self._member_lookup)
-                and (not self.config.mutable or mutable.removable(part, self._unfinished()))
+                and (
+                    not self.config.mutable
+                    or snapshots.is_snapshot(token)
+                    or mutable.removable(part, self._unfinished())
+                )
                 and (
                     snapshots.removable(part, self.cim.snapshot)
                     or not self.config.rules.snapshot_done_before_removal

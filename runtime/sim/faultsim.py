@@ -334,6 +334,8 @@ class SimResult(msgspec.Struct, frozen=True):
     poison_hops: int = 0
     poison_failures: int = 0
     released_and_resumed: bool = False
+    # MUTABLE_KEY_RANGE: readers started at a released move-in hold (passing its events)
+    holds_passed: int = 0
 
 
 class _Reader:
@@ -669,10 +671,12 @@ class Simulation:
             drain_timeout=2_000_000,
             stall_timeout=10_000_000,
             rules=self.p.reader_rules,
-            mutable=self.mutable,
+            mutable=self.mutable and not snapshots.is_snapshot(token),
         )
         start = Position(command.start_ts, command.tail)
         core = ReaderCore(config, start, command.hold)
+        if command.hold is not None:
+            self.stats["holds_passed"] += 1
         reader = node.readers[token] = _Reader(token, core)
         reader.committed_ids = {(start.ts, txn, seq) for txn, seq in start.ids}
         self.stats["readers_started"] += 1
@@ -1406,6 +1410,7 @@ class Simulation:
             poison_hops=len(self.poison_tasks),
             poison_failures=self.stats["poison_failures"],
             released_and_resumed=self.released_and_resumed(),
+            holds_passed=self.stats["holds_passed"],
         )
 
     def released_and_resumed(self) -> bool:
