@@ -37,6 +37,7 @@ import msgspec
 from actors.kernel import Actor
 from protocol.dedup import Position
 from protocol.events import Ids, ReaderFailed, ReaderStopped, StopReason, TaskEvent
+from protocol.messages import MoveInHold
 from protocol.reader import (
     BatchCommitted,
     BatchesFenced,
@@ -110,6 +111,8 @@ class PartitionReader(Actor[Stop]):
         batch_records: int = 2000,
         stall_timeout: float = 30.0,
         tail: Ids = (),
+        mutable: bool = False,
+        hold: MoveInHold | None = None,
     ) -> None:
         super().__init__(f"reader:{token}", capacity=4)
         self.token = token
@@ -126,8 +129,9 @@ class PartitionReader(Actor[Stop]):
             max_backoff=int(max_backoff * 1e6),
             drain_timeout=int(drain_timeout * 1e6),
             stall_timeout=int(stall_timeout * 1e6),
+            mutable=mutable,  # a MUTABLE_KEY_RANGE stream's partition (the core's rule 13)
         )
-        self.core = ReaderCore(config, Position(start_ts, tail))
+        self.core = ReaderCore(config, Position(start_ts, tail), hold)
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._query: asyncio.Task[None] | None = None
         self._group: asyncio.TaskGroup | None = None

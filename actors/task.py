@@ -42,6 +42,7 @@ from protocol import trace as tracing
 from protocol.cim import Cim
 from protocol.events import Ids
 from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncMessage
+from protocol.mutable import PartitionStart
 from protocol.records import ChildPartitions
 from protocol.task import (
     Alert,
@@ -248,6 +249,8 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             permit=self.permit,
             stall_timeout=self.core.config.stall_timeout / 1e6,
             tail=command.tail,
+            mutable=self.core.config.mutable,
+            hold=command.hold,
         )
         log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)
         self.readers[token] = reader
@@ -517,6 +520,8 @@ class LeaderActor(Actor[PlanRequest]):
                         Partition(token=c.token, start_ts=record.start_ts, parents=())
                         for c in record.children
                     ]
+                elif isinstance(record, PartitionStart):  # a MUTABLE_KEY_RANGE stream's roots
+                    roots += [Partition(token=t, start_ts=record.start_ts) for t in record.tokens]
         return tuple(roots)
 
 

@@ -136,6 +136,7 @@ __all__ = [
     "Joined",
     "Lease",
     "Lost",
+    "PartitionsAnnounced",
     "PlanReady",
     "Publish",
     "PublishFailed",

@@ -20,10 +20,13 @@ Deterministic for a seed (``random.Random(seed)``); no I/O, no clock.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import random
+import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from typing import Any
 
 import msgspec
 
@@ -37,13 +40,15 @@ from protocol.mutable import (
     Release,
     Schedule,
 )
-from protocol.records import ChangeRecord, ColumnType, DataChange, Mod
+from protocol.records import ChangeRecord, ColumnType, DataChange, Heartbeat, Mod
 
 __all__ = [
     "MutableRun",
+    "MutableSource",
     "MutableStreamModel",
     "MutableStreamParams",
     "Write",
+    "key_order_violations",
     "run",
     "stream",
     "write_key",
@@ -343,3 +348,65 @@ def _write(key: int, ts: int) -> DataChange:
 def write_key(record: DataChange) -> str:
     """The key a write of :class:`MutableStreamModel` is to (its per-key order is checked)."""
     return record.mods[0].keys
+
+
+class MutableSource:
+    """A ``ChangeStreamSource`` over a :class:`MutableStreamModel` for the actors' tests: the
+    root query answers the model's partition start; a partition query sends what the model
+    holds up to the clock (model-time micros; by default the monotonic clock from the model's
+    start, ``speedup`` times faster), each answer closed by a heartbeat at its end, every
+    ``poll_s``; it ends after the partition end record, or at ``end_ts``."""
+
+    def __init__(
+        self, model: MutableStreamModel, *, speedup: float = 1.0, poll_s: float = 0.05
+    ) -> None:
+        self.model = model
+        self._poll_s = poll_s
+        origin_ns = time.monotonic_ns()
+        start = model.params.start_ts
+        self._clock: Callable[[], int] = lambda: (
+            start + int((time.monotonic_ns() - origin_ns) / 1000 * speedup)
+        )
+
+    def now(self) -> int:
+        return self._clock()
+
+    async def query(
+        self, token: str | None, start_ts: int, end_ts: int | None
+    ) -> AsyncGenerator[list[Any], None]:
+        if token is None:
+            yield [self.model.root_record()]
+            return
+        position = start_ts
+        while True:
+            now = self._clock()
+            stop = now if end_ts is None else min(now, end_ts)
+            if stop >= position:
+                batch: list[Any] = list(self.model.records(token, position, stop))
+                ended = any(isinstance(r, PartitionEnd) for r in batch)
+                if not ended:
+                    batch.append(Heartbeat(stop))
+                yield batch
+                if ended or (end_ts is not None and stop >= end_ts):
+                    return
+                position = stop + 1
+            await asyncio.sleep(self._poll_s)
+
+
+def key_order_violations(batches: Iterable[Iterable[DataChange]]) -> list[tuple[str, int, int]]:
+    """``(key, ts, newer ts before it)`` for every write of :class:`MutableStreamModel` that
+    reached a sink (``batches`` in commit order; a write counted at its first commit) after a
+    later write of its key."""
+    newest: dict[str, int] = {}
+    seen: set[tuple[int, str, str]] = set()
+    out: list[tuple[str, int, int]] = []
+    for batch in batches:
+        for record in batch:
+            if record.identity in seen:
+                continue
+            seen.add(record.identity)
+            key = write_key(record)
+            if record.commit_ts < newest.get(key, -1):
+                out.append((key, record.commit_ts, newest[key]))
+            newest[key] = max(newest.get(key, -1), record.commit_ts)
+    return out

@@ -11,7 +11,15 @@ from random import Random
 from protocol import mutable
 from protocol.dedup import Position
 from protocol.events import PartitionsAnnounced
-from protocol.messages import EpochMessage, MoveInHold, Partition, Share, StateMessage, TaskState
+from protocol.messages import (
+    EpochMessage,
+    MoveInHold,
+    Partition,
+    Share,
+    StateMessage,
+    SyncMessage,
+    TaskState,
+)
 from protocol.mutable import PartitionEnd, PartitionEvent, PartitionStart
 from protocol.reader import (
     BatchCommitted,
@@ -58,7 +66,9 @@ def _epoch(n: int, *offers: Share) -> EpochMessage:
 
 def _x_state(ts: int, *parts: Partition) -> StateMessage:
     return StateMessage(
-        task_id="x", epoch=1, connector_state=(TaskState("x", 2 * 10**9 + ts, data=parts, share=()),)
+        task_id="x",
+        epoch=1,
+        connector_state=(TaskState("x", 2 * 10**9 + ts, data=parts, share=()),),
     )
 
 
@@ -83,7 +93,7 @@ class _Member:
         self.read(answer.message)
         self.read(_x_state(0, Partition("s", T0)))
 
-    def read(self, message: EpochMessage | StateMessage, now: int = 10) -> list[TaskCommand]:
+    def read(self, message: SyncMessage, now: int = 10) -> list[TaskCommand]:
         out = self.c.handle(SyncRead(self.offset, message), now=now)
         self.offset += 1
         return out
@@ -141,7 +151,8 @@ def test_announced_partitions_are_registered_once_and_read() -> None:
 def test_an_immutable_connector_ignores_announcements() -> None:
     m = _Member(mutable_mode=False)
     out = m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1",)), now=20)
-    assert _starts(out) == [] and "n1" not in m.c.mine
+    assert _starts(out) == []
+    assert "n1" not in m.c.mine
     assert m.c.counters["announced_ignored"] == 1
 
 
@@ -151,7 +162,8 @@ def test_a_finished_partition_stays_while_another_resumes_at_or_before_its_end()
     m.c.handle(ReaderFinished("d", T, (), T), now=20)
     assert m.c.mine["d"].status == "finished"  # s resumes at T: it may still name d
     m.read(_x_state(2, Partition("s", T0, watermark=T + 1)), now=21)
-    assert "d" not in m.c.mine and "d" in m.c.retired
+    assert "d" not in m.c.mine
+    assert "d" in m.c.retired
 
 
 def test_an_immutable_connector_removes_a_finished_partition_at_once() -> None:
