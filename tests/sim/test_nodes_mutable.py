@@ -69,7 +69,6 @@ async def test_three_nodes_read_a_mutable_stream_in_key_order_exactly_once() -> 
         expected = {r.identity for r in model.expected(horizon)}
         await _wait_for(lambda: expected <= sink.rows.keys(), 30)
         holds = sum(n.task.core.counters["move_in_holds"] for n in survivors if n.task)
-        announced = sum(n.task.core.counters["partitions_announced"] for n in survivors if n.task)
     assert model.moves > 10
     assert len(model.partitions) > params.roots  # partitions were announced ...
     assert holds > 0  # destinations waited at their move-ins
