@@ -55,7 +55,7 @@ async def test_three_nodes_read_a_mutable_stream_in_key_order_exactly_once() -> 
             task_id=name, answer_timeout=500_000, publish_interval=100_000, mutable=True
         )
         config = NodeConfig(task=task, stream_start=start)
-        return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)  # type: ignore[arg-type]
+        return TaskNode(config, sync_log=log, join=join, source=source, sink=sink)
 
     nodes = [node(f"n{i}") for i in range(3)]
     async with AsyncExitStack() as stack:
