@@ -1696,6 +1696,17 @@ class TaskCore:
                 f"waiting for parents {', '.join(waiting)} (sync log read to offset "
                 f"{self.cim.offset})"
             )
+        hold = part.hold
+        if hold is not None and not mutable.released(part, self._lookup):
+            behind = [
+                f"{s[:12]}={'unknown' if (p := self._lookup(s)) is None else p.watermark}"
+                for s in hold.sources
+                if not mutable.reached(self._lookup(s), hold.ts)
+            ]
+            return False, (
+                f"held at a move-in at {hold.ts} until its sources commit past it: "
+                f"{', '.join(behind)} (sync log read to offset {self.cim.offset})"
+            )
         running = len([t for t in self.reading if t not in self.stopping])
         if 0 < self.config.cap <= running:
             return True, f"waiting for room under the cap ({running}/{self.config.cap} reading)"

@@ -264,3 +264,14 @@ def test_an_immutable_reader_finishes_at_the_end_of_its_query() -> None:
     r = ReaderCore(ReaderConfig("d"), Position(T0))
     r.handle(Start(), now=0)
     assert r.handle(QueryEnded(1), now=1) == [Done(ReaderFinished("d", T0, (), T0, ()))]
+
+
+def test_why_unread_names_the_move_in_and_the_sources_behind_it() -> None:
+    m = _Member()
+    m.c.handle(ReaderStopped("d", T, (), MoveInHold(T, ("s", "u"), ("3",))), now=20)
+    m.read(_x_state(1, Partition("s", T0, watermark=T + 1)))
+    assert m.c.why_unread("d", 30) == (
+        False,
+        f"held at a move-in at {T} until its sources commit past it: u=unknown "
+        f"(sync log read to offset {m.offset - 1})",
+    )
