@@ -198,16 +198,14 @@ class TaskNode:
             # planned again over an output with state, its partitions could differ
             raise SnapshotConflict(started)
         self.membership = await self._join(self.task_id)
-        # A membership that can (KafkaMembership) learns the newest epoch in the sync topic, so
-        # that its group's epochs stay newer than it when Kafka's generations start over. Set
-        # before anything awaits: the first JoinGroup has not been sent yet.
-        set_epoch_floor = getattr(self.membership, "set_epoch_floor", None)
-        if set_epoch_floor is not None:
-            core = task.core
-            set_epoch_floor(
-                lambda: core.cim.epoch,
-                lambda: epochs.Logged(core.cim.epoch, core.cim.leader, core.cim.members),
-            )
+        # A membership that needs it (KafkaMembership) learns the newest epoch in the sync
+        # topic, so that its group's epochs stay newer than it when Kafka's generations start
+        # over. Set before anything awaits: the first JoinGroup has not been sent yet.
+        core = task.core
+        self.membership.set_epoch_floor(
+            lambda: core.cim.epoch,
+            lambda: epochs.Logged(core.cim.epoch, core.cim.leader, core.cim.members),
+        )
         leader = LeaderActor(
             task,
             self._source,
@@ -246,9 +244,7 @@ class TaskNode:
                 if skipped >= _CHECKPOINT_SCAN:
                     break
         finally:
-            aclose = getattr(reader, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await reader.aclose()
         log.warning("no checkpoint within %d messages of offset %d: full replay", skipped, offset)
         return 0
 

@@ -6,7 +6,7 @@ with backoff, stalls, the lease check, stops and drains, the end).
 The shell only does what the core's commands say and feeds it what happens:
 
 * before the first query it prepares the sink (``Sink.prepare``) and asks the sink for its own
-  durable position of the partition (``sink_committed``): the core resumes from the newer of
+  durable position of the partition (``Sink.durable_position``): the core resumes from the newer of
   that and the task's (``Start``);
 * ``StartQuery`` runs the source's query in a task that feeds each answer back as a ``Chunk``
   (with ``permit()``, the membership lease, read when the chunk is handled, and again right
@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import msgspec
 
@@ -65,8 +65,6 @@ from runtime.ports import (
     Sink,
     SinkBatch,
     fence_sink,
-    prepare_sink,
-    sink_committed,
 )
 
 log = logging.getLogger("shoal.reader")
@@ -213,8 +211,8 @@ class PartitionReader(Actor[Stop]):
         attempt = 0
         while True:
             try:
-                await prepare_sink(self._sink, self.token)
-                return await sink_committed(self._sink, self.token)
+                await self._sink.prepare(self.token)
+                return await self._sink.durable_position(self.token)
             except Exception as exc:
                 attempt += 1
                 self._report(ReaderFailed(self.token, f"{type(exc).__name__}: {exc}"))
@@ -381,7 +379,5 @@ def _records(records: Sequence[ChangeRecord]) -> tuple[ChangeRecord, ...]:
     return records if isinstance(records, tuple) else tuple(records)
 
 
-async def _close(stream: AsyncIterator[Sequence[ChangeRecord]]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
+async def _close(stream: AsyncGenerator[Sequence[ChangeRecord], None]) -> None:
+    await stream.aclose()

@@ -32,9 +32,9 @@ from typing import NoReturn, TextIO
 
 import msgspec
 
-from actors.cli.embed import CallbackSink, open_task
-from runtime import config as options
-from runtime.config import ConfigError, ShoalConfig
+from actors.cli import config as options
+from actors.cli.config import ConfigError, ShoalConfig
+from actors.embed import CallbackSink, open_task
 
 __all__ = ["CallbackSink", "main", "open_task", "run"]
 

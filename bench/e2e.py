@@ -71,7 +71,7 @@ from runtime.spark.rows import to_arrow
 from runtime.spark.session import start_session, warm
 
 
-class _Timed:
+class _Timed(Sink):
     """The bridge as the tasks see it: remembers when the first batch came and, per record, the
     model time at which its batch committed."""
 

@@ -88,8 +88,8 @@ async def scenario(
     """Run the scenario on ``kafka`` (see the module docstring); the figures, with the raw rows
     under ``rows`` and the expected records under ``expected`` (for a test's own checks)."""
     from actors.cli import admin
+    from actors.cli.config import KafkaOptions, RunOptions, ShoalConfig
     from actors.runtime import open_task
-    from runtime.config import KafkaOptions, RunOptions, ShoalConfig
 
     connector = f"poison-{uuid.uuid4().hex[:8]}"
     start = time.time_ns() // 1000

@@ -55,7 +55,7 @@ from protocol.messages import EpochMessage, StateMessage
 from protocol.task import TaskConfig
 from runtime.kafka import KafkaConfig, KafkaMembership, KafkaSyncLog
 from runtime.kafka.broker import EmbeddedBroker
-from runtime.ports import GroupAssignment, GroupEvent, Membership, SinkBatch
+from runtime.ports import GroupAssignment, GroupEvent, Membership, Sink, SinkBatch
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
 
@@ -97,7 +97,7 @@ def node_config(task_id: str, params: StreamParams) -> NodeConfig:
     )
 
 
-class NullSink:
+class NullSink(Sink):
     """Commits every batch at once."""
 
     def __init__(self) -> None:
@@ -117,7 +117,7 @@ class Assigned(msgspec.Struct, frozen=True, array_like=True):
     members: tuple[str, ...]
 
 
-class TimedMembership:
+class TimedMembership(Membership):
     """A :class:`KafkaMembership` that reports when each assignment reached its reader."""
 
     def __init__(self, inner: KafkaMembership, record: Callable[[Assigned], None]) -> None:

@@ -42,11 +42,12 @@ from protocol.cim import Cim
 from protocol.messages import CheckpointMessage
 from protocol.planner import plan
 from protocol.records import ChangeRecord
+from runtime.ports import ChangeStreamSource
 from runtime.sim.memory import MemorySyncLog
 from runtime.sim.source import SimulatedSource
 
 
-class QuietableSource:
+class QuietableSource(ChangeStreamSource):
     """The simulated source; while ``quiet``, a partition's batches come back empty (no
     heartbeat, no record), so idle partitions' watermarks stand still and the sync topic
     carries only what a rebalance writes."""

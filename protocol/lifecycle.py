@@ -42,14 +42,6 @@ def readable(part: Partition, lookup: Lookup) -> bool:
     return True
 
 
-def first_parent_readable(part: Partition, lookup: Lookup) -> bool:
-    """A deliberately broken rule for the simulator's teeth tests: reads a merged child as soon
-    as any one parent has finished."""
-    if not part.parents:
-        return True
-    return any((p := lookup(t)) is not None and p.status == "finished" for t in part.parents)
-
-
 def removable(part: Partition, lookup: Lookup) -> bool:
     """A finished partition nothing refers to any more."""
     if part.status != "finished":

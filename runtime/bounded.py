@@ -27,7 +27,7 @@ from runtime.ports import ChangeStreamSource
 __all__ = ["BoundedSource"]
 
 
-class BoundedSource:
+class BoundedSource(ChangeStreamSource):
     """``inner`` read from ``start_at`` (None: no lower bound) to ``end_at`` (None: no end)."""
 
     def __init__(

@@ -49,7 +49,7 @@ class FilterStats(msgspec.Struct, frozen=True):
     columns_stripped: int = 0  # kept records with columns taken out (--exclude-columns)
 
 
-class FilteredSource:
+class FilteredSource(ChangeStreamSource):
     """``inner`` with the data-change records ``rule`` drops replaced by heartbeats."""
 
     def __init__(self, inner: ChangeStreamSource, rule: RecordFilter) -> None:

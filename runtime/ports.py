@@ -1,17 +1,24 @@
 """The narrow ports every actor talks to. Real implementations (Kafka, Spanner, Spark) and
 in-memory ones (for the deterministic simulator and unit tests) both satisfy these.
 
-Each port is a ``typing.Protocol``; nothing here imports a client library.
+Each port is a ``typing.Protocol`` that says everything a port may do. What only some
+implementations can do (a sink's ``fence``, a membership's ``set_epoch_floor``) has a default
+body that does nothing, so an implementation declares the port in its class statement
+(``class MemorySink(Sink)``), inherits the defaults it does not override, and mypy checks the
+rest; callers call the method and never look it up by name. A wrapper around a sink says so with
+:class:`SinkWrapper`, which hands every call it does not override to the sink inside. Nothing
+here imports a client library.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 import msgspec
 
+from protocol import epochs
 from protocol.dedup import Position
 from protocol.messages import SnapshotItem, SnapshotPlan
 from protocol.records import ChangeRecord, DataChange
@@ -32,8 +39,9 @@ class SyncLog(Protocol):
         """Append one message; return its offset. Raises on failure after a bounded time."""
         ...
 
-    def read(self, start: int) -> AsyncIterator[tuple[int, bytes]]:
-        """Every message from offset ``start`` on, in order, waiting for new ones forever."""
+    def read(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
+        """Every message from offset ``start`` on, in order, waiting for new ones forever; a
+        reader that stops early closes it (``aclose()``)."""
         ...
 
     async def checkpoint_offset(self) -> int | None:
@@ -80,17 +88,38 @@ class Membership(Protocol):
         """Leave the group."""
         ...
 
+    @property
+    def rebalance_in_progress(self) -> bool:
+        """Whether a rebalance is under way for this member (what the health sample reports);
+        a membership that cannot tell says False."""
+        return False
+
+    def set_epoch_floor(
+        self, epoch_floor: Callable[[], int], logged: Callable[[], epochs.Logged] | None = None
+    ) -> None:
+        """Where the newest epoch this task has read in the sync topic comes from, and who
+        opened it for which members (``logged``): a membership whose group's generations may
+        start over (``KafkaMembership``) keeps its epochs newer than that. A membership whose
+        generations never go back ignores it."""
+        return
+
 
 class ChangeStreamSource(Protocol):
     """A change stream (Spanner, the emulator, or the embedded simulator)."""
 
     def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         """Records of partition ``token`` from ``start_ts`` on, in batches; ``token=None`` gives
         the root partitions as a ``ChildPartitions`` record. The iterator ends when the partition
-        ends (after its ``ChildPartitions`` records) or at ``end_ts``."""
+        ends (after its ``ChildPartitions`` records) or at ``end_ts``; a reader that stops early
+        closes it (``aclose()``)."""
         ...
+
+    async def watched_tables(self) -> tuple[str, ...] | None:
+        """The tables the stream carries (the simulator, a GoogleSQL Spanner change stream), or
+        None where the source cannot say."""
+        return None
 
 
 class SnapshotSource(Protocol):
@@ -121,58 +150,65 @@ class SinkBatch(msgspec.Struct, frozen=True):
 
 
 class Sink(Protocol):
-    """Where change records go (the Spark bridge, a Kafka output sink, a callback).
+    """Where change records go (the Spark bridge, a Kafka output sink, the file sink, a
+    callback). Only :meth:`put` has no default.
 
-    A sink that stores its progress atomically with its data may also have ``async def
-    durable_position(token) -> Position | None``: the position up to which it has durably written
-    partition ``token`` by its own record (:func:`sink_committed`). A new owner then resumes
-    from the newer of that and the sync topic's position, so a batch the sink committed but
-    whose watermark never reached the sync topic (a kill -9 in between) is not written twice.
-
-    A sink may also have ``async def prepare(token)``: a reader of partition ``token`` awaits
-    it before it hands over anything (:func:`prepare_sink`). Sinks with a shared retry queue
-    catch up with it there, so what the partition's previous owner parked keeps its keys
-    blocked.
-
-    A sink with a commit point may also have ``async def fence(batches) -> list[bool] | None``
-    (:func:`fence_sink`; docs/design.md#exactly-once-output, rule 4): for each batch it was
-    handed and has not resolved yet, True if it passed the commit point already, else False,
-    and then it never will. A reader that stops with batches in flight fences them before its
-    task releases the partition, so none is written after the next owner looked up its
-    position."""
+    A sink that stores its progress atomically with its data overrides :meth:`durable_position`,
+    one with a shared retry queue :meth:`prepare`, one with a commit point :meth:`fence`."""
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         """Hand over a batch. Waits while too much is in flight (backpressure); the returned
         future resolves when the batch is durably committed, or fails if it never will be."""
         ...
 
+    async def prepare(self, token: str) -> None:
+        """A reader of partition ``token`` awaits this before it hands over anything. Sinks with
+        a shared retry queue catch up with it here, so what the partition's previous owner
+        parked keeps its keys blocked."""
+        return
 
-async def prepare_sink(sink: Sink, token: str) -> None:
-    """Call ``sink.prepare(token)`` if the sink has one (see :class:`Sink`)."""
-    prepare = getattr(sink, "prepare", None)
-    if prepare is not None:
-        await prepare(token)
+    async def durable_position(self, token: str) -> Position | None:
+        """The position up to which this sink has durably written partition ``token`` by its
+        own record, or None (it keeps none). A new owner resumes from the newer of that and the
+        sync topic's position, so a batch the sink committed but whose watermark never reached
+        the sync topic (a kill -9 in between) is not written twice."""
+        return None
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
+        """For each batch of ``batches`` it was handed and has not resolved yet, True if it
+        passed the commit point already, else False, and then it never will; None from a sink
+        without a commit point (docs/design.md#exactly-once-output, rule 4). A reader that stops
+        with batches in flight fences them (:func:`fence_sink`) before its task releases the
+        partition, so none is written after the next owner looked up its position."""
+        return None
+
+
+class SinkWrapper(Sink):
+    """A sink around another one (counting, watching health): every call it does not override
+    goes to ``inner``, so what ``inner`` can do the wrapper can do too."""
+
+    def __init__(self, inner: Sink) -> None:
+        self.inner = inner
+
+    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
+        return await self.inner.put(batch)
+
+    async def prepare(self, token: str) -> None:
+        await self.inner.prepare(token)
+
+    async def durable_position(self, token: str) -> Position | None:
+        return await self.inner.durable_position(token)
+
+    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
+        return await fence_sink(self.inner, batches)
 
 
 async def fence_sink(sink: Sink, batches: Sequence[SinkBatch]) -> list[bool] | None:
-    """``await sink.fence(batches)`` if the sink can fence (see :class:`Sink`), else None."""
-    fence = getattr(sink, "fence", None)
-    if fence is None:
-        return None
-    answered: Sequence[bool] | None = await fence(batches)
-    if answered is None:  # a wrapper around a sink that cannot fence
+    """``await sink.fence(batches)``, checked: one answer per batch, or None (it cannot fence)."""
+    answered = await sink.fence(batches)
+    if answered is None:
         return None
     answer = list(answered)
     if len(answer) != len(batches):
         raise ValueError(f"{sink!r}.fence answered {len(answer)} of {len(batches)} batches")
     return answer
-
-
-async def sink_committed(sink: Sink, token: str) -> Position | None:
-    """``await sink.durable_position(token)`` if the sink keeps its own durable record of what
-    it wrote (see :class:`Sink`), else None."""
-    lookup = getattr(sink, "durable_position", None)
-    if lookup is None:
-        return None
-    position: Position | None = await lookup(token)
-    return position

@@ -32,7 +32,7 @@ class UnknownSnapshotPartition(RuntimeError):
     """A snapshot work item this process's state does not describe (yet): the reader retries."""
 
 
-class SnapshotRouting:
+class SnapshotRouting(ChangeStreamSource):
     """See the module docstring."""
 
     def __init__(

@@ -60,7 +60,7 @@ import msgspec
 import pyarrow as pa
 
 from protocol.records import DataChange
-from runtime.spanner.decode import parse_timestamp
+from runtime.timestamps import parse_timestamp
 
 __all__ = [
     "METADATA",

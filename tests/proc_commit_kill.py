@@ -17,16 +17,16 @@ import os
 import signal
 import sys
 
-from actors.cli.embed import GatedSource, drain_node
 from actors.cli.sinks import FileSink
+from actors.embed import GatedSource, drain_node
 from actors.node import TaskNode
 from protocol.dedup import Position
 from runtime.kafka import KafkaConfig, KafkaSyncLog
-from runtime.ports import SinkBatch, prepare_sink, sink_committed
+from runtime.ports import Sink, SinkBatch
 from tests.fixtures.kafka_nodes import joiner, make_source, node_config
 
 
-class KillAfterCommits:
+class KillAfterCommits(Sink):
     """The file sink, and a SIGKILL of this process the moment its ``kill_after``-th batch with
     records is durably committed: the callback runs before the reader's (it is registered first),
     so the reader never reports that batch and its watermark is never published."""
@@ -38,10 +38,10 @@ class KillAfterCommits:
         self.commits = 0
 
     async def prepare(self, token: str) -> None:
-        await prepare_sink(self.inner, token)
+        await self.inner.prepare(token)
 
     async def durable_position(self, token: str) -> Position | None:
-        return await sink_committed(self.inner, token) if self.durable else None
+        return await self.inner.durable_position(token) if self.durable else None
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
+from actors.cli.config import ConfigError, ShoalConfig, kafka_config
 from protocol import messages
 from protocol.cim import Cim
 from protocol.completeness import held_by, low_watermark
 from protocol.messages import Partition
-from runtime.config import ConfigError, ShoalConfig, kafka_config
 
 if TYPE_CHECKING:
     from runtime.kafka import KafkaConfig

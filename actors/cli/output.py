@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import msgspec
 
+from actors.cli.config import ConfigError, ShoalConfig, kafka_config
 from protocol.output_meta import (
     MetaError,
     OutputMeta,
@@ -31,7 +32,6 @@ from protocol.output_meta import (
     plan_add_storage_topic,
     plan_switch,
 )
-from runtime.config import ConfigError, ShoalConfig, kafka_config
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer

@@ -31,29 +31,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import msgspec
 
-from actors.cli.embed import GatedSource, drain_node
-from actors.cli.progress import PartitionEnd, Progress, RunSummary
-from actors.cli.sinks import CountingSink, FileSink
-from actors.cli.sinks import spark_config as build_spark_config
-from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
-from actors.task import wall_micros
-from protocol import epochs
-from protocol.cim import final_states
-from protocol.commit import StartRecord, start_conflict
-from protocol.completeness import Mark, held_by, low_watermark, mark_due
-from protocol.dedup import Position
-from protocol.messages import SnapshotItem
-from protocol.records import ChangeRecord
-from protocol.retry import may_drive
-from protocol.stream_options import StreamOptions, start_refusal
-from runtime.config import (
+from actors.cli.config import (
     ConfigError,
     ShoalConfig,
     SimOptions,
@@ -67,6 +52,21 @@ from runtime.config import (
     task_count,
     trail,
 )
+from actors.cli.progress import PartitionEnd, Progress, RunSummary
+from actors.cli.sinks import CountingSink, FileSink
+from actors.cli.sinks import spark_config as build_spark_config
+from actors.embed import GatedSource, drain_node
+from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
+from actors.task import wall_micros
+from protocol import epochs
+from protocol.cim import final_states
+from protocol.commit import StartRecord, start_conflict
+from protocol.completeness import Mark, held_by, low_watermark, mark_due
+from protocol.dedup import Position
+from protocol.messages import SnapshotItem
+from protocol.records import ChangeRecord
+from protocol.retry import may_drive
+from protocol.stream_options import StreamOptions, start_refusal
 from runtime.filtered import FilterStats
 from runtime.logs import mask
 from runtime.looplag import LoopLag, watch_loop
@@ -77,13 +77,12 @@ from runtime.ports import (
     Membership,
     Sink,
     SinkBatch,
+    SinkWrapper,
     Unrecoverable,
-    fence_sink,
-    prepare_sink,
-    sink_committed,
 )
 
 if TYPE_CHECKING:
+    from runtime.kafka import KafkaSyncLog
     from runtime.sim.stream import StreamParams
 
 log = logging.getLogger("shoal.runtime")
@@ -102,12 +101,12 @@ class RunFailed(RuntimeError):
     """A component failed for good; the message says which and why."""
 
 
-class Ledger:
+class Ledger(SinkWrapper):
     """The shared sink, remembering which records it committed (bounded runs only) and whether
     every batch failed since the last commit (``health``)."""
 
     def __init__(self, inner: Sink, *, keep_ids: bool) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.keep_ids = keep_ids
         self.health = FailureStreak()
         self.ids: set[tuple[int, str, str]] = set()
@@ -117,18 +116,12 @@ class Ledger:
         self.duplicates = 0
         self.fatal: Unrecoverable | None = None  # the sink failed for good: the run stops
 
-    async def prepare(self, token: str) -> None:
-        await prepare_sink(self.inner, token)
-
     async def durable_position(self, token: str) -> Position | None:
         try:
-            return await sink_committed(self.inner, token)
+            return await self.inner.durable_position(token)
         except Unrecoverable as exc:  # e.g. an unreadable progress file: the run stops
             self.fatal = self.fatal or exc
             raise
-
-    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
-        return await fence_sink(self.inner, batches)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         try:
@@ -164,7 +157,7 @@ class Ledger:
         return future
 
 
-class WatchedSource:
+class WatchedSource(ChangeStreamSource):
     """A source that keeps a :class:`FailureStreak` of its queries: a batch counts as success,
     a query ending in an exception as a failure (a cancelled one as neither)."""
 
@@ -175,7 +168,7 @@ class WatchedSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         try:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 self.health.success(time.monotonic())
@@ -190,7 +183,9 @@ class WatchedSource:
 class _Task:
     """One task node of this process and what the runtime tracks about it."""
 
-    def __init__(self, node: TaskNode, sink: CountingSink, gate: GatedSource, log: Any) -> None:
+    def __init__(
+        self, node: TaskNode, sink: CountingSink, gate: GatedSource, log: KafkaSyncLog
+    ) -> None:
         self.node = node
         self.sink = sink
         self.gate = gate
@@ -307,7 +302,7 @@ class Pipeline:
                 errors["sink_batch_failed"] = sink.batches_failed
             membership = node.membership
             rebalancing = epochs.rebalancing(
-                bool(getattr(membership, "rebalance_in_progress", False)),
+                membership is not None and membership.rebalance_in_progress,
                 st.member,
                 st.epoch,
                 st.generation,
@@ -900,14 +895,16 @@ class Pipeline:
             try:
                 return await stack.enter_async_context(make())
             except Exception as exc:
+                from runtime.kafka.errors import bad_setting_in, is_transient, refusal_in
+
                 left = deadline - time.monotonic()
-                refused = _refused(exc)
+                refused = refusal_in(exc)
                 if refused is not None:  # a certificate, a listener, a login: retrying cannot help
                     raise RunFailed(str(refused)) from exc
-                bad = _bad_setting(exc)
+                bad = bad_setting_in(exc)
                 if bad is not None:  # a TLS file, a sync topic of several partitions
                     raise ConfigError(str(bad)) from exc
-                if not _transient(exc) or left <= 0 or self.stop.is_set():
+                if not is_transient(exc) or left <= 0 or self.stop.is_set():
                     raise RunFailed(
                         f"{what} unreachable after {attempt} attempt(s): {exc}"
                     ) from exc
@@ -1013,8 +1010,8 @@ class Pipeline:
         retrying what cannot be mended would only look alive (docs/operations.md, "When the
         parts around shoal fail")."""
         for port in (self._ledger, self._source, *(t.sync_log for t in self.tasks)):
-            fatal = getattr(port, "fatal", None)
-            if isinstance(fatal, Unrecoverable):
+            fatal = None if port is None else port.fatal
+            if fatal is not None:
                 self.failed = str(fatal)
                 raise fatal
         broker = self._broker
@@ -1335,7 +1332,7 @@ class Pipeline:
         )
 
 
-class _StartChecked:
+class _StartChecked(ChangeStreamSource):
     """A source whose root query (the connector's first start, at ``--start-at``) failing is
     reported as a bad ``start_at`` (exit 2) with the database's own limit, not as a crash: a
     start before the database's version retention (or the change stream's retention) is
@@ -1356,7 +1353,7 @@ class _StartChecked:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         if token is not None:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch
@@ -1428,70 +1425,15 @@ def _rfc3339(micros: int) -> str:
 
 
 async def _watched_tables(source: ChangeStreamSource) -> tuple[str, ...] | None:
-    """The tables ``source`` says its stream carries (an optional ``watched_tables()`` of the
-    simulator and the Spanner reader, asked with a bound), or None where it cannot say."""
-    ask = getattr(source, "watched_tables", None)
-    if ask is None:
-        return None
+    """The tables ``source`` says its stream carries (``watched_tables()`` of the simulator
+    and the Spanner reader, asked with a bound), or None where it cannot say."""
     try:
         async with asyncio.timeout(10):
-            tables = await ask()
+            tables = await source.watched_tables()
     except TimeoutError:
         log.info("the source did not say which tables it watches within 10s")
         return None
     return None if tables is None else tuple(tables)
-
-
-def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
-    """The first exception of ``kinds`` in ``exc``'s chain of causes, if any."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, kinds):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _refused(exc: BaseException) -> BaseException | None:
-    """The :class:`runtime.kafka.config.KafkaRefused` behind ``exc`` (an untrusted certificate,
-    a plaintext listener for TLS, a SASL mechanism or login refused), if any."""
-    from runtime.kafka.config import KafkaRefused
-
-    return _cause(exc, (KafkaRefused,))
-
-
-def _bad_setting(exc: BaseException) -> BaseException | None:
-    """A setting found wrong on the way to Kafka (a TLS file, a sync topic of several
-    partitions) behind ``exc``, if any: a bad option (exit 2), not a failure to retry."""
-    from runtime.kafka.config import KafkaSettingError
-    from runtime.kafka.synclog import SyncTopicUnusable
-
-    return _cause(exc, (KafkaSettingError, SyncTopicUnusable))
-
-
-def _transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a connection problem worth retrying."""
-    from aiokafka.errors import (
-        KafkaConnectionError,
-        KafkaTimeoutError,
-        NodeNotReadyError,
-        RequestTimedOutError,
-    )
-
-    transient = (
-        KafkaConnectionError,
-        KafkaTimeoutError,
-        NodeNotReadyError,
-        RequestTimedOutError,
-        ConnectionError,
-        TimeoutError,
-    )
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, transient):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def stream_params(sim: SimOptions, start: int) -> StreamParams:

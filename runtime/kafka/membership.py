@@ -29,7 +29,7 @@ from protocol import epochs, lease
 from runtime import compat
 from runtime.kafka.config import KafkaAdapterError, KafkaConfig
 from runtime.kafka.topics import check_connector, ensure_topic, heartbeat_topic
-from runtime.ports import GroupAssignment, GroupEvent, GroupLost
+from runtime.ports import GroupAssignment, GroupEvent, GroupLost, Membership
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class MembershipStats(msgspec.Struct, frozen=True):
 _END: Final = object()
 
 
-class KafkaMembership:
+class KafkaMembership(Membership):
     """Membership of the consumer group ``connector`` on the topic ``<connector>_heartbeat``.
 
     ``await start()`` (or ``async with``) creates the topic if missing, joins in the background

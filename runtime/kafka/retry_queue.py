@@ -101,6 +101,7 @@ from protocol.retry import (
 from protocol.routing import CompositeTopic, StorageTopic, key_hash
 from runtime.kafka.config import KafkaConfig
 from runtime.kafka.topics import ensure_topic
+from runtime.output_record import ordering_key, split_key
 
 __all__ = [
     "InternalMessage",
@@ -139,16 +140,6 @@ class InternalMessage(msgspec.Struct, frozen=True, kw_only=True):
 
 _int_encoder = msgspec.msgpack.Encoder()
 _int_decoder: msgspec.msgpack.Decoder[InternalMessage] = msgspec.msgpack.Decoder(InternalMessage)
-
-
-def ordering_key(table: str, keys: str) -> str:
-    """The ordering key of a row (Spanner table names have no ':')."""
-    return f"{table}:{keys}"
-
-
-def split_key(key: str) -> tuple[str, str]:
-    table, _, keys = key.partition(":")
-    return table, keys
 
 
 def internal_topic(name: str, partitions: int, base: int = 1) -> CompositeTopic:

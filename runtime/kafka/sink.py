@@ -52,7 +52,6 @@ import msgspec
 from aiokafka.errors import KafkaError
 
 from protocol.output_meta import OutputMeta, meta_topic
-from protocol.records import DataChange
 from protocol.retry import RetryCore, RetryPolicy
 from protocol.routing import (
     CompositeTopic,
@@ -70,11 +69,16 @@ from runtime.kafka.retry_queue import (
     RetryQueueError,
     internal_topic,
     load_dlq,
-    ordering_key,
-    split_key,
 )
 from runtime.kafka.topics import topic_exists
-from runtime.ports import SinkBatch
+from runtime.output_record import (
+    OutputRecord,
+    decode_output,
+    ordering_key,
+    output_records,
+    split_key,
+)
+from runtime.ports import Sink, SinkBatch
 
 __all__ = [
     "ROW_KEY_HEADER",
@@ -109,51 +113,8 @@ ROW_KEY_HEADER = "shoal-record-id"
 on it (the output is at least once)."""
 
 
-class OutputRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One row change on the output topic (JSON)."""
-
-    record_id: str  # "<commit_ts>/<server_transaction_id>/<record_sequence>/<mod index>"
-    table: str
-    keys: str  # primary-key JSON text, as Spanner sends it
-    mod_type: str
-    commit_ts: int
-    server_transaction_id: str
-    record_sequence: str
-    mod_index: int
-    new_values: str
-    old_values: str
-
-    @property
-    def key(self) -> str:
-        return ordering_key(self.table, self.keys)
-
-
 _out_encoder = msgspec.json.Encoder()
 _out_decoder: msgspec.json.Decoder[OutputRecord] = msgspec.json.Decoder(OutputRecord)
-
-
-def decode_output(raw: bytes) -> OutputRecord:
-    return _out_decoder.decode(raw)
-
-
-def output_records(change: DataChange) -> list[OutputRecord]:
-    """One output record per mod of ``change``."""
-    return [
-        OutputRecord(
-            record_id=f"{change.commit_ts}/{change.server_transaction_id}/"
-            f"{change.record_sequence}/{i}",
-            table=change.table,
-            keys=mod.keys,
-            mod_type=change.mod_type,
-            commit_ts=change.commit_ts,
-            server_transaction_id=change.server_transaction_id,
-            record_sequence=change.record_sequence,
-            mod_index=i,
-            new_values=mod.new_values,
-            old_values=mod.old_values,
-        )
-        for i, mod in enumerate(change.mods)
-    ]
 
 
 FailureInjector = Callable[[OutputRecord, int], str | None]
@@ -287,7 +248,7 @@ class DlqRecord(msgspec.Struct, frozen=True):
     record: OutputRecord | None  # None if the payload could not be found or decoded
 
 
-class KafkaSink:
+class KafkaSink(Sink):
     """The Kafka output sink. Use ``async with KafkaSink(config, sink_config) as sink:``."""
 
     def __init__(

@@ -87,7 +87,7 @@ class SyncLogStats(msgspec.Struct, frozen=True):
     fragments_dropped: int = 0  # incomplete or orphaned fragmented messages readers skipped
 
 
-class KafkaSyncLog:
+class KafkaSyncLog(SyncLog):
     """The sync topic ``<connector>_connector_sync`` (one partition) as a ``SyncLog``.
 
     Use ``async with KafkaSyncLog(config, connector) as log:`` (or :meth:`start`/:meth:`close`).
@@ -503,9 +503,7 @@ async def replay_until_marker(
                 f"replay start {start} is beyond the end of the log (marker at {marker_offset})"
             )
         reader = log.read(start)
-        aclose = getattr(reader, "aclose", None)
-        if aclose is not None:
-            stack.push_async_callback(aclose)
+        stack.push_async_callback(reader.aclose)
         async for offset, message in reader:
             if message == payload:
                 return ReplayResult(

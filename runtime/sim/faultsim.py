@@ -1502,13 +1502,13 @@ def _invented(ts: int) -> DataChange:
 
 
 def _first_parent(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:
-    from protocol.lifecycle import first_parent_readable
+    from protocol.broken import first_parent_readable
 
     return first_parent_readable(part, lookup)
 
 
 def plan_broken(*args: object, **kwargs: object) -> Plan:
-    from protocol.planner import plan_moving_survivors
+    from protocol.broken import plan_moving_survivors
 
     return plan_moving_survivors(*args, **kwargs)  # type: ignore[arg-type]
 

@@ -14,16 +14,24 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from protocol import epochs
 from protocol.dedup import PartitionTail, Position
 from protocol.messages import SnapshotItem, SnapshotPlan
 from protocol.records import DataChange
-from runtime.ports import GroupAssignment, GroupEvent, GroupLost, SinkBatch
+from runtime.ports import (
+    GroupAssignment,
+    GroupEvent,
+    GroupLost,
+    Membership,
+    Sink,
+    SinkBatch,
+    SyncLog,
+)
 
 
-class MemorySyncLog:
+class MemorySyncLog(SyncLog):
     """The sync topic as a list in memory."""
 
     def __init__(self) -> None:
@@ -40,7 +48,7 @@ class MemorySyncLog:
             self._changed.notify_all()
             return len(self.entries) - 1
 
-    async def read(self, start: int) -> AsyncIterator[tuple[int, bytes]]:
+    async def read(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
         offset = start
         while True:
             async with self._changed:
@@ -108,7 +116,7 @@ class MemoryGroup:
             member.events_queue.put_nowait(event)
 
 
-class MemoryMembership:
+class MemoryMembership(Membership):
     def __init__(self, group: MemoryGroup, task_id: str, order: int) -> None:
         self.group = group
         self.task_id = task_id
@@ -131,7 +139,7 @@ class MemoryMembership:
         self.group.leave(self.task_id)
 
 
-class MemorySink:
+class MemorySink(Sink):
     """Commits every batch after ``commit_delay`` seconds; ``fail_next`` fails that many puts.
     It keeps each partition's position with every batch it commits (``committed``), as a sink
     with its own durable record does (docs/design.md#exactly-once-output, rule 2)."""

@@ -6,7 +6,7 @@ real typed conversion (``runtime.typed.typed_tables``) and keeps the rows it wro
   record of partition ``token`` committed at or after ``at_ts`` comes with its ``Value`` column
   (``INT64``) set to a string no INT64 holds. Its identity (commit timestamp, transaction,
   sequence) stays the model's, so the exactly-once checks count it like any other.
-* :class:`TypedRowSink` is an ``on_batch`` callback (``actors.cli.embed.open_task``): it
+* :class:`TypedRowSink` is an ``on_batch`` callback (``actors.embed.open_task``): it
   converts the batch to typed Arrow tables; a value that does not fit fails the batch (the
   reader re-reads it) until :meth:`TypedRowSink.heal` is called, as when the conversion is
   fixed; after that a value that does not fit is written as its JSON text. ``rows`` holds one
@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from protocol.records import ChangeRecord, DataChange, Mod
-from runtime.ports import SinkBatch
+from runtime.ports import ChangeStreamSource, SinkBatch
 from runtime.sim.source import SimulatedSource
 from runtime.typed import TypedError, typed_tables
 
@@ -39,7 +39,7 @@ def poisoned(record: DataChange) -> DataChange:
     return msgspec.structs.replace(record, mods=(mod, *record.mods[1:]))
 
 
-class PoisonedSource:
+class PoisonedSource(ChangeStreamSource):
     """``ChangeStreamSource``: ``inner``, with the record of :meth:`poison` made poison."""
 
     def __init__(self, inner: SimulatedSource, token: str, at_ts: int) -> None:

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import msgspec
 
 from protocol.records import ChangeRecord, DataChange, Heartbeat
-from runtime.ports import Unrecoverable
+from runtime.ports import ChangeStreamSource, Unrecoverable
 from runtime.sim.stream import PartitionInfo, StreamModel, StreamParams
 
 __all__ = ["SimSourceStats", "SimulatedSource", "UnknownPartition"]
@@ -48,7 +48,7 @@ class SimSourceStats(msgspec.Struct, frozen=True):
     heartbeats: int
 
 
-class SimulatedSource:
+class SimulatedSource(ChangeStreamSource):
     """``ChangeStreamSource`` over a ``StreamModel``; see the module docstring."""
 
     def __init__(

@@ -90,7 +90,7 @@ from protocol.mutable import MAX_QUERY_SPAN_US, PartitionEnd, query_end
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
 from protocol.stream_options import StreamOptions, stream_options
 from runtime import compat
-from runtime.ports import Unrecoverable
+from runtime.ports import ChangeStreamSource, Unrecoverable
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.decode import (
     DecodeError,
@@ -299,7 +299,7 @@ def _service_errors() -> tuple[type[BaseException], ...]:
     return (api_exceptions.GoogleAPIError, grpc.RpcError)
 
 
-class SpannerSource:
+class SpannerSource(ChangeStreamSource):
     """``ChangeStreamSource`` over one change stream of one database (asyncio client).
 
     Build it with ``await SpannerSource.connect(config)`` (it owns the client and closes it in

@@ -98,7 +98,7 @@ from protocol.dedup import Position
 from protocol.records import DataChange
 from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
 from runtime.kafka.retry_queue import PendingSend, RetryQueue, RetryQueueError
-from runtime.ports import SinkBatch
+from runtime.ports import Sink, SinkBatch
 from runtime.spark.config import BridgeError, BridgeStats, ForeachBatch, SparkConfig
 from runtime.spark.dead_letter import SparkDlqRecord
 from runtime.spark.keyed import (
@@ -132,7 +132,7 @@ _STOP = object()
 _CANCEL_WAIT_S = 30.0
 
 
-class SparkBridge:
+class SparkBridge(Sink):
     """The Spark micro-batch bridge; satisfies ``runtime.ports.Sink``. One bridge serves every
     task node of a process. ``spark``: an existing session to use (not stopped on exit)."""
 

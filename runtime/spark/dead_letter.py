@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.retry import RetryPolicy
-from runtime.kafka import KafkaConfig
+from runtime.kafka.config import KafkaConfig
 from runtime.kafka.retry_queue import RetryQueueConfig, internal_topic, load_dlq
 from runtime.spark.keyed import SparkRecord, decode_record
 

@@ -5,7 +5,7 @@ Spark, no Kafka, no event loop).
   row key ``commit_ts/server_transaction_id/record_sequence/mod_index``, as the Kafka sink's) and
   its ordering key ``<table>:<primary-key JSON>`` (:attr:`SparkRecord.key`). Its JSON is the
   payload the bridge keeps in the RQ/DLQ topics; it extends
-  :class:`runtime.kafka.sink.OutputRecord`, so ``dlq list`` decodes both sinks' payloads alike.
+  :class:`runtime.output_record.OutputRecord`, so ``dlq list`` decodes both sinks' payloads alike.
 * :func:`records_table` turns records back into the Arrow table Spark takes in (the output
   schema of :mod:`runtime.spark.rows`).
 * :func:`halves` splits records in two **by ordering key**: every key's records stay together
@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from protocol.records import DataChange
-from runtime.kafka.sink import OutputRecord
+from runtime.output_record import OutputRecord
 
 __all__ = [
     "RowsFailed",

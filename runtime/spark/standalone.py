@@ -29,7 +29,7 @@ from typing import Any, Self
 
 import msgspec
 
-from runtime.kafka.broker import free_port
+from runtime.net import free_port
 from runtime.spark.session import SparkStartError, java_executable
 
 __all__ = ["ClusterStatus", "StandaloneCluster", "spark_home"]

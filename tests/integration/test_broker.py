@@ -18,9 +18,9 @@ from runtime.kafka.broker import (
     BrokerError,
     EmbeddedBroker,
     broker_binary,
-    free_port,
     probe_metadata,
 )
+from runtime.net import free_port
 
 pytestmark = pytest.mark.kafka
 

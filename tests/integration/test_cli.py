@@ -30,7 +30,8 @@ import pytest
 
 from actors.cli.progress import RunSummary
 from actors.cli.sinks import read_rows
-from runtime.kafka.broker import EmbeddedBroker, free_port
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.net import free_port
 from runtime.sim.stream import StreamModel, StreamParams
 from runtime.spark import KEY_COLUMNS, read_output
 from tests.fixtures.kafka import kafka_broker

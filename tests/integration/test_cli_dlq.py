@@ -123,9 +123,9 @@ async def test_dlq_replay_via_the_leader_while_the_sink_runs(
 
 
 def test_spark_dead_letter_options_build_the_bridge_settings() -> None:
+    from actors.cli import config as options
     from actors.cli.sinks import spark_config
     from actors.runtime import build_parser
-    from runtime import config as options
 
     def load(*argv: str) -> options.ShoalConfig:
         return options.load(build_parser("run").parse_args(list(argv)), environ={})

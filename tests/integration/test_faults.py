@@ -16,9 +16,10 @@ import msgspec
 import pytest
 
 from bench.procs import children, cmdline
-from runtime.kafka.broker import EmbeddedBroker, free_port
+from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.config import KafkaConfig
 from runtime.kafka.synclog import KafkaSyncLog, SyncLogError, SyncTopicLost
+from runtime.net import free_port
 from runtime.ports import Unrecoverable
 from runtime.spanner.emulator import SpannerEmulator
 from runtime.spanner.reader import FATAL_CODES, ChangeStreamUnreadable, SpannerSource

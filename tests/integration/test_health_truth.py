@@ -14,15 +14,15 @@ import io
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
 import pytest
 
+from actors.cli import config as options
 from actors.cli.run import Pipeline
 from protocol.records import ChangeRecord
-from runtime import config as options
-from runtime.ports import SinkBatch
+from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 from runtime.sim.memory import MemorySink
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 FAILING_S = 3.0
 
 
-class SwitchableSink:
+class SwitchableSink(Sink):
     """:class:`MemorySink`, failing every batch while ``failing`` is set."""
 
     def __init__(self) -> None:
@@ -48,7 +48,7 @@ class SwitchableSink:
         return await self.inner.put(batch)
 
 
-class SwitchableSource:
+class SwitchableSource(ChangeStreamSource):
     """The simulated stream, failing every query (at once, or at its next batch) while
     ``failing`` is set."""
 
@@ -58,7 +58,7 @@ class SwitchableSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         if self.failing:
             raise ConnectionError("change stream unavailable (injected)")
         async for batch in self.inner.query(token, start_ts, end_ts):

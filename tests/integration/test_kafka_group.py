@@ -25,7 +25,8 @@ import msgspec
 import pytest
 
 from runtime.kafka import KafkaConfig, KafkaMembership, MembershipError, heartbeat_topic
-from runtime.kafka.broker import EmbeddedBroker, free_port
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.net import free_port
 from runtime.ports import GroupAssignment, GroupEvent, GroupLost
 from tests.fixtures.kafka import (
     connector,

@@ -25,8 +25,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
+from actors.cli import config as options
 from actors.cli.run import Pipeline
-from runtime import config as options
 from runtime.kafka import KafkaConfig, KafkaSyncLog, SyncLogError
 from runtime.kafka.config import SaslMechanism
 from tests.fixtures.sasl import PASSWORD, USER, Login, SaslProxy, sasl_proxy

@@ -19,7 +19,8 @@ from runtime.kafka import (
     replay_until_marker,
     sync_topic,
 )
-from runtime.kafka.broker import EmbeddedBroker, free_port
+from runtime.kafka.broker import EmbeddedBroker
+from runtime.net import free_port
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config
 
 __all__ = ["connector", "kafka_broker", "kafka_config"]  # fixtures used by name

@@ -11,7 +11,7 @@ import asyncio
 import datetime as dt
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from google.cloud.spanner_v1.types import PartialResultSet
 
+from actors.cli.config import EMULATOR_TRAIL_S
 from protocol.records import (
     ChangeRecord,
     ChildPartition,
@@ -28,7 +29,7 @@ from protocol.records import (
     Heartbeat,
     Mod,
 )
-from runtime.config import EMULATOR_TRAIL_S
+from runtime.ports import ChangeStreamSource
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.decode import DecodeError, RecordLayout, parse_timestamp
 from runtime.spanner.emulator import EMULATOR_ENV, EmulatorUnavailable, find_emulator
@@ -417,7 +418,7 @@ async def test_a_slow_or_missing_first_answer_is_logged(
 
 
 # -- the real emulator ---------------------------------------------------------------------------
-class RecordingSource:
+class RecordingSource(ChangeStreamSource):
     """Wraps a source and logs when each partition query starts and finishes."""
 
     def __init__(self, inner: SpannerSource) -> None:
@@ -426,7 +427,7 @@ class RecordingSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         if token is not None:
             self.events.append(("start", token))
         async for batch in self.inner.query(token, start_ts, end_ts):
@@ -445,7 +446,7 @@ async def test_churning_stream_delivers_every_mutation_exactly_once(
     by several queries, one after the other, and still every mutation arrives once (every
     record read counts: one read twice is an extra mod; the control doubles one).
 
-    Read trailing, as shoal reads the emulator (``runtime.config.trail``): the emulator's live
+    Read trailing, as shoal reads the emulator (``actors.cli.config.trail``): the emulator's live
     queries miss a commit that falls exactly on one of their scan steps' ends (see "Trailing"
     in runtime/spanner/reader.py), which a loaded CI machine hit (2 mods of one transaction)."""
     config = msgspec.structs.replace(

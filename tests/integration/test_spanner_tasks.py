@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 from actors.node import NodeConfig, TaskNode
 from protocol.records import ChangeRecord, ChildPartitions
 from protocol.task import TaskConfig
-from runtime.ports import Membership
+from runtime.ports import ChangeStreamSource, Membership
 from runtime.sim.memory import MemoryGroup, MemorySink, MemorySyncLog
 from runtime.spanner.loadgen import LoadGenerator, expected_from_records
 from runtime.spanner.reader import SpannerSource
@@ -39,7 +39,7 @@ def _compare(expected: Mods, delivered: Sequence[Any]) -> tuple[Mods, Mods]:
     return expected - got, got - expected
 
 
-class LedgerSource:
+class LedgerSource(ChangeStreamSource):
     """The Spanner source, noting when each partition query starts and when one runs to its end
     (its child-partitions records seen), and each child's parents."""
 
@@ -51,7 +51,7 @@ class LedgerSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         if token is not None:
             self.first_start.setdefault(token, time.monotonic())
         ended = False

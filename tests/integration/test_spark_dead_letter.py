@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from actors.cli import admin
+from actors.cli import config as options
 from actors.runtime import build_parser
 from protocol.records import ColumnType, DataChange, Mod
 from protocol.retry import RetryPolicy
-from runtime import config as options
 from runtime.kafka import KafkaConfig
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.ports import SinkBatch

@@ -122,7 +122,7 @@ async def test_a_master_that_never_answers_is_a_start_error_naming_the_timeout(
     """``--spark-master spark://...`` with no master there: Spark itself keeps trying to
     register for a minute and more; past ``spark.start_timeout_s`` the bridge gives up with an
     error that names Spark's address and the setting to change."""
-    from runtime.kafka.broker import free_port
+    from runtime.net import free_port
     from runtime.spark import SparkStartError
 
     master = f"spark://127.0.0.1:{free_port()}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.cli.embed import CallbackSink
+from actors.embed import CallbackSink
 from protocol.commit import batch_identity
 from protocol.records import DataChange
 from runtime.ports import SinkBatch

@@ -22,7 +22,7 @@ from protocol.commit import STAGING_DIR, Rename, WriteProgress
 from protocol.dedup import Position
 from protocol.records import DataChange, Mod
 from runtime.commit import CommitIncomplete, Committer
-from runtime.ports import SinkBatch, sink_committed
+from runtime.ports import SinkBatch
 
 
 class Killed(Exception):
@@ -133,8 +133,8 @@ async def test_killed_after_the_manifest_the_next_sink_finishes_the_commit(
     async with FileSink(tmp_path, max_age_s=0.01) as sink:  # recovers at open
         assert sink.committer.recovered == 1
         assert not list((tmp_path / "_shoal" / "shoal" / "commits").glob("*.json"))
-        assert await sink_committed(sink, "p") == P_POSITION
-        assert await sink_committed(sink, "q") == Q_POSITION
+        assert await sink.durable_position("p") == P_POSITION
+        assert await sink.durable_position("q") == Q_POSITION
         assert rows(tmp_path) == EXPECTED
         assert dataset_rows(tmp_path) == len(EXPECTED)
         # the same batch delivered again (a reader that did not ask committed()): the same

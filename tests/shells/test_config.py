@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.cli import config as options
+from actors.cli.config import ConfigError
 from actors.runtime import build_parser, main
-from runtime import config as options
-from runtime.config import ConfigError
 from tests.helpers import REPO
 
 
@@ -218,8 +218,8 @@ def test_query_window_defaults_to_5s_against_the_emulator_only() -> None:
 
 
 def test_task_options_become_the_core_settings_in_microseconds() -> None:
+    from actors.cli.config import TaskOptions
     from protocol.task import TaskConfig
-    from runtime.config import TaskOptions
 
     options = TaskOptions(
         cap=7,
@@ -247,9 +247,9 @@ def test_the_stall_timeout_reaches_every_reader_the_task_starts() -> None:
     """``task.stall_timeout_s`` is the stall rule's timeout of each partition reader."""
     from typing import Any, cast
 
+    from actors.cli.config import TaskOptions
     from actors.task import TaskActor
     from protocol.task import StartReader
-    from runtime.config import TaskOptions
 
     class Supervisor:
         def start_soon(self, coro: Any, **_: object) -> None:

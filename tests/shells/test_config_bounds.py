@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.cli import config as options
+from actors.cli.config import ConfigError
 from actors.runtime import build_parser, main
-from runtime import config as options
-from runtime.config import ConfigError
 
 
 def _load(argv: list[str], env: dict[str, str] | None = None) -> options.ShoalConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.events import ReaderCommitted, ReaderStopped, StopReason, TaskEvent
 from protocol.records import ChangeRecord, ColumnType, DataChange, Heartbeat, Mod
-from runtime.ports import Sink, SinkBatch
+from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 
 T0 = 1_700_000_000_000_000
 N = 40
@@ -40,12 +40,12 @@ def _typed(i: int) -> DataChange:
     return DataChange(ts, "0", f"tx{ts}", True, "T", (_ID,), (mod,), "INSERT")
 
 
-class Source:
+class Source(ChangeStreamSource):
     """Records 1..N in chunks of 5, then a heartbeat at the last one every 10 ms."""
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         records = [_record(i) for i in range(1, N + 1) if T0 + 1000 * i >= start_ts]
         for i in range(0, len(records), 5):
             yield records[i : i + 5]
@@ -55,7 +55,7 @@ class Source:
             await asyncio.sleep(0.01)
 
 
-class Unfenced:
+class Unfenced(Sink):
     """The file sink as a sink that cannot fence (the control)."""
 
     def __init__(self, inner: FileSink) -> None:

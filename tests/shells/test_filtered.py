@@ -6,7 +6,7 @@ after it has nothing to read)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import pytest
 
@@ -17,7 +17,7 @@ from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbea
 from protocol.task import ReaderFinished, TaskEvent
 from runtime.bounded import BoundedSource
 from runtime.filtered import FilteredSource
-from runtime.ports import SinkBatch
+from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
 
@@ -28,7 +28,7 @@ def rec(ts: int, table: str, seq: str = "0", mod_type: ModType = "INSERT") -> Da
     return DataChange(ts, seq, f"tx{ts}", False, table, (), (), mod_type)
 
 
-class Scripted:
+class Scripted(ChangeStreamSource):
     """A partition whose records are ``records``, sent one per batch from ``start_ts``
     (inclusive) up to ``end_ts``; then the query ends (no children). Remembers its queries."""
 
@@ -38,7 +38,7 @@ class Scripted:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         self.queries.append((token, start_ts, end_ts))
         for r in self.records:
             ts = r.commit_ts if isinstance(r, DataChange) else getattr(r, "timestamp", 0)
@@ -47,7 +47,7 @@ class Scripted:
                 await asyncio.sleep(0)
 
 
-class FlakySink:
+class FlakySink(Sink):
     """Commits every batch, except that it fails the ``fail_at``-th put (1-based) once."""
 
     def __init__(self, fail_at: int | None = None) -> None:

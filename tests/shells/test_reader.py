@@ -4,7 +4,7 @@ cleanly at the last committed watermark (the next owner re-reads from there)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import pytest
 
@@ -12,19 +12,19 @@ from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.records import ChangeRecord, DataChange, Heartbeat, Mod
 from protocol.task import ReaderFailed, ReaderStopped, StopReason, TaskEvent
-from runtime.ports import ChangeStreamSource, SinkBatch
+from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 from runtime.sim.memory import MemorySink
 from tests.helpers import wait_for
 
 T0 = 1_700_000_000_000_000
 
 
-class SteadySource:
+class SteadySource(ChangeStreamSource):
     """One data record every 10 ms, then a heartbeat."""
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         ts = start_ts
         while True:
             ts += 1000
@@ -42,7 +42,7 @@ class SteadySource:
             await asyncio.sleep(0.01)
 
 
-class SlowFailingSink:
+class SlowFailingSink(Sink):
     """Commits the first batches at once; from the third on, fails each after 0.2 s."""
 
     def __init__(self) -> None:
@@ -87,7 +87,7 @@ async def test_a_drain_whose_batch_the_sink_fails_stops_at_the_committed_waterma
     assert stopped[0].watermark == T0 + 2000
 
 
-class SteadySink:
+class SteadySink(Sink):
     """Commits every batch at once, and keeps them."""
 
     def __init__(self) -> None:
@@ -137,7 +137,7 @@ async def test_a_lapsed_lease_and_a_stop_together_report_one_stop_once_the_reade
     assert stops[0][0].watermark > T0
 
 
-class StallingSource:
+class StallingSource(ChangeStreamSource):
     """Each query sends one heartbeat, then nothing at all (a stalled stream)."""
 
     def __init__(self) -> None:
@@ -146,7 +146,7 @@ class StallingSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         self.queries.append(start_ts)
         try:
             yield [Heartbeat(start_ts + 1000)]
@@ -201,7 +201,7 @@ async def test_a_stalled_query_is_restarted_from_the_committed_watermark() -> No
     assert source.closed >= 2  # the stalled streams were closed, not left open
 
 
-class SilentSource:
+class SilentSource(ChangeStreamSource):
     """Each query sends nothing at all (an overloaded emulator's first answer not coming)."""
 
     def __init__(self) -> None:
@@ -209,7 +209,7 @@ class SilentSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         self.queries += 1
         await asyncio.Event().wait()
         yield []

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from runtime import config as options
+from actors.cli import config as options
 from runtime import logs
 from runtime.spark import session
 from runtime.spark.session import SparkStartError

@@ -4,20 +4,21 @@ partition is an error the reader retries, and one the state records done ends at
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import pytest
 
 from protocol.messages import SnapshotItem
 from protocol.records import ChangeRecord, ChildPartitions, DataChange
 from protocol.snapshot import work_token
+from runtime.ports import ChangeStreamSource
 from runtime.sim.memory import MemorySnapshots
 from runtime.snapshot_routing import SnapshotRouting, UnknownSnapshotPartition
 
 T = 1_000
 
 
-class Stream:
+class Stream(ChangeStreamSource):
     """The change stream: remembers what it was asked."""
 
     def __init__(self) -> None:
@@ -25,7 +26,7 @@ class Stream:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         self.asked.append((token, start_ts, end_ts))
         yield (ChildPartitions(start_ts, "0", ()),)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from contextlib import AsyncExitStack
 
 import msgspec
@@ -18,7 +18,7 @@ import pytest
 from actors.node import NodeConfig, TaskNode
 from protocol.records import ChangeRecord, DataChange, Heartbeat
 from protocol.task import TaskConfig
-from runtime.ports import Membership, SinkBatch
+from runtime.ports import ChangeStreamSource, Membership, SinkBatch
 from runtime.sim.memory import MemoryGroup, MemoryMembership, MemorySink, MemorySyncLog
 from runtime.sim.source import SimulatedSource
 from runtime.sim.stream import StreamModel, StreamParams
@@ -264,7 +264,7 @@ async def test_reader_reports_never_overflow_a_busy_task_mailbox() -> None:
     assert [name for _, name in task.core.log][-1] == "ReadersCommitted"
 
 
-class FrozenHeartbeats:
+class FrozenHeartbeats(ChangeStreamSource):
     """The simulated stream, except that ``frozen``'s query sends heartbeats that never
     advance (the source talks, the partition is not read)."""
 
@@ -274,7 +274,7 @@ class FrozenHeartbeats:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         if token != self.frozen:
             async for batch in self.inner.query(token, start_ts, end_ts):
                 yield batch

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from actors.node import NodeConfig, TaskNode
@@ -46,7 +46,7 @@ log = logging.getLogger("shoal.embed")
 __all__ = ["CallbackSink", "GatedSource", "drain_node", "open_task"]
 
 
-class GatedSource:
+class GatedSource(ChangeStreamSource):
     """A source that can be closed for new work: once :meth:`close` is called, every query
     (running or new) waits at its next batch until it is cancelled. A task that drains keeps
     its readers from re-reading what they already handed over."""
@@ -65,7 +65,7 @@ class GatedSource:
 
     async def query(
         self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncIterator[Sequence[ChangeRecord]]:
+    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
         if token is not None:
             await self._open.wait()
         async for batch in self.inner.query(token, start_ts, end_ts):
@@ -77,7 +77,7 @@ class GatedSource:
 OnBatch = Callable[[SinkBatch], Awaitable[None]] | Callable[[SinkBatch, str], Awaitable[None]]
 
 
-class CallbackSink:
+class CallbackSink(Sink):
     """A ``Sink`` that calls ``on_batch(batch)`` — or ``on_batch(batch, batch_id)`` if it takes
     two parameters, ``batch_id`` being the deterministic batch identity — for every batch, one
     at a time, in the order handed over; a batch is committed when the callback returns, and
