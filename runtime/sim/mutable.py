@@ -41,6 +41,7 @@ from protocol.mutable import (
     Schedule,
 )
 from protocol.records import ChangeRecord, ColumnType, DataChange, Heartbeat, Mod
+from runtime.ports import ChangeStreamSource
 
 __all__ = [
     "MutableRun",
@@ -350,7 +351,7 @@ def write_key(record: DataChange) -> str:
     return record.mods[0].keys
 
 
-class MutableSource:
+class MutableSource(ChangeStreamSource):
     """A ``ChangeStreamSource`` over a :class:`MutableStreamModel` for the actors' tests: the
     root query answers the model's partition start; a partition query sends what the model
     holds up to the clock (model-time micros; by default the monotonic clock from the model's
