@@ -249,7 +249,8 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             permit=self.permit,
             stall_timeout=self.core.config.stall_timeout / 1e6,
             tail=command.tail,
-            mutable=self.core.config.mutable,
+            # a MUTABLE_KEY_RANGE stream's partition (a snapshot partition is none)
+            mutable=self.core.config.mutable and not snapshots.is_snapshot(token),
             hold=command.hold,
         )
         log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)
