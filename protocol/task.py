@@ -1456,6 +1456,12 @@ class TaskCore:
         if not finished:
             return
         offered = {o.token for _, o in self.cim.offers()} | set(self.shares)
+        # MUTABLE_KEY_RANGE (rule 7): the unfinished partition that resumes first decides
+        first = (
+            min(self._unfinished(), key=Partition.resume_ts, default=None)
+            if self.config.mutable
+            else None
+        )
         for token in finished:
             part = self.mine[token]
             if (
@@ -1464,7 +1470,7 @@ class TaskCore:
                 and (
                     not self.config.mutable
                     or snapshots.is_snapshot(token)
-                    or mutable.removable(part, self._unfinished())
+                    or mutable.removable(part, () if first is None else (first,))
                 )
                 and (
                     snapshots.removable(part, self.cim.snapshot)
