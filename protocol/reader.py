@@ -64,8 +64,9 @@ The rules:
     once everything before the event is committed ``Done`` carries ``ReaderStopped`` with the
     hold (``mutable.held_at``): the task decides when the partition may go on. A partition end
     record moves the position to its end, and the query's end then finishes the partition (no
-    children); a query that ends without one (its end is bounded: ``mutable.query_end``) is
-    followed by the next, from the committed position.
+    children). (The source chains the mode's bounded query ends, at most 30 minutes each, into
+    one stream, so a query ends only at the partition's end or at the connector's ``end_at``,
+    which finishes the partition as in the other mode.)
 
 ``Done`` is the last command; the shell reports its event once the reader is no longer alive.
 """
@@ -286,7 +287,6 @@ class ReaderCore:
         self.config = config
         self.hold = hold  # rule 13: the released hold whose move-in events this reader passes
         self.holding: MoveInHold | None = None  # rule 13: the move-in this reader stopped at
-        self.partition_ended = False  # rule 13: a partition end record was read
         self.token = config.token
         self.given = start
         self.committed = start.tail()  # the committed position (the tail at the watermark)
@@ -331,14 +331,7 @@ class ReaderCore:
             case Chunk():
                 self._on_chunk(event, now, out)
             case QueryEnded():
-                if (
-                    event.query == self.query
-                    and self.phase is _Phase.QUERYING
-                    and self.config.mutable
-                    and not self.partition_ended
-                ):
-                    self._start_query(now, out)  # rule 13: the next query of the chain
-                elif event.query == self.query and self.phase is _Phase.QUERYING:
+                if event.query == self.query and self.phase is _Phase.QUERYING:
                     self.phase = _Phase.ENDED
                     self.answer_deadline = -1
                     self._maybe_finish(out)
@@ -446,7 +439,6 @@ class ReaderCore:
                     )
                     position = max(position, record.start_ts)
                 case PartitionEnd():
-                    self.partition_ended = True
                     position = max(position, record.end_ts)
                 case PartitionEvent():
                     position = max(position, record.commit_ts)
@@ -595,7 +587,6 @@ class ReaderCore:
         self.answer_deadline = now + self.stall_wait()
         self.children = []
         self.holding = None
-        self.partition_ended = False
         # the handed position only with the rule broken on purpose (a teeth test)
         rules = self.config.rules
         start = self.committed.ts if rules.resume_at_committed else self.handed.ts

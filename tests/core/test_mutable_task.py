@@ -245,11 +245,12 @@ def test_a_reader_reports_a_partition_start_and_a_move_out_is_progress() -> None
     ]
 
 
-def test_a_query_ending_without_a_partition_end_is_followed_by_the_next() -> None:
+def test_a_query_ending_without_a_partition_end_finishes_the_partition_at_the_end_at() -> None:
+    # the source ends a query only at the partition's end or at the connector's end_at
     r = _reader()
     r.handle(Chunk(1, (Heartbeat(T0 + 30),)), now=1)
     r.handle(BatchCommitted(1), now=2)
-    assert r.handle(QueryEnded(1), now=3) == [StartQuery(2, T0 + 30)]
+    assert r.handle(QueryEnded(1), now=3) == [Done(ReaderFinished("d", T0 + 30, (), T0, ()))]
 
 
 def test_a_partition_end_finishes_the_partition_without_children() -> None:
