@@ -595,10 +595,13 @@ class SpannerSource(ChangeStreamSource):
         end, and a pause of ``trail_s`` whenever the reading reached that horizon."""
         assert self._trail_us is not None
         trail = self._trail_us
+        window = self._window_us
+        if self.mutable:  # (the 30-minute bound of a MUTABLE_KEY_RANGE query)
+            window = MAX_QUERY_SPAN_US if window is None else min(window, MAX_QUERY_SPAN_US)
         start = start_ts
         while True:
             horizon = int(self._clock() * 1_000_000) - trail
-            stop = horizon if self._window_us is None else min(horizon, start + self._window_us)
+            stop = horizon if window is None else min(horizon, start + window)
             last = end_ts is not None and end_ts <= stop
             if last:
                 assert end_ts is not None
