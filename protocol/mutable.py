@@ -289,9 +289,15 @@ def reached(source: Partition | None, ts: Micros) -> bool:
 
 def released(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:
     """Rule 5: ``part`` has no hold, or every source of its hold has reached the hold's
-    timestamp (``lookup``: the best view a task has of a partition)."""
+    timestamp (``lookup``: the best view a task has of a partition). A hold its partition's
+    watermark is past was passed already (a copy that travelled without :func:`passed`, e.g. an
+    offer whose watermark the CIM raised): its sources may be removed by now (rule 7)."""
     hold = part.hold
-    return hold is None or all(reached(lookup(s), hold.ts) for s in hold.sources)
+    return (
+        hold is None
+        or part.watermark > hold.ts
+        or all(reached(lookup(s), hold.ts) for s in hold.sources)
+    )
 
 
 def passes(hold: MoveInHold | None, event: PartitionEvent) -> bool:

@@ -179,6 +179,8 @@ def test_the_pure_rules() -> None:
     assert mutable.released(Partition("d", T0, hold=MoveInHold(T, ("s",))), find)
     assert not mutable.released(Partition("d", T0, hold=MoveInHold(T, ("s", "u"))), find)
     assert not mutable.released(Partition("d", T0, hold=MoveInHold(T, ("gone",))), find)
+    passed_already = Partition("d", T0, watermark=T + 1, hold=MoveInHold(T, ("gone",)))
+    assert mutable.released(passed_already, find)
     event = PartitionEvent(T, "4", "d", move_in_from=("u",))
     assert not mutable.passes(None, event)
     assert not mutable.passes(HOLD, event)  # another event at the same timestamp
