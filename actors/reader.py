@@ -39,6 +39,7 @@ from actors.kernel import Actor
 from protocol import trace as tracing
 from protocol.dedup import Position
 from protocol.events import Ids, ReaderFailed, ReaderStopped, StopReason, TaskEvent
+from protocol.messages import MoveInHold
 from protocol.reader import (
     BatchCommitted,
     BatchesFenced,
@@ -113,6 +114,8 @@ class PartitionReader(Actor[Stop]):
         trace: BinaryIO | None = None,
         trace_name: str = "",
         validate: bool = False,
+        mutable: bool = False,
+        hold: MoveInHold | None = None,
     ) -> None:
         """``trace``: record the core's inputs and commands there (its task's trace, the core
         named ``trace_name``: protocol/trace.py); ``validate``: check the core's invariants after
@@ -132,13 +135,14 @@ class PartitionReader(Actor[Stop]):
             max_backoff=int(max_backoff * 1e6),
             drain_timeout=int(drain_timeout * 1e6),
             stall_timeout=int(stall_timeout * 1e6),
+            mutable=mutable,  # a MUTABLE_KEY_RANGE stream's partition (the core's rule 13)
         )
         start = Position(start_ts, tail)
-        self.core = ReaderCore(config, start)
+        self.core = ReaderCore(config, start, hold)
         self._trace = trace
         self._trace_name = trace_name or f"reader:{token}"
         if trace is not None:
-            trace.write(tracing.encode(tracing.ReaderStart(self._trace_name, config, start)))
+            trace.write(tracing.encode(tracing.ReaderStart(self._trace_name, config, start, hold)))
         self._validate = validate
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._query: asyncio.Task[None] | None = None

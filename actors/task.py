@@ -44,6 +44,7 @@ from protocol.cim import Cim
 from protocol.dedup import Position
 from protocol.events import Ids
 from protocol.messages import CheckpointMessage, MarkerMessage, Partition, SyncMessage
+from protocol.mutable import PartitionStart
 from protocol.records import ChildPartitions
 from protocol.task import (
     Alert,
@@ -255,6 +256,9 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             trace=self._trace,
             trace_name=f"reader:{token}:{self._readers_started}",
             validate=self._validate,
+            # a MUTABLE_KEY_RANGE stream's partition (a snapshot partition is none)
+            mutable=self.core.config.mutable and not snapshots.is_snapshot(token),
+            hold=command.hold,
         )
         self._readers_started += 1
         log.info("task %s: reading %s from %d", self.core.me, token, command.start_ts)
@@ -514,4 +518,6 @@ class LeaderActor(Actor[PlanRequest]):
                         Partition(token=c.token, start_ts=record.start_ts, parents=())
                         for c in record.children
                     ]
+                elif isinstance(record, PartitionStart):  # a MUTABLE_KEY_RANGE stream's roots
+                    roots += [Partition(token=t, start_ts=record.start_ts) for t in record.tokens]
         return tuple(roots)

@@ -5,12 +5,13 @@ it can be replayed with ``--seed``.
 Every connector starts with a snapshot of ``--snapshot-partitions`` partitions (8 by default;
 0: none, the histories the simulator's tests run by default), read while the faults go on.
 
-``--partition-mode mutable`` runs instead the seeded model of a ``MUTABLE_KEY_RANGE`` stream
-(``runtime/sim/mutable.py``): key ranges moving between live partitions, readers at unrelated
-speeds, the lifecycle core of ``protocol/mutable.py`` deciding when each may go on; a seed passes
-when every key's changes come out in timestamp order, none lost or doubled. It has no tasks,
-kills or hand-offs yet (the fault simulator does not model this mode). ``--ignore-move-in-holds``
-is its teeth: the same seeds with the holds ignored must fail."""
+``--partition-mode mutable`` runs the fault simulator over a ``MUTABLE_KEY_RANGE`` stream
+(``runtime/sim/mutable.py``, ``MutableStreamModel``): keys moving between live partitions,
+partitions announced and ended, with the tasks, kills, zombies and hand-offs of the default
+mode; besides its invariants a seed checks every key's changes reach the sink in timestamp
+order. ``--ignore-move-in-holds`` is its teeth: the same seeds with the holds ignored must
+fail. ``--model-only`` runs instead the small lifecycle model of that module (no tasks: the
+lifecycle core alone against readers at unrelated speeds, milliseconds a seed)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from types import FrameType
 
+from protocol.task import Rules
 from runtime.sim.faultsim import SimParams, SimResult, run
 
 # A seed normally takes well under a second and a few hundred MB at most. A seed that runs away
@@ -53,6 +55,8 @@ def run_guarded(
     append_fail_p: float = 0.0,
     sink_fail_p: float = 0.0,
     snapshot_partitions: int = 0,
+    partition_mode: str = "immutable",
+    move_in_holds: bool = True,
 ) -> SimResult:
     """One seed under a wall-time budget (and the worker's memory limit)."""
     signal.alarm(seconds)
@@ -63,6 +67,8 @@ def run_guarded(
                 append_fail_p=append_fail_p,
                 sink_fail_p=sink_fail_p,
                 snapshot_partitions=snapshot_partitions,
+                partition_mode=partition_mode,
+                rules=Rules(move_in_holds=move_in_holds),
             )
         )
     except _SeedTimeout:
@@ -73,14 +79,16 @@ def run_guarded(
         signal.alarm(0)
 
 
-def _run_range(args: tuple[int, int, float, float, int]) -> list[SimResult]:
-    start, stop, append_fail_p, sink_fail_p, snapshot_partitions = args
+def _run_range(args: tuple[int, int, float, float, int, str, bool]) -> list[SimResult]:
+    start, stop, append_fail_p, sink_fail_p, snapshot_partitions, mode, holds = args
     return [
         run_guarded(
             seed,
             append_fail_p=append_fail_p,
             sink_fail_p=sink_fail_p,
             snapshot_partitions=snapshot_partitions,
+            partition_mode=mode,
+            move_in_holds=holds,
         )
         for seed in range(start, stop)
     ]
@@ -176,16 +184,23 @@ def main(argv: list[str]) -> int:
         "--partition-mode",
         choices=("immutable", "mutable"),
         default="immutable",
-        help="immutable: the fault simulator (default); mutable: the MUTABLE_KEY_RANGE lifecycle "
-        "model (runtime/sim/mutable.py; no kills or hand-offs)",
+        help="the stream the fault simulator reads: immutable (splits, moves, merges; default) "
+        "or mutable (MUTABLE_KEY_RANGE: keys moving between live partitions)",
     )
     parser.add_argument(
         "--ignore-move-in-holds",
         action="store_true",
         help="with --partition-mode mutable: ignore the move-in holds (the teeth: seeds fail)",
     )
+    parser.add_argument(
+        "--model-only",
+        action="store_true",
+        help="with --partition-mode mutable: the lifecycle model alone (no tasks, kills or "
+        "hand-offs)",
+    )
     args = parser.parse_args(argv)
-    if args.partition_mode == "mutable":
+    mode, holds = args.partition_mode, not args.ignore_move_in_holds
+    if mode == "mutable" and args.model_only:
         return _mutable(args)
     if args.seed is not None:
         result = run(
@@ -194,6 +209,8 @@ def main(argv: list[str]) -> int:
                 append_fail_p=args.append_fail_p,
                 sink_fail_p=args.sink_fail_p,
                 snapshot_partitions=args.snapshot_partitions,
+                partition_mode=mode,
+                rules=Rules(move_in_holds=holds),
             )
         )
         print(result)
@@ -208,6 +225,8 @@ def main(argv: list[str]) -> int:
             args.append_fail_p,
             args.sink_fail_p,
             args.snapshot_partitions,
+            mode,
+            holds,
         )
         for s in range(args.first, args.first + seeds, chunk)
     ]
@@ -234,6 +253,12 @@ def main(argv: list[str]) -> int:
         f"rebalances, {sum(r.crashes for r in ok) / max(1, len(ok)):.1f} crashes, "
         f"{sum(r.pauses for r in ok) / max(1, len(ok)):.1f} zombie pauses, "
         f"{sum(r.partitions for r in ok) / max(1, len(ok)):.0f} partitions"
+        + (
+            f"; {mode} partitions, {sum(r.holds_passed for r in results)} move-in holds passed"
+            f"{', move-in holds IGNORED' if not holds else ''}"
+            if mode == "mutable"
+            else ""
+        )
     )
     print(
         json.dumps(
@@ -256,6 +281,9 @@ def main(argv: list[str]) -> int:
                 "snapshot_chunks": sum(r.snapshot_chunks for r in results),
                 "snapshot_resumed": sum(r.snapshot_resumed for r in results),
                 "snapshot_faults": sum(r.snapshot_faults for r in results),
+                "partition_mode": mode,
+                "move_in_holds": holds,
+                "holds_passed": sum(r.holds_passed for r in results),
             }
         )
     )

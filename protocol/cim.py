@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from protocol import lifecycle
+from protocol import lifecycle, mutable
 from protocol.messages import (
     CheckpointMessage,
     EpochMessage,
@@ -101,6 +101,7 @@ class Cim:
         fence_epochs: bool = True,
         keep_later_answers: bool = True,
         fence_superseded_epochs: bool = True,
+        mutable: bool = False,
     ) -> None:
         self.offset = -1
         self.epoch = -1
@@ -123,6 +124,9 @@ class Cim:
         self._fence = fence_epochs
         self._keep_answers = keep_later_answers  # off only in the simulator's teeth test
         self._fence_superseded = fence_superseded_epochs  # off only in a teeth test
+        # a MUTABLE_KEY_RANGE stream: a finished orphan stays while an unfinished partition
+        # resumes at or before its end (protocol/mutable.py, rule 7)
+        self._mutable = mutable
 
     # -- applying messages -------------------------------------------------------------------
     def apply(self, offset: int, message: SyncMessage) -> str | None:
@@ -235,6 +239,8 @@ class Cim:
                     del self.orphans[token]
         for token, part in list(self.orphans.items()):
             if part.status == "finished" and lifecycle.removable(part, self.find):
+                if self._mutable and not mutable.removable(part, self.unfinished()):
+                    continue
                 del self.orphans[token]
 
     def _newest_watermarks(self) -> dict[str, int]:
@@ -320,8 +326,16 @@ class Cim:
         return self.tasks.get(task) or TaskView()
 
     def waits(self, part: Partition) -> bool:
-        """An owned partition that is not readable yet: some parent has not finished."""
-        return not lifecycle.readable(part, self.find)
+        """An owned partition that is not readable yet: some parent has not finished, or a
+        move-in hold's source has not reached it (protocol/mutable.py, rule 5)."""
+        return not lifecycle.readable(part, self.find) or not mutable.released(part, self.find)
+
+    def unfinished(self) -> Iterator[Partition]:
+        """Every unfinished partition the CIM holds: in states, offers and orphans."""
+        for view in self.tasks.values():
+            yield from (p for p in view.partitions.values() if p.status != "finished")
+            yield from (s.partition for s in view.share.values())
+        yield from (p for p in self.orphans.values() if p.status != "finished")
 
     def holders(self, token: str) -> Iterator[tuple[str, Partition]]:
         for task, view in self.tasks.items():

@@ -10,7 +10,7 @@ import enum
 
 import msgspec
 
-from protocol.messages import EpochMessage, StateMessage, SyncMessage
+from protocol.messages import EpochMessage, MoveInHold, StateMessage, SyncMessage
 from protocol.planner import Plan
 from protocol.records import ChildPartition
 
@@ -88,6 +88,19 @@ class ReaderStopped(_Event, frozen=True, tag="reader-stopped"):
     token: str
     watermark: int
     tail: Ids = ()
+    # MUTABLE_KEY_RANGE: the reader stopped by itself at move-in events it may not pass yet
+    # (protocol/mutable.py); everything before them is committed
+    hold: MoveInHold | None = None
+
+
+class PartitionsAnnounced(_Event, frozen=True, tag="partitions-announced"):
+    """MUTABLE_KEY_RANGE: the reader of ``token`` read a partition start record: the partitions
+    ``tokens`` are to be read from ``start_ts`` (protocol/mutable.py). Reported when read, so
+    before the reader's committed position passes the record."""
+
+    token: str
+    start_ts: int
+    tokens: tuple[str, ...]
 
 
 class ReaderFailed(_Event, frozen=True, tag="reader-failed"):
@@ -140,6 +153,7 @@ TaskEvent = (
     | ReaderFinished
     | ReaderStopped
     | ReaderFailed
+    | PartitionsAnnounced
     | PlanReady
     | PublishFailed
 )
@@ -156,6 +170,8 @@ class StartReader(_Command, frozen=True, tag="start-reader"):
     start_ts: int
     parents: tuple[str, ...]
     tail: Ids = ()  # the identities committed at exactly ``start_ts``: skip them
+    # MUTABLE_KEY_RANGE: the partition's released move-in hold, whose events the reader passes
+    hold: MoveInHold | None = None
 
 
 class StopReason(enum.StrEnum):

@@ -55,6 +55,17 @@ class Quarantine(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True
     task: str = ""  # the task that parked it
 
 
+class MoveInHold(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
+    """A ``MUTABLE_KEY_RANGE`` partition's reader met move-in events at ``ts`` (their record
+    sequences: ``sequences``) naming ``sources`` (``protocol/mutable.py``): it reads past them
+    only once every source has processed every record ``<= ts``. Kept, once released, until
+    the partition's watermark is past ``ts``: a reader starting at ``ts`` passes those events."""
+
+    ts: int
+    sources: tuple[str, ...]
+    sequences: tuple[str, ...] = ()
+
+
 class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
     token: str
     start_ts: int
@@ -68,6 +79,8 @@ class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True)
     tail: tuple[tuple[str, str], ...] = ()
     # set while the partition is quarantined: parked at ``watermark``, read by nobody
     quarantine: Quarantine | None = None
+    # MUTABLE_KEY_RANGE only: the move-in events its reader stopped at (protocol/mutable.py)
+    hold: MoveInHold | None = None
 
     def resume_ts(self) -> int:
         """Where a reader of this partition starts: its committed watermark, else its start."""

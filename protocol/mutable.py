@@ -36,16 +36,42 @@ Query ends (:func:`query_end`): a MUTABLE_KEY_RANGE query needs an end timestamp
 30 minutes after its start (Beam's SpannerIO notes this), so a partition is read by a chain of
 queries, each from where the previous one ended, until its partition end record.
 
+The same rules in the terms of the task core (``protocol/task.py``), where they hold across
+tasks, hand-offs and restarts because everything they decide from is in the sync topic:
+
+5. A destination's hold is part of its partition's state (``Partition.hold``,
+   :class:`~protocol.messages.MoveInHold`): its reader stops by itself at a move-in event it
+   has not passed (:func:`passes`), once everything before the event is committed, and reports
+   it (``ReaderStopped.hold``). The partition is readable again only once :func:`released`:
+   every source, as the CIM (or the task's own state) shows it, has finished or has a
+   committed watermark past the event's timestamp (a watermark ``W`` means every record
+   before ``W`` is committed, so ``W > T`` means every record ``<= T`` is). A source the
+   CIM does not know yet has not processed anything. The next reader is given the released
+   hold and passes exactly those events; once the partition's watermark is past the hold's
+   timestamp the hold is dropped (no read starts before it any more).
+6. A partition start read by a reader is reported at once (``PartitionsAnnounced``), before
+   its committed position passes the record; the task registers each token it does not know
+   (in its state, the CIM, the offers or the orphans) like a child partition: to the most
+   underloaded member within the cap (``protocol/share.py``, ``place_child``).
+7. A finished partition of this mode may be a source some destination still waits for, and
+   a source the CIM no longer holds would hold that destination for ever. So it is removed
+   only once every unfinished partition the CIM knows (owned, taken over, offered or orphaned)
+   resumes past its end (:func:`removable`): a move-in naming it has a timestamp at or before
+   its end, and a partition not registered yet is announced by one that has not passed the
+   announcement (a partition start at ``S`` in a partition resuming at ``<= S``), which
+   blocks the removal too when ``S`` is at or before the end.
+
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import msgspec
 
+from protocol.messages import MoveInHold, Partition
 from protocol.records import Micros
 
 __all__ = [
@@ -62,7 +88,10 @@ __all__ = [
     "Progress",
     "Release",
     "Schedule",
+    "passes",
     "query_end",
+    "released",
+    "removable",
 ]
 
 MAX_QUERY_SPAN_US: Final = 30 * 60 * 1_000_000
@@ -250,3 +279,60 @@ def lifecycle_records(
 ) -> list[PartitionStart | PartitionEnd | PartitionEvent]:
     """The lifecycle records of a decoded batch, in order."""
     return [r for r in records if isinstance(r, PartitionStart | PartitionEnd | PartitionEvent)]
+
+
+# -- rules 5-7: the task core's terms ---------------------------------------------------------
+def reached(source: Partition | None, ts: Micros) -> bool:
+    """Rule 5 for one source: finished, or every record ``<= ts`` committed."""
+    return source is not None and (source.status == "finished" or source.watermark > ts)
+
+
+def released(part: Partition, lookup: Callable[[str], Partition | None]) -> bool:
+    """Rule 5: ``part`` has no hold, or every source of its hold has reached the hold's
+    timestamp (``lookup``: the best view a task has of a partition). A hold its partition's
+    watermark is past was passed already (a copy that travelled without :func:`passed`, e.g. an
+    offer whose watermark the CIM raised): its sources may be removed by now (rule 7)."""
+    hold = part.hold
+    return (
+        hold is None
+        or part.watermark > hold.ts
+        or all(reached(lookup(s), hold.ts) for s in hold.sources)
+    )
+
+
+def passes(hold: MoveInHold | None, event: PartitionEvent) -> bool:
+    """Rule 5, the reader's side: whether a move-in ``event`` is one the released ``hold``
+    already waited for (or older: the partition's watermark passed it)."""
+    if hold is None:
+        return False
+    return event.commit_ts < hold.ts or (
+        event.commit_ts == hold.ts and event.record_sequence in hold.sequences
+    )
+
+
+def held_at(hold: MoveInHold | None, event: PartitionEvent) -> MoveInHold:
+    """Rule 5: the hold a reader reports for the move-in ``event`` it stops at; events at one
+    timestamp add up (the reader stops at each, and must pass all of them)."""
+    if hold is not None and hold.ts == event.commit_ts:
+        return MoveInHold(
+            event.commit_ts,
+            tuple(sorted({*hold.sources, *event.move_in_from})),
+            (*hold.sequences, event.record_sequence),
+        )
+    return MoveInHold(
+        event.commit_ts, tuple(sorted(set(event.move_in_from))), (event.record_sequence,)
+    )
+
+
+def passed(part: Partition) -> Partition:
+    """Rule 5: the hold dropped once the partition's watermark is past it."""
+    if part.hold is not None and part.watermark > part.hold.ts:
+        return msgspec.structs.replace(part, hold=None)
+    return part
+
+
+def removable(part: Partition, unfinished: Iterable[Partition]) -> bool:
+    """Rule 7: a finished partition every unfinished partition resumes past."""
+    if part.status != "finished":
+        return False
+    return all(p.resume_ts() > part.watermark for p in unfinished)

@@ -57,6 +57,17 @@ The rules:
     written. A sink that cannot fence answers ``held=False``: its abandoned batches may still
     commit (counted in ``unfenced``).
 
+13. **MUTABLE_KEY_RANGE** (``ReaderConfig.mutable``; ``protocol/mutable.py``). A partition
+    start record is reported at once (``PartitionsAnnounced``) and moves the position to its
+    start; a move-out event, or a move-in the task's released hold passes, moves it to its
+    timestamp. A move-in it does not pass ends the chunk there: the query is cancelled, and
+    once everything before the event is committed ``Done`` carries ``ReaderStopped`` with the
+    hold (``mutable.held_at``): the task decides when the partition may go on. A partition end
+    record moves the position to its end, and the query's end then finishes the partition (no
+    children). (The source chains the mode's bounded query ends, at most 30 minutes each, into
+    one stream, so a query ends only at the partition's end or at the connector's ``end_at``,
+    which finishes the partition as in the other mode.)
+
 ``Done`` is the last command; the shell reports its event once the reader is no longer alive.
 """
 
@@ -67,15 +78,21 @@ from collections import deque
 
 import msgspec
 
+from protocol import mutable
 from protocol.dedup import Position
 from protocol.events import (
+    PartitionsAnnounced,
     ReaderCommitted,
     ReaderFailed,
     ReaderFinished,
     ReaderStopped,
     StopReason,
 )
+from protocol.messages import MoveInHold
+from protocol.mutable import PartitionEnd, PartitionEvent, PartitionStart
 from protocol.records import ChangeRecord, ChildPartition, ChildPartitions, DataChange, Heartbeat
+
+SourceRecord = ChangeRecord | PartitionStart | PartitionEnd | PartitionEvent
 
 __all__ = [
     "BatchCommitted",
@@ -127,7 +144,7 @@ class Chunk(_Event, frozen=True, tag="reader-chunk"):
     """Records the source sent for query ``query``; ``permitted``: the task's lease holds."""
 
     query: int
-    records: tuple[ChangeRecord, ...]
+    records: tuple[SourceRecord, ...]
     permitted: bool = True
 
 
@@ -206,7 +223,7 @@ class FenceBatches(_Command, frozen=True, tag="fence-batches"):
 
 
 class Report(_Command, frozen=True, tag="report"):
-    event: ReaderCommitted | ReaderFailed
+    event: ReaderCommitted | ReaderFailed | PartitionsAnnounced
 
 
 class Done(_Command, frozen=True, tag="done"):
@@ -232,6 +249,7 @@ class ReaderConfig(msgspec.Struct, frozen=True):
     drain_timeout: int = 5_000_000
     stall_timeout: int = 30_000_000
     rules: ReaderRules = ReaderRules()
+    mutable: bool = False  # a MUTABLE_KEY_RANGE stream's partition (rule 13)
 
 
 def _name(record: DataChange) -> str:
@@ -263,8 +281,12 @@ class _Batch(msgspec.Struct):
 
 
 class ReaderCore:
-    def __init__(self, config: ReaderConfig, start: Position) -> None:
+    def __init__(
+        self, config: ReaderConfig, start: Position, hold: MoveInHold | None = None
+    ) -> None:
         self.config = config
+        self.hold = hold  # rule 13: the released hold whose move-in events this reader passes
+        self.holding: MoveInHold | None = None  # rule 13: the move-in this reader stopped at
         self.token = config.token
         self.given = start
         self.committed = start.tail()  # the committed position (the tail at the watermark)
@@ -411,8 +433,21 @@ class ReaderCore:
                     self.children.extend(record.children)
                     self.child_start = max(self.child_start, record.start_ts)
                     position = max(position, record.start_ts - 1)
+                case PartitionStart():
+                    out.append(
+                        Report(PartitionsAnnounced(self.token, record.start_ts, record.tokens))
+                    )
+                    position = max(position, record.start_ts)
+                case PartitionEnd():
+                    position = max(position, record.end_ts)
+                case PartitionEvent():
+                    position = max(position, record.commit_ts)
+                    if record.move_in_from and not mutable.passes(self.hold, record):
+                        self.holding = mutable.held_at(self.hold, record)
+                        break  # rule 13: nothing after the event until the task releases it
         self.position = position
         if not fresh and position <= self.handed.ts:
+            self._stop_at_hold(out)
             return
         if not event.permitted:
             out.append(CancelQuery(self.query))
@@ -428,6 +463,17 @@ class ReaderCore:
             self.handed.commit(watermark, records)
             self.records += len(records)
             out.append(PutBatch(self._batches, records, watermark))
+        self._stop_at_hold(out)
+
+    def _stop_at_hold(self, out: list[ReaderCommand]) -> None:
+        """Rule 13: at a move-in not passed, the query ends; the reader stops once every batch
+        before the event is committed."""
+        if self.holding is None or self.phase is not _Phase.QUERYING:
+            return
+        out.append(CancelQuery(self.query))
+        self.phase = _Phase.ENDED
+        self.answer_deadline = -1
+        self._maybe_finish(out)
 
     def _on_ack(self, batch_id: int, error: str, now: int, out: list[ReaderCommand]) -> None:
         for batch in self.pending:
@@ -540,6 +586,7 @@ class ReaderCore:
         self.restart_at = -1
         self.answer_deadline = now + self.stall_wait()
         self.children = []
+        self.holding = None
         # the handed position only with the rule broken on purpose (a teeth test)
         rules = self.config.rules
         start = self.committed.ts if rules.resume_at_committed else self.handed.ts
@@ -568,7 +615,10 @@ class ReaderCore:
         out.append(Report(ReaderFailed(self.token, error, record, stalled)))
 
     def _maybe_finish(self, out: list[ReaderCommand]) -> None:
-        if self.phase is _Phase.ENDED and not self.pending:
+        if self.phase is _Phase.ENDED and not self.pending and self.holding is not None:
+            held = ReaderStopped(self.token, self.committed.ts, self._ids(), self.holding)
+            self._done(held, out)
+        elif self.phase is _Phase.ENDED and not self.pending:
             end = ReaderFinished(
                 self.token, self.committed.ts, tuple(self.children), self.child_start, self._ids()
             )

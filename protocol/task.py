@@ -66,6 +66,13 @@ Poison partitions (docs/design.md#poison-partitions)
   so whoever owns it next keeps it parked. A ``release`` message naming it (CIM rule 9) is
   applied by its owner: the quarantine is cleared and the partition read from its watermark.
 
+MUTABLE_KEY_RANGE partitions (``protocol/mutable.py``, rules 5-7; ``TaskConfig.mutable``)
+  A partition start a reader reports registers the tokens nobody knows, dealt like children. A
+  reader that stopped at a move-in it may not pass leaves its partition held
+  (``Partition.hold``): not read (and not counted against the cap) until every source the hold
+  names has finished or committed past the event, as this task's state and the CIM show. A
+  finished partition is removed only once every unfinished one resumes past its end.
+
 Snapshot partitions (``protocol/snapshot.py``)
   With ``snapshot`` the leader that starts the stream asks for the snapshot's partitions too
   (``RequestPlan.snapshot``); its epoch records them. They are partitions like any other here;
@@ -82,7 +89,7 @@ from random import Random
 
 import msgspec
 
-from protocol import lifecycle, share
+from protocol import lifecycle, mutable, share
 from protocol import snapshot as snapshots
 from protocol.cim import Cim, TaskView
 from protocol.events import (
@@ -92,6 +99,7 @@ from protocol.events import (
     Joined,
     Lease,
     Lost,
+    PartitionsAnnounced,
     PlanReady,
     Publish,
     PublishFailed,
@@ -128,6 +136,7 @@ __all__ = [
     "Joined",
     "Lease",
     "Lost",
+    "PartitionsAnnounced",
     "PlanReady",
     "Publish",
     "PublishFailed",
@@ -220,6 +229,9 @@ class Rules(msgspec.Struct, frozen=True):
     # A quarantined partition is read by nobody (``_reconcile_readers``); the teeth test reads
     # it anyway: the simulator sees a quarantined partition read.
     park_quarantined: bool = True
+    # MUTABLE_KEY_RANGE: a held partition is read only once its move-in hold is released
+    # (protocol/mutable.py, rule 5); the teeth test reads it at once, passing the event
+    move_in_holds: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -259,6 +271,9 @@ class TaskConfig(msgspec.Struct, frozen=True):
     # It exceeds the time a new owner takes to start reading (a change-stream query's setup),
     # so each hop of a partition includes a read.
     probation: int = 10_000_000
+    # the stream is a MUTABLE_KEY_RANGE one: partition starts, move-in holds and the removal of
+    # finished partitions follow protocol/mutable.py (rules 5-7)
+    mutable: bool = False
 
 
 class _Failing(msgspec.Struct):
@@ -283,6 +298,7 @@ class TaskCore:
             fence_epochs=config.rules.fence_epochs,
             keep_later_answers=config.rules.keep_later_answers,
             fence_superseded_epochs=config.rules.fence_superseded_epochs,
+            mutable=config.mutable,
         )
         self.mine: dict[str, Partition] = {}
         self.shares: dict[str, Share] = {}
@@ -368,6 +384,8 @@ class TaskCore:
                 self._on_stopped(event)
             case ReaderFailed():
                 self._on_failed(event, now)
+            case PartitionsAnnounced():
+                self._on_announced(event)
             case PlanReady():
                 out += self._on_plan(event.plan, now)
             case PublishFailed():
@@ -760,7 +778,9 @@ class TaskCore:
     def _on_committed(self, token: str, watermark: int, tail: Ids = ()) -> None:
         part = self.mine.get(token)
         if part is not None and part.status == "owned" and _newer(part, watermark, tail):
-            self.mine[token] = msgspec.structs.replace(part, watermark=watermark, tail=tail)
+            self.mine[token] = mutable.passed(
+                msgspec.structs.replace(part, watermark=watermark, tail=tail)
+            )
             self._advanced(token)
 
     def _advanced(self, token: str) -> None:
@@ -840,10 +860,15 @@ class TaskCore:
             and part.status == "owned"
             and _newer(part, event.watermark, event.tail)
         ):
-            part = self.mine[event.token] = msgspec.structs.replace(
-                part, watermark=event.watermark, tail=event.tail
+            part = self.mine[event.token] = mutable.passed(
+                msgspec.structs.replace(part, watermark=event.watermark, tail=event.tail)
             )
             self._advanced(event.token)
+        if event.hold is not None and part is not None and part.status == "owned":
+            # rule 5: stopped at a move-in it may not pass: held until its sources reach it
+            part = self.mine[event.token] = msgspec.structs.replace(part, hold=event.hold)
+            self.counters["move_in_holds"] += 1
+            self._urgent = True
         if event.token in self.releasing and part is not None:
             self._release(event.token)
 
@@ -879,6 +904,38 @@ class TaskCore:
                 loads[target] = loads.get(target, 0) + 1
             self.counters["children_registered"] += 1
         self._urgent = True
+
+    def _on_announced(self, event: PartitionsAnnounced) -> None:
+        """Rule 6 of ``protocol/mutable.py``: register the announced partitions nobody knows,
+        dealt like children (kept here while this task's share section waits for its plan's
+        epoch: the announcer's watermark must not reach the CIM without them)."""
+        part = self.mine.get(event.token)
+        if not self.config.mutable or part is None or part.status != "owned":
+            self.counters["announced_ignored"] += 1
+            return
+        loads = self._loads()
+        for token in event.tokens:
+            if self._known(token):
+                continue
+            new = Partition(token=token, start_ts=event.start_ts)
+            target = share.place_child(self.me, loads, self.config.cap)
+            if target != self.me and self._plan_out is not None:
+                target = self.me
+            if target == self.me:
+                self.mine[token] = new
+            else:
+                self.shares[token] = Share(new, target=target, kind="new", since=self._now)
+            if target is not None:
+                loads[target] = loads.get(target, 0) + 1
+            self.counters["partitions_announced"] += 1
+            self._urgent = True
+
+    def _unfinished(self) -> Iterator[Partition]:
+        """Every unfinished partition this task knows of: its own, its offers, the CIM's
+        (owned, taken over, offered, orphaned)."""
+        yield from (p for p in self.mine.values() if p.status != "finished")
+        yield from (o.partition for o in self.shares.values())
+        yield from self.cim.unfinished()
 
     def _on_plan(self, plan: Plan, now: int) -> list[TaskCommand]:
         stale = not self._epoch_open(plan.generation) and self.config.rules.lead_under_lease
@@ -1452,11 +1509,22 @@ class TaskCore:
         if not finished:
             return
         offered = {o.token for _, o in self.cim.offers()} | set(self.shares)
+        # MUTABLE_KEY_RANGE (rule 7): the unfinished partition that resumes first decides
+        first = (
+            min(self._unfinished(), key=Partition.resume_ts, default=None)
+            if self.config.mutable
+            else None
+        )
         for token in finished:
             part = self.mine[token]
             if (
                 token not in offered
                 and lifecycle.removable(part, self._member_lookup)
+                and (
+                    not self.config.mutable
+                    or snapshots.is_snapshot(token)
+                    or mutable.removable(part, () if first is None else (first,))
+                )
                 and (
                     snapshots.removable(part, self.cim.snapshot)
                     or not self.config.rules.snapshot_done_before_removal
@@ -1484,6 +1552,9 @@ class TaskCore:
                     and token not in self.releasing
                     and (credited is None or _owned(credited.get(token)))
                     and self.config.rules.readable(part, self._lookup)
+                    and (
+                        not self.config.rules.move_in_holds or mutable.released(part, self._lookup)
+                    )
                 ):
                     wanted.append(part)
         keep = {p.token for p in wanted if p.token in self.reading}
@@ -1515,7 +1586,11 @@ class TaskCore:
             self.counters["read_on_answer"] += len(start)
         for part in start:
             self.reading[part.token] = part.resume_ts()
-            out.append(StartReader(part.token, part.resume_ts(), part.parents, part.resume_tail()))
+            out.append(
+                StartReader(
+                    part.token, part.resume_ts(), part.parents, part.resume_tail(), part.hold
+                )
+            )
         return out
 
     # -- publishing -----------------------------------------------------------------------------
@@ -1648,7 +1723,9 @@ class TaskCore:
 
     def _waits(self, part: Partition) -> bool:
         """Owned but not readable yet (see :meth:`Cim.waits`): it does not count against the cap."""
-        return not self.config.rules.readable(part, self._lookup)
+        return not self.config.rules.readable(part, self._lookup) or not mutable.released(
+            part, self._lookup
+        )
 
     def why_unread(self, token: str, now: int) -> tuple[bool, str]:
         """Why an owned partition has no reader: (expected, in words). Expected: it waits for
@@ -1682,6 +1759,17 @@ class TaskCore:
             return False, (
                 f"waiting for parents {', '.join(waiting)} (sync log read to offset "
                 f"{self.cim.offset})"
+            )
+        hold = part.hold
+        if hold is not None and not mutable.released(part, self._lookup):
+            behind = [
+                f"{s[:12]}={'unknown' if (p := self._lookup(s)) is None else p.watermark}"
+                for s in hold.sources
+                if not mutable.reached(self._lookup(s), hold.ts)
+            ]
+            return False, (
+                f"held at a move-in at {hold.ts} until its sources commit past it: "
+                f"{', '.join(behind)} (sync log read to offset {self.cim.offset})"
             )
         running = len([t for t in self.reading if t not in self.stopping])
         if 0 < self.config.cap <= running:

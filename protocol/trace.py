@@ -29,6 +29,7 @@ from protocol.dedup import Position
 from protocol.events import TaskCommand, TaskEvent
 from protocol.lease import LeaseTiming
 from protocol.membership import MemberCommand, MemberCore, MemberEvent, MemberRules
+from protocol.messages import MoveInHold
 from protocol.reader import ReaderCommand, ReaderConfig, ReaderCore, ReaderEvent
 from protocol.retry import RetryCommand, RetryCore, RetryEvent, RetryPolicy
 from protocol.task import Rules, TaskConfig, TaskCore
@@ -55,6 +56,7 @@ class ReaderStart(msgspec.Struct, frozen=True, tag_field="trace", tag="reader-st
     core: str  # names the reader core in this trace
     config: ReaderConfig
     start: Position
+    hold: MoveInHold | None = None  # a move-in hold the reader starts at (MUTABLE_KEY_RANGE)
 
 
 class ReaderStep(msgspec.Struct, frozen=True, tag_field="trace", tag="reader-step"):
@@ -156,7 +158,7 @@ def replay(lines: Iterable[TraceLine]) -> Iterator[tuple[Step, list[Any]]]:
                     raise TraceError("a step before the start line")
                 yield line, core.handle(line.event, line.now)
             case ReaderStart():
-                readers[line.core] = ReaderCore(line.config, line.start)
+                readers[line.core] = ReaderCore(line.config, line.start, line.hold)
             case ReaderStep():
                 reader = readers.get(line.core)
                 if reader is None:

@@ -730,13 +730,6 @@ class Pipeline:
             return
         if self.stream_options is not None:
             self._say(f"change stream {stream}: {self.stream_options.describe()}")
-            if self.stream_options.mutable_key_range:
-                raise RunFailed(
-                    f"change stream {stream} has partition_mode MUTABLE_KEY_RANGE, which shoal "
-                    "does not read yet (its records are decoded and its partition rules are in "
-                    "protocol/mutable.py, but the readers do not follow them): read an "
-                    "IMMUTABLE_KEY_RANGE change stream"
-                )
 
     def _leased(self) -> bool:
         """Whether every task of this process that reads partitions holds a valid lease: the
@@ -888,7 +881,13 @@ class Pipeline:
             counting = CountingSink(sink)
             node = TaskNode(
                 NodeConfig(
-                    task=msgspec.structs.replace(t.task_config(task_id), snapshot=cfg.run.snapshot),
+                    task=msgspec.structs.replace(
+                        t.task_config(task_id),
+                        snapshot=cfg.run.snapshot,
+                        # a MUTABLE_KEY_RANGE stream's lifecycle (protocol/mutable.py)
+                        mutable=self.stream_options is not None
+                        and self.stream_options.mutable_key_range,
+                    ),
                     stream_start=stream_start,
                     require_start=-1 if self._start_at is None else self._start_at,
                     end_at=-1 if self._end_at is None else self._end_at,

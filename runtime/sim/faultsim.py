@@ -77,6 +77,13 @@ times in all. From that time on, after every step, no live partition's watermark
 stands still longer than ``unread_limit_us`` (-1: not checked): one fault's recovery bounds a
 partition's unread time, however often the same task dies. ``SimResult.max_unread_us`` is the
 longest such stretch.
+With ``partition_mode="mutable"`` the stream is a ``MUTABLE_KEY_RANGE`` one
+(``runtime/sim/mutable.py``, ``MutableStreamModel``): keys moving between live partitions,
+partitions announced by others' partition start records and ending with partition end
+records, the task cores and readers running the lifecycle of ``protocol/mutable.py``. Besides
+the checks above, after every commit: **per-key timestamp order**, no write of a key reaches
+the sink after a later write of that key did (a write is counted once, at its first commit).
+``move_in_holds=False`` (the teeth) reads a held partition at once, passing its move-in.
 
 ``run(seed)`` returns a :class:`SimResult`; a failure names its seed so it can be replayed.
 """
@@ -123,6 +130,7 @@ from protocol.messages import (
     StateMessage,
     SyncMessage,
 )
+from protocol.mutable import PartitionEnd
 from protocol.planner import Plan, plan
 from protocol.reader import (
     BatchCommitted,
@@ -140,17 +148,19 @@ from protocol.reader import (
     ReaderRules,
     ReaderTick,
     Report,
+    SourceRecord,
     Start,
     StartQuery,
     StopRequested,
 )
-from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat, Mod
+from protocol.records import ChildPartitions, DataChange, Heartbeat, Mod
 from protocol.task import (
     ANSWER_TIMEOUT,
     Alert,
     Joined,
     Lease,
     Lost,
+    PartitionsAnnounced,
     PlanReady,
     Publish,
     PublishFailed,
@@ -170,6 +180,7 @@ from protocol.task import (
     TaskTick,
     own_state_ts,
 )
+from runtime.sim.mutable import MutableStreamModel, MutableStreamParams, write_key
 from runtime.sim.stream import StreamModel, StreamParams, snapshot_records
 
 Planner = Callable[..., Plan]
@@ -304,6 +315,9 @@ class SimParams(msgspec.Struct, frozen=True):
     # TaskConfig.probation: a restarted member gets no partition for this long (0: off, the
     # teeth test of the crash loop: balancing hands the looping task its partitions back)
     probation_us: int = 10_000_000
+    # "mutable": a MUTABLE_KEY_RANGE stream (runtime/sim/mutable.py) instead of splits, moves
+    # and merges; move_in_holds=False is its teeth (Rules.move_in_holds)
+    partition_mode: str = "immutable"
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -343,6 +357,8 @@ class SimResult(msgspec.Struct, frozen=True):
     # still from crash_loop_at_us on (0 without a crash loop)
     crash_loop_kills: int = 0
     max_unread_us: int = 0
+    # MUTABLE_KEY_RANGE: readers started at a released move-in hold (passing its events)
+    holds_passed: int = 0
 
 
 class _Reader:
@@ -399,6 +415,9 @@ class _Node:
         self.last_land = 0
         # readers' newest committed positions, handed to the core once per step (coalesced)
         self.commits: dict[str, tuple[int, Ids]] = {}
+        # readers' partition-start reports, handed to the core in order before the commits
+        # (as the shell does: actors/task.py, ``_flush_reports``)
+        self.announced: list[PartitionsAnnounced] = []
         # its JoinGroup in flight: (arrival step, or -1 when lost; step its request times out)
         self.join: tuple[int, int] | None = None
 
@@ -412,20 +431,32 @@ class Simulation:
         self.rng = Random(params.seed)
         start = 1_700_000_000_000_000
         self.t0 = start
-        self.model = StreamModel(
-            StreamParams(
+        self.mutable = params.partition_mode == "mutable"
+        self.mutable_model = MutableStreamModel(
+            MutableStreamParams(
                 seed=params.seed,
                 roots=params.roots,
                 start_ts=start,
-                round_us=2_000_000,
-                split_p=params.split_p,
-                move_p=params.move_p,
-                merge_p=params.merge_p,
-                max_partitions=40,
-                records_per_s=params.records_per_s,
                 churn_until=start + params.churn_us,
             )
         )
+        self.key_newest: dict[str, int] = {}  # mutable: each key's newest write in the sink
+        self.model: StreamModel | MutableStreamModel = self.mutable_model
+        if not self.mutable:
+            self.model = StreamModel(
+                StreamParams(
+                    seed=params.seed,
+                    roots=params.roots,
+                    start_ts=start,
+                    round_us=2_000_000,
+                    split_p=params.split_p,
+                    move_p=params.move_p,
+                    merge_p=params.merge_p,
+                    max_partitions=40,
+                    records_per_s=params.records_per_s,
+                    churn_until=start + params.churn_us,
+                )
+            )
         self.step = 0
         self.seq = itertools.count()
         self.nodes: dict[str, _Node] = {}
@@ -538,6 +569,7 @@ class Simulation:
             snapshot=self.snapshot_plan is not None,
             quarantine_after=self.p.quarantine_after,
             probation=self.p.probation_us,
+            mutable=self.mutable,
         )
         core = TaskCore(config, Random(self.rng.getrandbits(32)))
         member = MemberCore(task_id, self.timing, self.member_rules)
@@ -610,7 +642,12 @@ class Simulation:
                 self.stats["resets"] += len(command.reset)
                 roots: tuple[Partition, ...] = ()
                 stream_start = -1
-                if command.need_roots:
+                if command.need_roots and self.mutable:
+                    start = self.mutable_model.root_record()
+                    roots = tuple(Partition(token=t, start_ts=start.start_ts) for t in start.tokens)
+                    stream_start = self.t0
+                elif command.need_roots:
+                    assert isinstance(self.model, StreamModel)
                     root = self.model.root_record()
                     roots = tuple(
                         Partition(token=c.token, start_ts=root.start_ts) for c in root.children
@@ -661,9 +698,13 @@ class Simulation:
             drain_timeout=2_000_000,
             stall_timeout=10_000_000,
             rules=self.p.reader_rules,
+            mutable=self.mutable and not snapshots.is_snapshot(token),
         )
         start = Position(command.start_ts, command.tail)
-        reader = node.readers[token] = _Reader(token, ReaderCore(config, start))
+        core = ReaderCore(config, start, command.hold)
+        if command.hold is not None:
+            self.stats["holds_passed"] += 1
+        reader = node.readers[token] = _Reader(token, core)
         reader.committed_ids = {(start.ts, txn, seq) for txn, seq in start.ids}
         self.stats["readers_started"] += 1
         durable = self.sink_tails.get(token)
@@ -958,6 +999,8 @@ class Simulation:
                         new = Position(event.watermark, event.tail)
                         if seen is None or Position(*seen).newer(new) is new:
                             node.commits[event.token] = (event.watermark, event.tail)
+                    elif isinstance(event, PartitionsAnnounced):
+                        node.announced.append(event)
                     else:
                         self.deliver(node, event)
                 case Done():
@@ -971,7 +1014,10 @@ class Simulation:
 
     def flush_commits(self, node: _Node) -> None:
         """Hand the core every reader's newest committed position in one event, as the shell
-        does (``ReadersCommitted``)."""
+        does (``ReadersCommitted``); partition starts the readers reported go first, in order."""
+        announced, node.announced = node.announced, []
+        for event in announced:
+            self.handle(node, event)
         if node.commits:
             commits, node.commits = node.commits, {}
             self.handle(
@@ -1028,6 +1074,8 @@ class Simulation:
                         f"sink again from the reader that had it committed"
                     )
                 reader.committed_ids.add(identity)
+                if self.mutable and identity not in self.delivered:
+                    self.check_key_order(reader.token, record)
                 self.delivered[identity] += 1
             if records and self._fault_due("double_record_at_us"):
                 self.delivered[records[0].identity] += 1  # the teeth: a row written twice
@@ -1041,6 +1089,18 @@ class Simulation:
                 reader.acking.append((due, batch))
                 continue
             self.reader_do(node, reader, reader.core.handle(BatchCommitted(batch), self.now()))
+
+    def check_key_order(self, token: str, record: DataChange) -> None:
+        """Per-key timestamp order (MUTABLE_KEY_RANGE): no write of a key reaches the sink
+        after a later write of that key did."""
+        key = write_key(record)
+        newest = self.key_newest.get(key, -1)
+        if record.commit_ts < newest:
+            raise Violation(
+                f"key {key} out of timestamp order: its write at {record.commit_ts} (from "
+                f"{token}) reached the sink after its write at {newest}"
+            )
+        self.key_newest[key] = record.commit_ts
 
     def poisoned(self, token: str, records: tuple[DataChange, ...]) -> bool:
         """Whether this batch holds the poison record (the first record of the poison
@@ -1079,11 +1139,11 @@ class Simulation:
                     self.reader_do(node, reader, reader.core.handle(QueryEnded(query), now))
             elif reader.query >= 0:
                 query = reader.query
-                chunk: list[ChangeRecord] = []
+                chunk: list[SourceRecord] = []
                 ended = False
                 for record in self.model.records(reader.token, reader.pos, now):
                     chunk.append(record)
-                    ended = ended or isinstance(record, ChildPartitions)
+                    ended = ended or isinstance(record, ChildPartitions | PartitionEnd)
                 if not ended:
                     if self._fault_due("invent_record_at_us"):
                         chunk.append(_invented(now))  # the teeth: never committed
@@ -1436,6 +1496,7 @@ class Simulation:
             yields=self.stats["yields"],
             crash_loop_kills=self.stats["crash_loop_kills"],
             max_unread_us=self.max_unread,
+            holds_passed=self.stats["holds_passed"],
         )
 
     def released_and_resumed(self) -> bool:

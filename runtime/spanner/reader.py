@@ -55,6 +55,12 @@ same records; which decoder runs follows the result set's column type.
   with a message naming Spanner and the code; UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED, INTERNAL
   and anything else are retried (:func:`status_name`).
 
+MUTABLE_KEY_RANGE streams (``partition_mode``, learnt by :meth:`SpannerSource.stream_options`
+or given as ``mutable=True``): the same query answers one ``PROTO`` column, decoded by
+``runtime.spanner.mutable_decode`` (which decoder runs follows the result set's column type);
+every query, the root's too, ends at most 30 minutes after its start (``protocol.mutable``,
+``query_end``), the next going on from there as with windows, until the partition end record.
+
 ``walk_stream`` reads a whole time range following child partitions (a merged child once, after
 all its parents finished): tests and the benchmark use it; production partition scheduling is the
 actors' business.
@@ -80,6 +86,7 @@ from typing import Any, Final
 
 import msgspec
 
+from protocol.mutable import MAX_QUERY_SPAN_US, PartitionEnd, query_end
 from protocol.records import ChangeRecord, ChildPartitions, DataChange, Heartbeat
 from protocol.stream_options import StreamOptions, stream_options
 from runtime import compat
@@ -91,6 +98,7 @@ from runtime.spanner.decode import (
     RecordLayout,
     count_default_decoded,
 )
+from runtime.spanner.mutable_decode import MutableRecordDecoder
 
 __all__ = [
     "FATAL_CODES",
@@ -309,6 +317,7 @@ class SpannerSource(ChangeStreamSource):
         rpc_priority: str | None = None,
         dialect: str = GOOGLE_SQL,
         on_close: Callable[[], Awaitable[None]] | None = None,
+        mutable: bool = False,
     ) -> None:
         if dialect not in (GOOGLE_SQL, POSTGRESQL):
             raise ValueError(f"dialect must be {GOOGLE_SQL} or {POSTGRESQL}, got {dialect!r}")
@@ -331,7 +340,9 @@ class SpannerSource(ChangeStreamSource):
         self._request_options = _request_options(rpc_priority)
         self._max_batch = max_batch
         self._on_close = on_close
-        self._layouts: dict[bytes, RecordLayout | PgRecordDecoder] = {}
+        self._layouts: dict[bytes, RecordLayout | PgRecordDecoder | MutableRecordDecoder] = {}
+        # a MUTABLE_KEY_RANGE stream: queries end at most 30 minutes after their start
+        self.mutable = mutable
         self._errors = _service_errors()
         self._started = 0
         self._active = 0
@@ -432,7 +443,9 @@ class SpannerSource(ChangeStreamSource):
         async with self._db.snapshot() as snapshot:
             rs = await snapshot.execute_sql(sql, params=params, param_types=types)
             rows = [(str(row[0]), str(row[1])) async for row in rs]
-        return stream_options(rows)
+        options = stream_options(rows)
+        self.mutable = options.mutable_key_range
+        return options
 
     async def close(self) -> None:
         if self._closed:
@@ -498,9 +511,10 @@ class SpannerSource(ChangeStreamSource):
         }
         return params, types
 
-    def _layout(self, column_type: Any) -> RecordLayout | PgRecordDecoder:
+    def _layout(self, column_type: Any) -> RecordLayout | PgRecordDecoder | MutableRecordDecoder:
         """The decoder of a result set whose one column has type ``column_type``: a JSON column
-        is the PostgreSQL form, anything else the GoogleSQL STRUCTs."""
+        is the PostgreSQL form, a PROTO one a MUTABLE_KEY_RANGE stream's ``ChangeRecord``,
+        anything else the GoogleSQL STRUCTs."""
         key: bytes = column_type.SerializeToString()
         layout = self._layouts.get(key)
         if layout is None:
@@ -508,6 +522,8 @@ class SpannerSource(ChangeStreamSource):
 
             if column_type.code == TypeCode.JSON:
                 layout = PgRecordDecoder()
+            elif column_type.code == TypeCode.PROTO:
+                layout = MutableRecordDecoder()
             else:
                 layout = RecordLayout(column_type)
             self._layouts[key] = layout
@@ -522,6 +538,11 @@ class SpannerSource(ChangeStreamSource):
         if self._closed:
             raise RuntimeError("SpannerSource is closed")
         window = self._window_us
+        if self.mutable:
+            # a MUTABLE_KEY_RANGE query needs an end at most 30 minutes out (protocol/mutable.py)
+            window = MAX_QUERY_SPAN_US if window is None else min(window, MAX_QUERY_SPAN_US)
+            if token is None:
+                end_ts = query_end(start_ts, end_ts)
         if token is not None and self._trail_us is not None:
             async with contextlib.aclosing(self._query_trailing(token, start_ts, end_ts)) as it:
                 async for batch in it:
@@ -545,7 +566,7 @@ class SpannerSource(ChangeStreamSource):
                             reached = max(reached, r.timestamp)
                         elif isinstance(r, DataChange):
                             reached = max(reached, r.commit_ts)
-                        elif isinstance(r, ChildPartitions):
+                        elif isinstance(r, ChildPartitions | PartitionEnd):
                             ended = True
                     yield batch
             if ended or last:
@@ -574,10 +595,13 @@ class SpannerSource(ChangeStreamSource):
         end, and a pause of ``trail_s`` whenever the reading reached that horizon."""
         assert self._trail_us is not None
         trail = self._trail_us
+        window = self._window_us
+        if self.mutable:  # (the 30-minute bound of a MUTABLE_KEY_RANGE query)
+            window = MAX_QUERY_SPAN_US if window is None else min(window, MAX_QUERY_SPAN_US)
         start = start_ts
         while True:
             horizon = int(self._clock() * 1_000_000) - trail
-            stop = horizon if self._window_us is None else min(horizon, start + self._window_us)
+            stop = horizon if window is None else min(horizon, start + window)
             last = end_ts is not None and end_ts <= stop
             if last:
                 assert end_ts is not None
@@ -588,7 +612,9 @@ class SpannerSource(ChangeStreamSource):
             ended = False
             async with contextlib.aclosing(self._query_once(token, start, stop)) as once:
                 async for batch in once:
-                    ended = ended or any(isinstance(r, ChildPartitions) for r in batch)
+                    ended = ended or any(
+                        isinstance(r, ChildPartitions | PartitionEnd) for r in batch
+                    )
                     yield batch
             if ended or last:
                 return
@@ -674,7 +700,7 @@ class SpannerSource(ChangeStreamSource):
 
         merge = compat.merge_function()
         responses = compat.response_iterator(rs)
-        layout: RecordLayout | PgRecordDecoder | None = None
+        layout: RecordLayout | PgRecordDecoder | MutableRecordDecoder | None = None
         column_type: Any = None
         pending: Any = None  # the chunked last value of the previous partial result set
         max_batch = self._max_batch
@@ -693,7 +719,9 @@ class SpannerSource(ChangeStreamSource):
                     pending = values.pop()
             if not values:
                 continue
-            out: list[ChangeRecord] = []
+            # (a MUTABLE_KEY_RANGE stream's lifecycle records travel the same way: the port
+            # is typed with the other mode's records; the reader core takes both)
+            out: list[Any] = []
             t0 = time.perf_counter()
             layout.decode_values(values, out)
             self._decode_s += time.perf_counter() - t0

@@ -45,9 +45,21 @@ def test_bench_sim_partition_mode_mutable_passes_and_its_teeth_fail(
 ) -> None:
     from bench.sim import main
 
-    assert main(["--seeds", "100", "--partition-mode", "mutable"]) == 0
+    assert main(["--seeds", "100", "--partition-mode", "mutable", "--model-only"]) == 0
     assert "100/100 seeds passed" in capsys.readouterr().out
-    assert main(["--seeds", "100", "--partition-mode", "mutable", "--ignore-move-in-holds"]) == 1
+    assert (
+        main(
+            [
+                "--seeds",
+                "100",
+                "--partition-mode",
+                "mutable",
+                "--model-only",
+                "--ignore-move-in-holds",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "move-in holds IGNORED" in out
     assert "FAILED: key " in out

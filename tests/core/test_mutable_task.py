@@ -1,0 +1,280 @@
+"""The MUTABLE_KEY_RANGE rules in the task and reader cores (protocol/mutable.py, rules 5-7;
+protocol/task.py; protocol/reader.py, rule 13): exact commands for each event. A destination
+held at a move-in is read again only once the CIM shows every source past the event; the next
+reader is given the hold and passes exactly its events; announced partitions are registered
+once; a finished partition stays while an unfinished one resumes at or before its end."""
+
+from __future__ import annotations
+
+from random import Random
+
+from protocol import mutable
+from protocol.dedup import Position
+from protocol.events import PartitionsAnnounced
+from protocol.messages import (
+    EpochMessage,
+    MoveInHold,
+    Partition,
+    Share,
+    StateMessage,
+    SyncMessage,
+    TaskState,
+)
+from protocol.mutable import PartitionEnd, PartitionEvent, PartitionStart
+from protocol.reader import (
+    BatchCommitted,
+    CancelQuery,
+    Chunk,
+    Done,
+    PutBatch,
+    QueryEnded,
+    ReaderConfig,
+    ReaderCore,
+    Report,
+    Start,
+    StartQuery,
+)
+from protocol.records import DataChange, Heartbeat, Mod
+from protocol.task import (
+    Joined,
+    Lease,
+    Publish,
+    ReaderCommitted,
+    ReaderFinished,
+    ReaderStopped,
+    Rules,
+    StartReader,
+    SyncRead,
+    TaskCommand,
+    TaskConfig,
+    TaskCore,
+)
+
+T0 = 1_700_000_000_000_000
+T = T0 + 50  # the move-in's commit timestamp
+HOLD = MoveInHold(T, ("s",), ("3",))
+
+
+def _epoch(n: int, *offers: Share) -> EpochMessage:
+    return EpochMessage(
+        task_id="x",
+        epoch=n,
+        members=("a", "x"),
+        connector_state=(TaskState("x", 10**9 + n, share=offers),),
+    )
+
+
+def _x_state(ts: int, *parts: Partition) -> StateMessage:
+    return StateMessage(
+        task_id="x",
+        epoch=1,
+        connector_state=(TaskState("x", 2 * 10**9 + ts, data=parts, share=()),),
+    )
+
+
+def _starts(out: list[TaskCommand]) -> list[StartReader]:
+    return [c for c in out if isinstance(c, StartReader)]
+
+
+class _Member:
+    """Task ``a`` of a mutable connector, reading ``d``; ``x`` owns the source ``s``."""
+
+    def __init__(self, *, mutable_mode: bool = True, rules: Rules | None = None) -> None:
+        config = TaskConfig(task_id="a", cap=0, mutable=mutable_mode, rules=rules or Rules())
+        self.c = TaskCore(config, Random(0))
+        self.offset = 0
+        self.read(_epoch(0))
+        self.c.handle(Lease(until=10**12), now=2)
+        (answer,) = self.c.handle(Joined(generation=1, leader="x", members=("a", "x")), now=3)
+        assert isinstance(answer, Publish)
+        offer = Share(Partition("d", T0), target="a", kind="new", since=4)
+        out = self.read(_epoch(1, offer))
+        assert _starts(out) == [StartReader("d", T0, ())]
+        self.read(answer.message)
+        self.read(_x_state(0, Partition("s", T0)))
+
+    def read(self, message: SyncMessage, now: int = 10) -> list[TaskCommand]:
+        out = self.c.handle(SyncRead(self.offset, message), now=now)
+        self.offset += 1
+        return out
+
+
+def test_a_destination_held_at_a_move_in_is_read_again_only_once_its_source_is_past_it() -> None:
+    m = _Member()
+    out = m.c.handle(ReaderStopped("d", T, (("tx", "1"),), HOLD), now=20)
+    assert _starts(out) == []
+    assert m.c.mine["d"].hold == HOLD
+    assert m.c.counters["move_in_holds"] == 1
+    # the source's watermark at the event is not past it (records at T may be uncommitted)
+    assert _starts(m.read(_x_state(1, Partition("s", T0, watermark=T)), now=21)) == []
+    out = m.read(_x_state(2, Partition("s", T0, watermark=T + 1)), now=22)
+    assert _starts(out) == [StartReader("d", T, (), (("tx", "1"),), HOLD)]
+    # once its watermark is past the event the hold is dropped: no read starts before it
+    m.c.handle(ReaderCommitted("d", T + 7), now=23)
+    assert m.c.mine["d"].hold is None
+
+
+def test_a_finished_source_releases_the_hold_and_an_unknown_one_keeps_it() -> None:
+    m = _Member()
+    unknown = MoveInHold(T, ("s", "u"), ("3",))
+    assert _starts(m.c.handle(ReaderStopped("d", T, (), unknown), now=20)) == []
+    assert _starts(m.read(_x_state(1, Partition("s", T0, status="finished", watermark=T)))) == []
+    out = m.read(_x_state(2, Partition("u", T0, status="finished", watermark=T - 9)))
+    assert _starts(out) == [StartReader("d", T, (), (), unknown)]
+
+
+def test_without_the_hold_rule_a_held_destination_is_read_at_once() -> None:
+    m = _Member(rules=Rules(move_in_holds=False))
+    out = m.c.handle(ReaderStopped("d", T, (), HOLD), now=20)
+    assert _starts(out) == [StartReader("d", T, (), (), HOLD)]
+
+
+def test_a_held_partition_does_not_count_against_the_cim_load() -> None:
+    m = _Member()
+    m.c.handle(ReaderStopped("d", T, (), HOLD), now=20)
+    held = m.c.mine["d"]
+    assert m.c.cim.waits(held)
+    assert not m.c.cim.waits(Partition("d", T0))
+
+
+def test_announced_partitions_are_registered_once_and_read() -> None:
+    m = _Member()
+    out = m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1", "d", "s")), now=20)
+    assert _starts(out) == [StartReader("n1", T0 + 70, ())]
+    assert m.c.counters["partitions_announced"] == 1
+    # announced again (another partition, or a re-read): known, nothing happens
+    out = m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1",)), now=21)
+    assert _starts(out) == []
+    assert m.c.counters["partitions_announced"] == 1
+
+
+def test_an_immutable_connector_ignores_announcements() -> None:
+    m = _Member(mutable_mode=False)
+    out = m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1",)), now=20)
+    assert _starts(out) == []
+    assert "n1" not in m.c.mine
+    assert m.c.counters["announced_ignored"] == 1
+
+
+def test_a_finished_partition_stays_while_another_resumes_at_or_before_its_end() -> None:
+    m = _Member()
+    m.read(_x_state(1, Partition("s", T0, watermark=T)))
+    m.c.handle(ReaderFinished("d", T, (), T), now=20)
+    assert m.c.mine["d"].status == "finished"  # s resumes at T: it may still name d
+    m.read(_x_state(2, Partition("s", T0, watermark=T + 1)), now=21)
+    assert "d" not in m.c.mine
+    assert "d" in m.c.retired
+
+
+def test_an_immutable_connector_removes_a_finished_partition_at_once() -> None:
+    m = _Member(mutable_mode=False)
+    m.read(_x_state(1, Partition("s", T0, watermark=T)))
+    m.c.handle(ReaderFinished("d", T, (), T), now=20)
+    assert "d" not in m.c.mine
+
+
+def test_the_pure_rules() -> None:
+    find = {"s": Partition("s", T0, watermark=T + 1), "u": Partition("u", T0, watermark=T)}.get
+    assert mutable.released(Partition("d", T0), find)
+    assert mutable.released(Partition("d", T0, hold=MoveInHold(T, ("s",))), find)
+    assert not mutable.released(Partition("d", T0, hold=MoveInHold(T, ("s", "u"))), find)
+    assert not mutable.released(Partition("d", T0, hold=MoveInHold(T, ("gone",))), find)
+    passed_already = Partition("d", T0, watermark=T + 1, hold=MoveInHold(T, ("gone",)))
+    assert mutable.released(passed_already, find)
+    event = PartitionEvent(T, "4", "d", move_in_from=("u",))
+    assert not mutable.passes(None, event)
+    assert not mutable.passes(HOLD, event)  # another event at the same timestamp
+    assert mutable.passes(MoveInHold(T, ("s",), ("3", "4")), event)
+    assert mutable.passes(MoveInHold(T + 1, ("s",), ("9",)), event)  # older than the hold
+    assert mutable.held_at(HOLD, event) == MoveInHold(T, ("s", "u"), ("3", "4"))
+    assert mutable.held_at(None, event) == MoveInHold(T, ("u",), ("4",))
+    done = Partition("p", T0, status="finished", watermark=T)
+    assert mutable.removable(done, [Partition("q", T0, watermark=T + 1)])
+    assert not mutable.removable(done, [Partition("q", T0, watermark=T)])
+    assert not mutable.removable(done, [Partition("q", T)])  # starts at its end
+    assert not mutable.removable(Partition("p", T0), [])
+
+
+# -- the reader core (protocol/reader.py, rule 13) ---------------------------------------------
+def _write(ts: int, txn: str) -> DataChange:
+    return DataChange(ts, "1", txn, True, "Keys", (), (Mod('{"Id":"k"}', "{}", "{}"),), "UPDATE")
+
+
+def _reader(hold: MoveInHold | None = None, start: int = T0) -> ReaderCore:
+    r = ReaderCore(ReaderConfig("d", batch_records=10, mutable=True), Position(start), hold)
+    assert r.handle(Start(), now=0) == [StartQuery(1, start)]
+    return r
+
+
+MOVE_IN = PartitionEvent(T, "3", "d", move_in_from=("s",))
+
+
+def test_a_reader_stops_at_a_move_in_once_everything_before_it_is_committed() -> None:
+    r = _reader()
+    before, after = _write(T, "t1"), _write(T + 5, "t2")
+    out = r.handle(Chunk(1, (before, MOVE_IN, after, Heartbeat(T + 9))), now=1)
+    assert out == [PutBatch(1, (before,), T), CancelQuery(1)]
+    out = r.handle(BatchCommitted(1), now=2)
+    tail = (("t1", "1"),)
+    assert out == [
+        Report(ReaderCommitted("d", T, tail)),
+        Done(ReaderStopped("d", T, tail, MoveInHold(T, ("s",), ("3",)))),
+    ]
+
+
+def test_a_reader_given_the_released_hold_passes_its_move_in() -> None:
+    r = _reader(HOLD, start=T)
+    after = _write(T + 5, "t2")
+    out = r.handle(Chunk(1, (MOVE_IN, after)), now=1)
+    assert out == [PutBatch(1, (after,), T + 5)]
+
+
+def test_a_reader_reports_a_partition_start_and_a_move_out_is_progress() -> None:
+    r = _reader()
+    out = r.handle(
+        Chunk(
+            1,
+            (
+                PartitionStart(T0 + 10, "1", ("n1", "n2")),
+                PartitionEvent(T0 + 20, "2", "d", move_out_to=("n1",)),
+            ),
+        ),
+        now=1,
+    )
+    assert out == [
+        Report(PartitionsAnnounced("d", T0 + 10, ("n1", "n2"))),
+        PutBatch(1, (), T0 + 20),
+    ]
+
+
+def test_a_query_ending_without_a_partition_end_finishes_the_partition_at_the_end_at() -> None:
+    # the source ends a query only at the partition's end or at the connector's end_at
+    r = _reader()
+    r.handle(Chunk(1, (Heartbeat(T0 + 30),)), now=1)
+    r.handle(BatchCommitted(1), now=2)
+    assert r.handle(QueryEnded(1), now=3) == [Done(ReaderFinished("d", T0 + 30, (), T0, ()))]
+
+
+def test_a_partition_end_finishes_the_partition_without_children() -> None:
+    r = _reader()
+    out = r.handle(Chunk(1, (PartitionEnd(T0 + 40, "5", "d"),)), now=1)
+    assert out == [PutBatch(1, (), T0 + 40)]
+    r.handle(BatchCommitted(1), now=2)
+    assert r.handle(QueryEnded(1), now=3) == [Done(ReaderFinished("d", T0 + 40, (), T0, ()))]
+
+
+def test_an_immutable_reader_finishes_at_the_end_of_its_query() -> None:
+    r = ReaderCore(ReaderConfig("d"), Position(T0))
+    r.handle(Start(), now=0)
+    assert r.handle(QueryEnded(1), now=1) == [Done(ReaderFinished("d", T0, (), T0, ()))]
+
+
+def test_why_unread_names_the_move_in_and_the_sources_behind_it() -> None:
+    m = _Member()
+    m.c.handle(ReaderStopped("d", T, (), MoveInHold(T, ("s", "u"), ("3",))), now=20)
+    m.read(_x_state(1, Partition("s", T0, watermark=T + 1)))
+    assert m.c.why_unread("d", 30) == (
+        False,
+        f"held at a move-in at {T} until its sources commit past it: u=unknown "
+        f"(sync log read to offset {m.offset - 1})",
+    )
