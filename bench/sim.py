@@ -57,6 +57,7 @@ def run_guarded(
     snapshot_partitions: int = 0,
     partition_mode: str = "immutable",
     move_in_holds: bool = True,
+    claim_announced: bool = True,
 ) -> SimResult:
     """One seed under a wall-time budget (and the worker's memory limit)."""
     signal.alarm(seconds)
@@ -68,7 +69,7 @@ def run_guarded(
                 sink_fail_p=sink_fail_p,
                 snapshot_partitions=snapshot_partitions,
                 partition_mode=partition_mode,
-                rules=Rules(move_in_holds=move_in_holds),
+                rules=Rules(move_in_holds=move_in_holds, claim_announced=claim_announced),
             )
         )
     except _SeedTimeout:
@@ -79,8 +80,8 @@ def run_guarded(
         signal.alarm(0)
 
 
-def _run_range(args: tuple[int, int, float, float, int, str, bool]) -> list[SimResult]:
-    start, stop, append_fail_p, sink_fail_p, snapshot_partitions, mode, holds = args
+def _run_range(args: tuple[int, int, float, float, int, str, bool, bool]) -> list[SimResult]:
+    start, stop, append_fail_p, sink_fail_p, snapshot_partitions, mode, holds, claims = args
     return [
         run_guarded(
             seed,
@@ -89,6 +90,7 @@ def _run_range(args: tuple[int, int, float, float, int, str, bool]) -> list[SimR
             snapshot_partitions=snapshot_partitions,
             partition_mode=mode,
             move_in_holds=holds,
+            claim_announced=claims,
         )
         for seed in range(start, stop)
     ]
@@ -193,6 +195,13 @@ def main(argv: list[str]) -> int:
         help="with --partition-mode mutable: ignore the move-in holds (the teeth: seeds fail)",
     )
     parser.add_argument(
+        "--ignore-claims",
+        action="store_true",
+        help="with --partition-mode mutable: read a partition announced by a partition start "
+        "at once, without waiting for the sync topic to credit the claim (the teeth: a "
+        "partition announced twice is read twice)",
+    )
+    parser.add_argument(
         "--model-only",
         action="store_true",
         help="with --partition-mode mutable: the lifecycle model alone (no tasks, kills or "
@@ -200,6 +209,7 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     mode, holds = args.partition_mode, not args.ignore_move_in_holds
+    claims = not args.ignore_claims
     if mode == "mutable" and args.model_only:
         return _mutable(args)
     if args.seed is not None:
@@ -210,7 +220,7 @@ def main(argv: list[str]) -> int:
                 sink_fail_p=args.sink_fail_p,
                 snapshot_partitions=args.snapshot_partitions,
                 partition_mode=mode,
-                rules=Rules(move_in_holds=holds),
+                rules=Rules(move_in_holds=holds, claim_announced=claims),
             )
         )
         print(result)
@@ -227,6 +237,7 @@ def main(argv: list[str]) -> int:
             args.snapshot_partitions,
             mode,
             holds,
+            claims,
         )
         for s in range(args.first, args.first + seeds, chunk)
     ]
@@ -256,6 +267,8 @@ def main(argv: list[str]) -> int:
         + (
             f"; {mode} partitions, {sum(r.holds_passed for r in results)} move-in holds passed"
             f"{', move-in holds IGNORED' if not holds else ''}"
+            f", {sum(r.claims_lost for r in results)} claims given up"
+            f"{', claims IGNORED' if not claims else ''}"
             if mode == "mutable"
             else ""
         )
@@ -284,6 +297,8 @@ def main(argv: list[str]) -> int:
                 "partition_mode": mode,
                 "move_in_holds": holds,
                 "holds_passed": sum(r.holds_passed for r in results),
+                "claim_announced": claims,
+                "claims_lost": sum(r.claims_lost for r in results),
             }
         )
     )

@@ -45,6 +45,12 @@ task's CIM is the same at the same offset):
    never fenced: it records that the quarantine of its partition begun at ``since`` (or
    earlier) is released (:attr:`Cim.releases`; a checkpoint carries them). The partition's
    owner, whoever it is by then, applies it to its own state (``protocol/task.py``).
+10. MUTABLE_KEY_RANGE: a *claim* (``Partition.claim``: a partition a task registered from a
+    partition start record, in its state or share section) of a token the CIM already holds
+    elsewhere (another task's state or offers, or the orphans) is dropped from the state being
+    applied; otherwise it is kept as an ordinary partition (``claim`` cleared). So of several
+    registrations of one token, by tasks whose partitions each announced it, the first to land
+    is the one (``protocol/mutable.py``, rule 8).
 """
 
 from __future__ import annotations
@@ -296,6 +302,7 @@ class Cim:
             if state.state_timestamp < view.state_ts:
                 result = self._ignore("older-state")
                 continue
+            state = self._settle_claims(sender, state)  # rule 10 (claims exist in one mode)
             apply_state(view, state)
             self.snapshot.fold(state.data)  # rule 8
         return result
@@ -322,6 +329,47 @@ class Cim:
         self.releases = dict(message.releases)
 
     # -- queries -------------------------------------------------------------------------------
+    def _settle_claims(self, sender: str, state: TaskState) -> TaskState:
+        """Rule 10: a claim (a partition a task registered from a partition start, in its
+        state or its share section) of a token the CIM already holds elsewhere is dropped; the
+        first claim to land is credited, and kept as an ordinary partition."""
+        if not any(p.claim for p in state.data) and not any(
+            s.partition.claim for s in state.share or ()
+        ):
+            return state
+        data = []
+        for part in state.data:
+            if part.claim:
+                if self.known_elsewhere(part.token, sender):
+                    self.ignored["claim-lost"] += 1
+                    continue
+                part = msgspec.structs.replace(part, claim=False)
+            data.append(part)
+        share = None
+        if state.share is not None:
+            share = []
+            for offer in state.share:
+                if offer.partition.claim:
+                    if self.known_elsewhere(offer.token, sender):
+                        self.ignored["claim-lost"] += 1
+                        continue
+                    part = msgspec.structs.replace(offer.partition, claim=False)
+                    offer = msgspec.structs.replace(offer, partition=part)
+                share.append(offer)
+        return msgspec.structs.replace(
+            state, data=tuple(data), share=None if share is None else tuple(share)
+        )
+
+    def known_elsewhere(self, token: str, task: str) -> bool:
+        """Whether a task other than ``task`` holds or offers ``token``, or it is an orphan."""
+        if token in self.orphans:
+            return True
+        return any(
+            token in view.partitions or token in view.share
+            for other, view in self.tasks.items()
+            if other != task
+        )
+
     def view(self, task: str) -> TaskView:
         return self.tasks.get(task) or TaskView()
 

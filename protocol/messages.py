@@ -81,6 +81,9 @@ class Partition(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True)
     quarantine: Quarantine | None = None
     # MUTABLE_KEY_RANGE only: the move-in events its reader stopped at (protocol/mutable.py)
     hold: MoveInHold | None = None
+    # MUTABLE_KEY_RANGE only: registered by this task from a partition start and not yet
+    # credited by the CIM; nobody reads it until the CIM has it (protocol/mutable.py, rule 8)
+    claim: bool = False
 
     def resume_ts(self) -> int:
         """Where a reader of this partition starts: its committed watermark, else its start."""

@@ -60,6 +60,14 @@ tasks, hand-offs and restarts because everything they decide from is in the sync
    its end, and a partition not registered yet is announced by one that has not passed the
    announcement (a partition start at ``S`` in a partition resuming at ``<= S``), which
    blocks the removal too when ``S`` is at or before the end.
+8. Several partitions may announce one token, and their readers may run on different tasks
+   at the same time, each finding the token unknown. So a partition registered from a
+   partition start is a *claim* (``Partition.claim``), read by nobody until the CIM credits
+   it: the CIM keeps the first claim of a token to land and drops any later one (``Cim``
+   rule 10). The task whose claim landed first reads it (or its offer's target does); a task
+   that finds the token held elsewhere gives its claim up. No claim can land after the token
+   is removed: an announcer's watermark reaches the CIM only with its claims, and rule 7
+   removes a finished partition only once every announcer resumes past its end.
 
 Pure: no I/O, no clock.
 """

@@ -232,6 +232,11 @@ class Rules(msgspec.Struct, frozen=True):
     # MUTABLE_KEY_RANGE: a held partition is read only once its move-in hold is released
     # (protocol/mutable.py, rule 5); the teeth test reads it at once, passing the event
     move_in_holds: bool = True
+    # MUTABLE_KEY_RANGE: a partition registered from a partition start is a claim, read only
+    # once the CIM credits it; of several claims of one token the first to land wins
+    # (protocol/mutable.py, rule 8). The teeth test registers it as owned at once: two tasks
+    # whose partitions both announce it read it twice.
+    claim_announced: bool = True
 
 
 ANSWER_TIMEOUT = 2_000_000  # TaskConfig.answer_timeout's default (micros); see there
@@ -345,6 +350,8 @@ class TaskCore:
         self.log: deque[tuple[int, str]] = deque(maxlen=256)
         self._alerts: list[Alert] = []
         self._double_owners: set[tuple[str, str, int]] = set()  # (token, other task, epoch)
+        # partitions registered here from partition starts, not yet credited (mutable, rule 8)
+        self._claims: set[str] = set()
         self._unsettled = False  # the last step changed the offers: see next_deadline
         # the quarantine rule: partitions failing in a row, and how often any partition's
         # committed position moved (another partition advancing tells poison from an outage)
@@ -571,6 +578,8 @@ class TaskCore:
         before_epoch = self.cim.epoch
         ignored = self.cim.apply(event.offset, message)
         self._settle_plan()
+        if self._claims:
+            self._settle_claims()
         if message.task_id == self.me:
             self._sync_failing_since = -1  # an append of ours went through and was read back
             if (
@@ -914,10 +923,11 @@ class TaskCore:
             self.counters["announced_ignored"] += 1
             return
         loads = self._loads()
+        claim = self.config.rules.claim_announced
         for token in event.tokens:
             if self._known(token):
                 continue
-            new = Partition(token=token, start_ts=event.start_ts)
+            new = Partition(token=token, start_ts=event.start_ts, claim=claim)
             target = share.place_child(self.me, loads, self.config.cap)
             if target != self.me and self._plan_out is not None:
                 target = self.me
@@ -925,10 +935,47 @@ class TaskCore:
                 self.mine[token] = new
             else:
                 self.shares[token] = Share(new, target=target, kind="new", since=self._now)
+            if claim:
+                self._claims.add(token)
             if target is not None:
                 loads[target] = loads.get(target, 0) + 1
             self.counters["partitions_announced"] += 1
             self._urgent = True
+
+    def _settle_claims(self) -> None:
+        """Rule 8 of ``protocol/mutable.py``: a claim the CIM credits to this task (in its
+        state or its share section) is confirmed and read; one the CIM holds elsewhere was won
+        by another registration, which landed first: it is given up. Neither was read, so
+        nothing is read twice; a claim whose message has not landed (or was fenced) waits."""
+        view = self.cim.view(self.me)
+        for token in list(self._claims):
+            part = self.mine.get(token)
+            offer = self.shares.get(token)
+            if (part is None or not part.claim) and (offer is None or not offer.partition.claim):
+                self._claims.discard(token)  # it left this task's hands meanwhile
+                continue
+            credited = view.partitions.get(token)
+            shared = view.share.get(token)
+            if credited is not None or shared is not None:
+                self._claims.discard(token)
+                if part is not None and part.claim and credited is not None:
+                    self.mine[token] = msgspec.structs.replace(part, claim=False)
+                    self._sent_parts[token] = credited
+                if offer is not None and offer.partition.claim and shared is not None:
+                    confirmed = msgspec.structs.replace(offer.partition, claim=False)
+                    self.shares[token] = msgspec.structs.replace(offer, partition=confirmed)
+                    self._sent_share[token] = shared
+                self.counters["announced_claims_won"] += 1
+                self._urgent = True
+            elif self.cim.known_elsewhere(token, self.me):
+                self._claims.discard(token)
+                if part is not None and part.claim:
+                    del self.mine[token]
+                    self._sent_parts.pop(token, None)
+                if offer is not None and offer.partition.claim:
+                    del self.shares[token]
+                    self._sent_share.pop(token, None)
+                self.counters["announced_claims_lost"] += 1
 
     def _unfinished(self) -> Iterator[Partition]:
         """Every unfinished partition this task knows of: its own, its offers, the CIM's
@@ -1498,6 +1545,7 @@ class TaskCore:
             for t, p in self.mine.items()
             if p.status == "owned"
             and p.quarantine is None  # parked: moving it gains nothing
+            and not p.claim  # not the CIM's yet (protocol/mutable.py, rule 8)
             and t not in self.shares
             and t not in self.releasing
         ]
@@ -1555,6 +1603,7 @@ class TaskCore:
                     and (
                         not self.config.rules.move_in_holds or mutable.released(part, self._lookup)
                     )
+                    and not part.claim  # rule 8: not credited by the CIM yet
                 ):
                     wanted.append(part)
         keep = {p.token for p in wanted if p.token in self.reading}
@@ -1777,8 +1826,10 @@ class TaskCore:
         return False, "no reader, and nothing keeps one from starting"
 
     def owned_unfinished(self) -> Iterator[str]:
+        """The partitions this task owns and has not finished (a claim not credited by the CIM
+        yet is not owned: protocol/mutable.py, rule 8)."""
         for token, part in self.mine.items():
-            if part.status == "owned":
+            if part.status == "owned" and not part.claim:
                 yield token
 
     def validate(self) -> None:
@@ -1802,6 +1853,10 @@ class TaskCore:
                 ), f"{self.me} both owns and offers {token} as new"
         for token in self.moves:
             assert token in self.shares or token in self.mine, f"{self.me}: move of unknown {token}"
+        for token, part in self.mine.items():
+            if part.claim:
+                assert token in self._claims, f"{self.me}: claim of {token} not tracked"
+                assert token not in self.reading, f"{self.me} reads {token} before the CIM has it"
 
 
 def _owned(part: Partition | None) -> bool:

@@ -359,6 +359,8 @@ class SimResult(msgspec.Struct, frozen=True):
     max_unread_us: int = 0
     # MUTABLE_KEY_RANGE: readers started at a released move-in hold (passing its events)
     holds_passed: int = 0
+    # ... and partitions announced twice whose second registration gave way to the first
+    claims_lost: int = 0
 
 
 class _Reader:
@@ -432,6 +434,7 @@ class Simulation:
         start = 1_700_000_000_000_000
         self.t0 = start
         self.mutable = params.partition_mode == "mutable"
+        self.cores: list[TaskCore] = []  # every life of every task, for its counters
         self.mutable_model = MutableStreamModel(
             MutableStreamParams(
                 seed=params.seed,
@@ -572,6 +575,7 @@ class Simulation:
             mutable=self.mutable,
         )
         core = TaskCore(config, Random(self.rng.getrandbits(32)))
+        self.cores.append(core)
         member = MemberCore(task_id, self.timing, self.member_rules)
         node = _Node(task_id, core, member, next(self.joins))
         self.nodes[task_id] = node
@@ -738,9 +742,12 @@ class Simulation:
         for state in message.connector_state:
             if state.task_id != message.task_id or state.state_timestamp < before:
                 continue  # not applied: only a sender's own, newer state counts
+            credited = self.observer.view(message.task_id).partitions
             for part in state.data:
                 if part.status == "incoming":
                     continue
+                if part.claim and part.token not in credited:
+                    continue  # a claim the CIM dropped: another registration landed first
                 if part.watermark < self.max_wm.get(part.token, 0):
                     raise Violation(
                         f"watermark of {part.token} went back from "
@@ -1497,6 +1504,7 @@ class Simulation:
             crash_loop_kills=self.stats["crash_loop_kills"],
             max_unread_us=self.max_unread,
             holds_passed=self.stats["holds_passed"],
+            claims_lost=sum(c.counters["announced_claims_lost"] for c in self.cores),
         )
 
     def released_and_resumed(self) -> bool:

@@ -175,6 +175,9 @@ class MutableStreamParams(msgspec.Struct, frozen=True):
     round_us: int = 2_000_000
     moves_per_round: float = 1.5  # keys moving between live partitions, on average
     new_p: float = 0.25  # per round: a live partition announces a new one, which gets a key
+    # ... and a second live partition announces it too, at the same timestamp (the readers of
+    # both may find it unknown at once: protocol/mutable.py, rule 8)
+    twice_p: float = 0.5
     end_p: float = 0.15  # per round: a live partition moves its keys out and ends
     min_partitions: int = 2
     max_partitions: int = 12
@@ -223,6 +226,7 @@ class MutableStreamModel:
         self._seq: dict[str, int] = dict.fromkeys(self.roots, 0)
         self._rounds = 0
         self.moves = 0
+        self.announced_twice = 0
 
     def root_record(self) -> PartitionStart:
         return PartitionStart(self.params.start_ts, "0", self.roots)
@@ -302,6 +306,13 @@ class MutableStreamModel:
                 self.partitions[token] = _Info(token, ts)
                 self._records[token], self._times[token], self._seq[token] = [], [], 0
                 self._add(announcer, ts, PartitionStart(ts, self._sequence(announcer), (token,)))
+                # (a separate stream of chances: the histories without it stay as they were)
+                twice = random.Random(f"mutable-twice:{p.seed}:{r}:{token}")
+                others = [t for t in self._live if t != announcer]
+                if others and twice.random() < p.twice_p:
+                    second = twice.choice(others)
+                    self._add(second, ts, PartitionStart(ts, self._sequence(second), (token,)))
+                    self.announced_twice += 1
                 self._live.append(token)
                 self._move(key, token, ts)
             elif kind == "end" and len(self._live) > p.min_partitions:

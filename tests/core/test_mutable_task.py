@@ -1,14 +1,15 @@
 """The MUTABLE_KEY_RANGE rules in the task and reader cores (protocol/mutable.py, rules 5-7;
 protocol/task.py; protocol/reader.py, rule 13): exact commands for each event. A destination
 held at a move-in is read again only once the CIM shows every source past the event; the next
-reader is given the hold and passes exactly its events; announced partitions are registered
-once; a finished partition stays while an unfinished one resumes at or before its end."""
+reader is given the hold and passes exactly its events; announced partitions are claims, read
+once the CIM credits them, and of two claims of one token the first to land wins; a finished partition stays while an unfinished one resumes at or before its end."""
 
 from __future__ import annotations
 
 from random import Random
 
 from protocol import mutable
+from protocol.cim import Cim
 from protocol.dedup import Position
 from protocol.events import PartitionsAnnounced
 from protocol.messages import (
@@ -48,6 +49,7 @@ from protocol.task import (
     TaskCommand,
     TaskConfig,
     TaskCore,
+    TaskTick,
 )
 
 T0 = 1_700_000_000_000_000
@@ -137,15 +139,87 @@ def test_a_held_partition_does_not_count_against_the_cim_load() -> None:
     assert not m.c.cim.waits(Partition("d", T0))
 
 
-def test_announced_partitions_are_registered_once_and_read() -> None:
+def _published(out: list[TaskCommand]) -> StateMessage:
+    (publish,) = [c for c in out if isinstance(c, Publish)]
+    assert isinstance(publish.message, StateMessage)
+    return publish.message
+
+
+def _claim_of(task: str, token: str, ts: int = 1) -> StateMessage:
+    """``task``'s state claiming ``token``, registered from a partition start of its own."""
+    return StateMessage(
+        task_id=task,
+        epoch=1,
+        connector_state=(
+            TaskState(task, 3 * 10**9 + ts, data=(Partition(token, T0 + 70, claim=True),)),
+        ),
+    )
+
+
+def test_an_announced_partition_is_a_claim_read_once_the_cim_credits_it() -> None:
     m = _Member()
     out = m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1", "d", "s")), now=20)
+    assert _starts(out) == []  # a claim: nobody reads it before the CIM has it
+    assert m.c.mine["n1"] == Partition("n1", T0 + 70, claim=True)
+    assert m.c.counters["partitions_announced"] == 1
+    assert list(m.c.owned_unfinished()) == ["d"]  # a claim is not owned yet
+    m.c.validate()
+    # (goes out with the next message: one of the member's own is still on its way)
+    message = _published(m.c.handle(TaskTick(), now=10**6))
+    (state,) = message.connector_state
+    assert Partition("n1", T0 + 70, claim=True) in state.data
+    # announced again (another partition, or a re-read) before the claim lands: known
+    m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1",)), now=22)
+    assert m.c.counters["partitions_announced"] == 1
+    # the claim lands first: credited (an ordinary partition in the CIM) and read
+    out = m.read(message, now=23)
+    assert m.c.cim.view("a").partitions["n1"] == Partition("n1", T0 + 70)
+    assert m.c.mine["n1"] == Partition("n1", T0 + 70)
+    assert m.c.counters["announced_claims_won"] == 1
     assert _starts(out) == [StartReader("n1", T0 + 70, ())]
-    assert m.c.counters["partitions_announced"] == 1
-    # announced again (another partition, or a re-read): known, nothing happens
-    out = m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1",)), now=21)
-    assert _starts(out) == []
-    assert m.c.counters["partitions_announced"] == 1
+    m.c.validate()
+
+
+def test_of_two_claims_of_one_token_the_first_to_land_is_read_and_the_other_given_up() -> None:
+    m = _Member()
+    m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1",)), now=20)
+    mine = _published(m.c.handle(TaskTick(), now=10**6))
+    # x's partition announced n1 too, and x's claim landed first
+    assert _starts(m.read(_claim_of("x", "n1"), now=22)) == []
+    assert "n1" not in m.c.mine
+    assert m.c.counters["announced_claims_lost"] == 1
+    assert m.c.cim.view("x").partitions["n1"] == Partition("n1", T0 + 70)
+    # our claim lands after it: the CIM drops it (CIM rule 10), nobody else reads it
+    assert _starts(m.read(mine, now=23)) == []
+    assert "n1" not in m.c.cim.view("a").partitions
+    assert m.c.cim.ignored["claim-lost"] == 1
+    assert [t for t, _ in m.c.cim.holders("n1")] == ["x"]
+    m.c.validate()
+
+
+def test_a_claim_offered_to_another_member_is_credited_in_the_share_section() -> None:
+    cim = Cim()
+    offer = Share(Partition("n1", T0 + 70, claim=True), target="b", kind="new", since=5)
+    state = TaskState("a", 7, share=(offer,))
+    cim.apply(0, StateMessage(task_id="a", epoch=0, connector_state=(state,)))
+    credited = cim.view("a").share["n1"]
+    assert credited.partition == Partition("n1", T0 + 70)
+    assert credited.target == "b"
+    # a second claim, by c's state, of the offered token is dropped
+    cim.apply(1, _claim_of("c", "n1"))
+    assert "n1" not in cim.view("c").partitions
+    assert cim.ignored["claim-lost"] == 1
+    # an ordinary partition (a hand-off, not a claim) is applied as before
+    cim.apply(2, _x_state(3, Partition("n1", T0 + 70, status="incoming", source="a")))
+    assert cim.view("x").partitions["n1"].status == "incoming"
+
+
+def test_without_the_claim_rule_an_announced_partition_is_read_at_once() -> None:
+    """The teeth (``Rules.claim_announced=False``): read at once, so a token announced by two
+    partitions on two tasks is read by both (the fault simulator's ``--ignore-claims``)."""
+    m = _Member(rules=Rules(claim_announced=False))
+    out = m.c.handle(PartitionsAnnounced("d", T0 + 70, ("n1",)), now=20)
+    assert _starts(out) == [StartReader("n1", T0 + 70, ())]
 
 
 def test_an_immutable_connector_ignores_announcements() -> None:

@@ -2,7 +2,8 @@
 ``runtime/sim/mutable.py``): keys moving between live partitions, partitions announced and
 ended, with crashes, zombies and hand-offs; besides the simulator's invariants, no write of a
 key reaches the sink after a later write of that key. Teeth: with the move-in hold ignored
-(``move_in_holds=False``) the same seeds fail that check."""
+(``move_in_holds=False``) the same seeds fail that check; with a partition announced by two
+partitions registered at once instead of claimed (``claim_announced=False``) it is read twice."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from protocol.task import Rules
 from runtime.sim.faultsim import SimParams, run
 
-SEEDS = (0, 1, 2, 3)
+SEEDS = (0, 2, 3, 4)
+# seeds where one partition's second announcement is read by another task at the same time
+TWICE_SEEDS = (7, 10)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -31,3 +34,13 @@ def test_teeth_without_the_move_in_hold_the_same_seeds_break_key_order() -> None
         )
         assert not result.passed, seed
         assert "out of timestamp order" in result.violation, result.violation
+
+
+@pytest.mark.parametrize("seed", TWICE_SEEDS)
+def test_a_partition_announced_twice_is_read_once_and_without_claims_twice(seed: int) -> None:
+    result = run(SimParams(seed=seed, partition_mode="mutable"))
+    assert result.passed, f"seed {seed}: {result.violation}"
+    assert result.claims_lost > 0  # a second registration gave way to the first
+    broken = run(SimParams(seed=seed, partition_mode="mutable", rules=Rules(claim_announced=False)))
+    assert not broken.passed
+    assert "both read" in broken.violation, broken.violation
