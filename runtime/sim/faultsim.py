@@ -55,7 +55,7 @@ member's session (Kafka's ``propagateAssignment``); a removed member learns it o
 answer to its next request. Each task's membership is the same pure core as the Kafka
 adapter's (``protocol/membership.py``: the epochs it says, numbers and accepts, and the lease
 over the send times of the requests answered), with broken rules in the teeth tests
-(``lease_rules``, ``epoch_rules``, ``accept_landed_epochs``, ``report_fresh``).
+(``SimParams.member_rules``).
 
 With ``poison_at_us`` one partition turns poison (docs/design.md#poison-partitions): the first
 of its records committed that long after the start fails every sink batch that holds it, as a
@@ -106,7 +106,7 @@ from protocol.completeness import low_watermark
 from protocol.dedup import Identity, PartitionTail, Position
 from protocol.epochs import Logged
 from protocol.events import Ids
-from protocol.lease import LeaseRules, LeaseTiming
+from protocol.lease import LeaseTiming
 from protocol.membership import (
     Assigned,
     HeartbeatAnswered,
@@ -215,16 +215,12 @@ class SimParams(msgspec.Struct, frozen=True):
     # Kafka. The leader may plan (answer timeout) and its epoch land first (protocol/epochs.py,
     # rule 5). (0, 0): every member gets it at once, as the seeds found before 2026-11 had.
     follower_lag_us: tuple[int, int] = (0, 2_000_000)
-    # the teeth test refuses such an epoch as stale (rule 5 off): the group rebalances for ever
-    accept_landed_epochs: bool = True
     join_delay_steps: tuple[int, int] = (0, 3)
     join_loss_p: float = 0.0
     request_timeout_us: int = 2_000_000
     # the membership adapter heartbeats on a second connection while its JoinGroup or SyncGroup
     # is in flight (runtime/kafka/membership.py); off: only aiokafka's heartbeats, as before
     heartbeat_while_rebalancing: bool = True
-    # the teeth tests break the lease rule (count a JoinGroup in flight, drop the rebalance bound)
-    lease_rules: LeaseRules = LeaseRules()
     # the leader's wait for rebalance answers: the shipped default (some regression and teeth
     # seeds were found with a shorter one, and run with it)
     answer_timeout_us: int = ANSWER_TIMEOUT
@@ -241,8 +237,6 @@ class SimParams(msgspec.Struct, frozen=True):
     # a broker restarts) while the sync log keeps its epochs: the epoch rules of
     # protocol/epochs.py must keep epochs going up. Off by default (seed sequences stay).
     group_restart_p: float = 0.0
-    # the teeth test turns the epoch rules off: the epoch is the group's generation as given
-    epoch_rules: bool = True
     max_log_delay_steps: int = 3
     commit_delay_steps: tuple[int, int] = (1, 8)
     # a committed batch's acknowledgement reaches its reader this many steps after its commit
@@ -266,10 +260,14 @@ class SimParams(msgspec.Struct, frozen=True):
     # the plan holds a hand-off in flight between two members (planner.ownerless; off: a
     # teeth test, the plan deals it out for a dead task's stale share of it)
     hold_handoffs: bool = True
-    # the group tells the leader which members are fresh lives (never assigned a generation),
-    # so a restarted task that has not answered is reset; off, it never is (the histories the
-    # regression seeds were found in, before the reset rule)
-    report_fresh: bool = True
+    # the membership core's rules (protocol/membership.py), as shipped or broken for a teeth
+    # test: the lease rule (``lease``: a JoinGroup in flight counted, the rebalance bound
+    # dropped), the epoch rules (``epoch_rules``: off, the epoch is the group's generation as
+    # given), ``accept_landed_epochs`` (off: an epoch that landed first is refused as stale,
+    # rule 5, and the group rebalances for ever) and ``report_fresh`` (off: no member says it
+    # is a fresh life, so a restarted task that has not answered is never reset: the histories
+    # the regression seeds were found in, before the reset rule)
+    member_rules: MemberRules = MemberRules()
     storm_limit: int = 400  # messages per simulated second; healthy runs stay under ~50
     # the simulated sink: each batch commits after a delay (in order per reader), and fails
     # with this chance (the reader then re-reads from its committed position). It draws from
@@ -493,12 +491,7 @@ class Simulation:
             rebalance=params.rebalance_timeout_us,
             margin=params.lease_margin_us,
         )
-        self.member_rules = MemberRules(
-            lease=params.lease_rules,
-            epoch_rules=params.epoch_rules,
-            accept_landed_epochs=params.accept_landed_epochs,
-            report_fresh=params.report_fresh,
-        )
+        self.member_rules = params.member_rules
         self.stats: Counter[str] = Counter()
         self.restarts: list[tuple[int, str]] = []  # (step, task id) of crashed tasks to restart
         self.log_sizes: deque[int] = deque(maxlen=self.steps(1_000_000) + 1)
