@@ -67,6 +67,12 @@ The rules:
     children). (The source chains the mode's bounded query ends, at most 30 minutes each, into
     one stream, so a query ends only at the partition's end or at the connector's ``end_at``,
     which finishes the partition as in the other mode.)
+    When the sink's durable position is newer than the task's (a reader whose commits reached
+    the sink but whose task's state never reached the sync topic), the queries start at the
+    task's position until they pass the sink's (``rescan``): the records in between are
+    dropped as re-reads (rule 2), but a partition start among them is reported again, since the
+    registration it caused may never have reached the sync topic; a move-in among them before
+    the sink's position was passed by the reader that wrote past it, and is passed again.
 
 ``Done`` is the last command; the shell reports its event once the reader is no longer alive.
 """
@@ -240,6 +246,7 @@ class ReaderRules(msgspec.Struct, frozen=True):
 
     drop_rereads: bool = True  # rule 2
     resume_at_committed: bool = True  # rule 7: restart from the committed position
+    rescan_behind_sink: bool = True  # rule 13: read again from the task's position
 
 
 class ReaderConfig(msgspec.Struct, frozen=True):
@@ -287,6 +294,9 @@ class ReaderCore:
         self.config = config
         self.hold = hold  # rule 13: the released hold whose move-in events this reader passes
         self.holding: MoveInHold | None = None  # rule 13: the move-in this reader stopped at
+        # rule 13: (from, to) while the records between the task's position and the sink's
+        # newer one are read again for their partition starts
+        self.rescan: tuple[int, int] | None = None
         self.token = config.token
         self.given = start
         self.committed = start.tail()  # the committed position (the tail at the watermark)
@@ -397,6 +407,12 @@ class ReaderCore:
         if self.phase is not _Phase.INIT:
             return
         start = resume_position(self.given, event.sink)
+        if (
+            self.config.mutable
+            and start.ts > self.given.ts
+            and self.config.rules.rescan_behind_sink
+        ):
+            self.rescan = (self.given.ts, start.ts)
         self.committed = start.tail()
         self.handed = start.tail()
         self.position = start.ts
@@ -442,10 +458,17 @@ class ReaderCore:
                     position = max(position, record.end_ts)
                 case PartitionEvent():
                     position = max(position, record.commit_ts)
-                    if record.move_in_from and not mutable.passes(self.hold, record):
+                    rescanned = self.rescan is not None and record.commit_ts < self.rescan[1]
+                    if (
+                        record.move_in_from
+                        and not mutable.passes(self.hold, record)
+                        and not rescanned  # passed by the reader whose records the sink has
+                    ):
                         self.holding = mutable.held_at(self.hold, record)
                         break  # rule 13: nothing after the event until the task releases it
         self.position = position
+        if self.rescan is not None and position >= self.rescan[1]:
+            self.rescan = None
         if not fresh and position <= self.handed.ts:
             self._stop_at_hold(out)
             return
@@ -590,6 +613,8 @@ class ReaderCore:
         # the handed position only with the rule broken on purpose (a teeth test)
         rules = self.config.rules
         start = self.committed.ts if rules.resume_at_committed else self.handed.ts
+        if self.rescan is not None:
+            start = min(start, self.rescan[0])
         self.position = start
         self.child_start = start
         out.append(StartQuery(self.query, start))

@@ -321,6 +321,36 @@ def test_a_reader_reports_a_partition_start_and_a_move_out_is_progress() -> None
     ]
 
 
+def test_behind_the_sink_a_reader_reads_again_for_the_partition_starts_it_skipped() -> None:
+    """Rule 13's rescan: the sink holds records to T + 30 (an earlier reader's commits) while
+    the task's position is T0: the query starts at T0; the partition start between is reported
+    again (its registration may never have reached the sync topic), the records the sink has are
+    dropped, a move-in before the sink's position is passed; from T + 30 on reading is as ever."""
+    sink = Position(T + 30, (("t3", "1"),))
+    r = ReaderCore(ReaderConfig("d", batch_records=10, mutable=True), Position(T0))
+    assert r.handle(Start(sink), now=0) == [StartQuery(1, T0)]
+    assert r.rescan == (T0, T + 30)
+    old, durable, new = _write(T0 + 5, "t1"), _write(T + 30, "t3"), _write(T + 40, "t4")
+    start = PartitionStart(T0 + 10, "2", ("n1",))
+    out = r.handle(Chunk(1, (old, start, MOVE_IN, durable, new)), now=1)
+    assert out == [Report(PartitionsAnnounced("d", T0 + 10, ("n1",))), PutBatch(1, (new,), T + 40)]
+    assert r.dropped == 2
+    assert r.rescan is None
+    # a move-in from the sink's position on is not passed without the task's hold
+    r2 = ReaderCore(ReaderConfig("d", batch_records=10, mutable=True), Position(T0))
+    r2.handle(Start(Position(T)), now=0)
+    out = r2.handle(Chunk(1, (MOVE_IN, new)), now=1)
+    assert PutBatch(1, (new,), T + 40) not in out
+    assert r2.holding == MoveInHold(T, ("s",), ("3",))
+
+
+def test_an_immutable_reader_starts_at_the_sink_position() -> None:
+    """The control: in the other mode the sink's newer position is where the query starts."""
+    r = ReaderCore(ReaderConfig("d", batch_records=10), Position(T0))
+    assert r.handle(Start(Position(T + 30)), now=0) == [StartQuery(1, T + 30)]
+    assert r.rescan is None
+
+
 def test_a_query_ending_without_a_partition_end_finishes_the_partition_at_the_end_at() -> None:
     # the source ends a query only at the partition's end or at the connector's end_at
     r = _reader()

@@ -7,8 +7,10 @@ partitions registered at once instead of claimed (``claim_announced=False``) it 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from protocol.reader import ReaderRules
 from protocol.task import Rules
 from runtime.sim.faultsim import SimParams, run
 
@@ -44,3 +46,19 @@ def test_a_partition_announced_twice_is_read_once_and_without_claims_twice(seed:
     broken = run(SimParams(seed=seed, partition_mode="mutable", rules=Rules(claim_announced=False)))
     assert not broken.passed
     assert "both read" in broken.violation, broken.violation
+
+
+def test_a_reader_behind_the_sink_reads_again_for_a_partition_start() -> None:
+    """Seed 609 (with the default snapshot): a task whose sync messages were fenced (written in
+    an epoch already superseded) read two partitions past a partition start whose claim never
+    landed, and the sink kept their records. Their next reader resumes at the sink's position;
+    without the rescan (reader rule 13) it skips the partition start, the announced partition
+    is never registered, and a destination waiting for it at a move-in is never read."""
+    params = SimParams(seed=609, partition_mode="mutable", snapshot_partitions=8)
+    result = run(params)
+    assert result.passed, result.violation
+    broken = run(
+        msgspec.structs.replace(params, reader_rules=ReaderRules(rescan_behind_sink=False))
+    )
+    assert not broken.passed
+    assert "is not being read" in broken.violation, broken.violation
