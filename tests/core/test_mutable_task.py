@@ -329,7 +329,7 @@ def test_behind_the_sink_a_reader_reads_again_for_the_partition_starts_it_skippe
     sink = Position(T + 30, (("t3", "1"),))
     r = ReaderCore(ReaderConfig("d", batch_records=10, mutable=True), Position(T0))
     assert r.handle(Start(sink), now=0) == [StartQuery(1, T0)]
-    assert r.rescan == (T0, T + 30)
+    assert [r.rescan] == [(T0, T + 30)]
     old, durable, new = _write(T0 + 5, "t1"), _write(T + 30, "t3"), _write(T + 40, "t4")
     start = PartitionStart(T0 + 10, "2", ("n1",))
     out = r.handle(Chunk(1, (old, start, MOVE_IN, durable, new)), now=1)
