@@ -7,7 +7,7 @@ writes the typed per-table changelog (``runtime.typed``, docs/reading-output.md)
 rows in its own directory ``<table>/batch=<id>/``, in the table's column types; ``generic`` writes
 one file per micro-batch ``batch=<id>/`` with one row per mod in the output-record shape of
 ``runtime.kafka.sink.output_records`` (keys and values as JSON text). A micro-batch is committed atomically with the sink's own
-durable position (docs/design.md#exactly-once-output, ``runtime.commit``): its parquet files are
+durable position (docs/design.md#exactly-once-output, ``runtime.files.commit``): its parquet files are
 staged under ``_staging/<batch>/`` (readers skip ``_`` names), the lease (``permit``) is checked,
 a manifest with every partition's new position is written (the commit point), then each staged
 directory (``<table>/batch=<id>`` per table, or the generic ``batch=<id>``) is renamed into place
@@ -39,11 +39,6 @@ none): per partition it remembers the newest commit timestamp it wrote and the r
 (seeded from the progress file when a partition's position is asked for), and drops (and
 counts, ``duplicates_dropped``) a record it already wrote.
 
-``CountingSink`` wraps the shared sink for one task and counts records handed over and
-committed, so the progress display and the metrics can show them per task.
-
-``spark_config`` turns the options into the Spark bridge's ``SparkConfig`` (with its retry and
-dead-letter queues when ``spark.dead_letter`` is on); the run and the ``dlq`` command share it.
 """
 
 from __future__ import annotations
@@ -56,21 +51,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import msgspec
 
 from protocol.commit import batch_identity
 from protocol.dedup import Position, Tails
 from protocol.records import DataChange
-from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
+from runtime.files.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
 from runtime.output_record import output_records
-from runtime.ports import Sink, SinkBatch, SinkWrapper
-
-if TYPE_CHECKING:
-    from actors.cli.config import ShoalConfig
-    from runtime.kafka import KafkaConfig
-    from runtime.spark import SparkConfig
+from runtime.ports import Sink, SinkBatch
 
 log = logging.getLogger("shoal.sink")
 
@@ -546,16 +536,16 @@ class FileSink(Sink):
         moves: list[tuple[str, str]] = []
         writes: list[TableWrite] = []
         if rows and self.table_format == "delta":
+            from runtime.files.typed import write_delta_files
             from runtime.typed import typed_tables
-            from runtime.typed_files import write_delta_files
 
             writes = list(write_delta_files(self.store, batch, typed_tables(fresh)))
         elif rows:
             staged = self.committer.prepare_staging(batch)
             try:
                 if self.layout == "typed":
+                    from runtime.files.typed import stage_tables, write_tables
                     from runtime.typed import typed_tables
-                    from runtime.typed_files import stage_tables, write_tables
 
                     tables = typed_tables(fresh)
                     if self.store.is_local:  # fewer, bigger writes (docs/benchmarks.md)
@@ -616,11 +606,11 @@ def read_rows(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Every row the file sink (or a Spark parquet writer) committed in ``directory``: files
     under a name starting with ``.`` or ``_`` (staged, Spark's ``_temporary``, the sink's own
     records) are not output. Rows of the typed layout carry their metadata columns and the
-    generic layout's row key names (``runtime.typed_files.generic_rows``: ``table``,
+    generic layout's row key names (``runtime.files.typed.generic_rows``: ``table``,
     ``record_id``, ``commit_ts``, ...), not their table's columns."""
     import pyarrow.parquet as pq
 
-    from runtime.typed_files import generic_rows, table_dirs
+    from runtime.files.typed import generic_rows, table_dirs
 
     root = Path(directory)
     typed = {p.name for p in table_dirs(root)}
@@ -631,100 +621,3 @@ def read_rows(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         yield from pq.read_table(path).to_pylist()
     if typed:
         yield from generic_rows(root)
-
-
-class TaskSinkStats(msgspec.Struct, frozen=True):
-    records_read: int  # data change records handed to the sink
-    records_delivered: int  # ... whose batch committed
-    batches_failed: int
-    inflight_batches: int
-
-
-class CountingSink(SinkWrapper):
-    """The shared sink as one task sees it, with counts."""
-
-    def __init__(self, inner: Sink) -> None:
-        super().__init__(inner)
-        self.records_read = 0
-        self.records_delivered = 0
-        self.batches_failed = 0
-        self.inflight = 0
-        self.delivered_by_token: dict[str, int] = {}
-
-    def statistics(self) -> TaskSinkStats:
-        return TaskSinkStats(
-            self.records_read, self.records_delivered, self.batches_failed, self.inflight
-        )
-
-    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
-        future = await self.inner.put(batch)
-        n = len(batch.records)
-        self.records_read += n
-        self.inflight += 1
-
-        def done(f: asyncio.Future[None]) -> None:
-            self.inflight -= 1
-            if f.cancelled() or f.exception() is not None:
-                self.batches_failed += 1
-            else:
-                self.records_delivered += n
-
-        future.add_done_callback(done)
-        return future
-
-
-def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
-    """The Spark bridge's settings for ``config``: output under ``<output_dir>/data``; with
-    ``spark.dead_letter`` the RQ/DLQ topics ``<dead_letter_topic>_rq``/``_dlq`` on ``kafka``.
-    Importing the bridge may fail (no pyspark): the caller reports it."""
-    from protocol.retry import RetryPolicy
-    from runtime.spark import SparkConfig
-    from runtime.spark.dead_letter import DeadLetterConfig
-
-    sc = config.spark
-    kwargs: dict[str, Any] = {
-        "master": sc.master,
-        "remote": sc.remote,
-        "app_name": sc.app_name,
-        "connector": config.run.connector,
-        "conf": dict(sc.conf),
-        "output_dir": _absolute(config.run.output_dir, "data"),
-        "checkpoint_dir": sc.checkpoint_dir and _absolute(sc.checkpoint_dir),
-        # the streaming path's spool: under the output, or beside the checkpoint when the
-        # output is an object store (the spool is read as files)
-        "spool_dir": f"{_absolute(sc.checkpoint_dir)}-spool"
-        if sc.path == "streaming" and sc.checkpoint_dir and ":/" in config.run.output_dir
-        else None,
-        "path": sc.path,
-        # the RQ/DLQ writes through Spark itself: the generic layout
-        "output_layout": "generic" if sc.dead_letter else config.run.output_layout,
-        "table_format": config.run.table_format,
-        "restarts": sc.restarts,
-        "job_timeout_s": sc.job_timeout_s or None,
-        "start_timeout_s": sc.start_timeout_s,
-    }
-    optional = {
-        "max_rows": sc.max_rows,
-        "max_age_s": sc.max_age_s,
-        "max_inflight_batches": sc.max_inflight_batches,
-    }
-    kwargs.update({name: value for name, value in optional.items() if value is not None})
-    if sc.dead_letter:
-        if kafka is None:
-            raise ValueError("spark.dead_letter needs a Kafka for its topics")
-        kwargs["dead_letter"] = DeadLetterConfig(
-            kafka=kafka,
-            name=sc.dead_letter_topic or f"{config.run.connector}_spark",
-            policy=RetryPolicy(max_attempts=sc.dead_letter_max_attempts),
-            takeover_grace_s=config.run.rq_takeover_grace_s,
-        )
-    return SparkConfig(**kwargs)
-
-
-def _absolute(path: str, child: str = "") -> str:
-    """``path`` (joined with ``child``) made absolute, so that Spark resolves it the same
-    wherever it runs (over Spark Connect a relative path would be relative to the server's
-    working directory); a URL (``s3a://``, ``hdfs://``, ``file:/``) is kept as a URL."""
-    if ":/" in path:
-        return f"{path.rstrip('/')}/{child}" if child else path
-    return str(Path(path, child).resolve())

@@ -45,7 +45,7 @@ behind a micro-batch that fails commits nothing (its files are deleted) and fail
 * The default output: parquet under ``output_dir``, partitioned by ``table`` and by ``batch``,
   one row per mod; ``read_output`` reads it back. On the embedded path (without
   ``dead_letter``) each micro-batch is committed atomically with the sink's own durable position
-  (docs/design.md#exactly-once-output, ``runtime.commit``): Spark writes it, with its own
+  (docs/design.md#exactly-once-output, ``runtime.files.commit``): Spark writes it, with its own
   ``_temporary`` commit, partitioned by table, under ``<output_dir>/_staging/<batch>/`` where no
   reader looks; the lease (``permit``) is checked; a manifest is written (the commit point); each
   staged ``table=<t>`` directory is renamed to ``table=<t>/batch=<id>`` and each partition's
@@ -99,7 +99,7 @@ import msgspec
 from protocol.commit import batch_identity, records_identity
 from protocol.dedup import Position
 from protocol.records import DataChange
-from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
+from runtime.files.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
 from runtime.kafka.retry_queue import PendingSend, RetryQueue, RetryQueueError
 from runtime.ports import Sink, SinkBatch
 from runtime.spark.config import BridgeError, BridgeStats, ForeachBatch, SparkConfig
@@ -1375,7 +1375,7 @@ class SparkBridge(Sink):
     async def _commit_streamed(self, spooled: _Spooled) -> None:
         """The streaming path's typed layout: Spark's checkpoint holds ``spooled``'s
         micro-batch (its files and receipt written): commit it as the embedded path commits
-        (``runtime.commit``: the moves or Delta commits, the partitions' positions, fences and
+        (``runtime.files.commit``: the moves or Delta commits, the partitions' positions, fences and
         the lease), once; a cut after a failed one fails (it was de-duplicated assuming the
         failed one commits)."""
         cut = spooled.cut

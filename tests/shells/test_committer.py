@@ -1,4 +1,4 @@
-"""Atomic micro-batch commits of the parquet file sink (runtime/commit.py,
+"""Atomic micro-batch commits of the parquet file sink (runtime/files/commit.py,
 docs/design.md#exactly-once-output): a process killed at any step of a commit leaves either
 nothing visible or a manifest the next sink over the same directory applies; readers never see
 staged files; ``committed(token)`` answers the batch's position; a lapsed lease commits nothing.
@@ -17,11 +17,11 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
-from actors.cli.sinks import FileSink, SinkError, read_rows
 from protocol.commit import STAGING_DIR, Rename, WriteProgress
 from protocol.dedup import Position
 from protocol.records import DataChange, Mod
-from runtime.commit import CommitIncomplete, Committer
+from runtime.files.commit import CommitIncomplete, Committer
+from runtime.files.sink import FileSink, SinkError, read_rows
 from runtime.ports import SinkBatch
 
 
@@ -231,7 +231,7 @@ def test_connectors_sharing_an_output_never_see_each_others_state(tmp_path: Path
 
 @pytest.mark.parametrize("content", [b"", b'{"ts": 20, "i'])
 def test_an_unreadable_progress_file_stops_loudly_naming_it(tmp_path: Path, content: bytes) -> None:
-    from runtime.commit import CorruptState
+    from runtime.files.commit import CorruptState
     from runtime.ports import Unrecoverable
 
     committer = Committer(tmp_path, connector="ca", fsync=False)
@@ -245,7 +245,7 @@ def test_an_unreadable_progress_file_stops_loudly_naming_it(tmp_path: Path, cont
 
 
 def test_an_unreadable_manifest_stops_recovery_naming_it(tmp_path: Path) -> None:
-    from runtime.commit import CorruptState
+    from runtime.files.commit import CorruptState
 
     commits = tmp_path / "_shoal" / "ca" / "commits"
     commits.mkdir(parents=True)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.cli.sinks import FileSink, read_rows
 from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.events import ReaderCommitted, ReaderStopped, StopReason, TaskEvent
 from protocol.records import ChangeRecord, ColumnType, DataChange, Heartbeat, Mod
+from runtime.files.sink import FileSink, read_rows
 from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 
 T0 = 1_700_000_000_000_000
