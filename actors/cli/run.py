@@ -768,6 +768,7 @@ class Pipeline:
                     table_format=cfg.run.table_format,
                     mark=lambda: max(self._completeness_written, -1),
                     mirror=cfg.run.mirror,
+                    validate=cfg.run.debug_validate,
                 )
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":

@@ -92,6 +92,7 @@ def spark_config(config: ShoalConfig, kafka: KafkaConfig | None) -> SparkConfig:
         "restarts": sc.restarts,
         "job_timeout_s": sc.job_timeout_s or None,
         "start_timeout_s": sc.start_timeout_s,
+        "debug_validate": config.run.debug_validate,
     }
     optional = {
         "max_rows": sc.max_rows,

@@ -30,14 +30,17 @@ the batches of the partitions whose own records do not convert (and what is buff
 behind it); the others' are committed as a micro-batch of their own, so one bad record stops its
 partition only and the quarantine rule can park it (docs/design.md#poison-partitions).
 A micro-batch that fails otherwise (refused, or its write failed) fails what is buffered behind it too,
-and a later batch of one of its partitions is refused until that partition's reader re-reads
-from before the failed records (as the Spark bridge does): committing it would move the
-partition's recorded position past records that were never written.
+and a later batch of one of its partitions (a heartbeat past the failed records included) is
+refused until that partition's reader re-reads from before the failed records: committing it
+would move the partition's recorded position past records that were never written.
 
 The sink also drops re-reads itself, as a defence (a reader resuming at an exact position sends
 none): per partition it remembers the newest commit timestamp it wrote and the records at it
 (seeded from the progress file when a partition's position is asked for), and drops (and
 counts, ``duplicates_dropped``) a record it already wrote.
+
+These rules (the dedup tails, the gaps, the failure cascade, the fence keys) are the output
+ledger's (``protocol.ledger``), shared with the Spark bridge; this module is its shell.
 
 """
 
@@ -56,7 +59,8 @@ from typing import Any, Literal, Self
 import msgspec
 
 from protocol.commit import batch_identity
-from protocol.dedup import Position, Tails
+from protocol.dedup import Position
+from protocol.ledger import Admit, OutputLedger
 from protocol.records import DataChange
 from runtime.files.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
 from runtime.output_record import output_records
@@ -110,6 +114,7 @@ class FileSink(Sink):
         table_format: Literal["parquet", "delta"] = "parquet",
         mark: Callable[[], int] | None = None,
         mirror: bool = False,
+        validate: bool = False,
     ) -> None:
         """``directory``: a local directory or an object store's URI (``s3://``, ``gs://``,
         ``file://``; ``runtime.lake.store``). ``table_format`` ``delta``: each table of the
@@ -120,7 +125,8 @@ class FileSink(Sink):
         ``mirror``: also merge every micro-batch into the current-state tables under
         ``<directory>/_mirror`` (``runtime.lake.mirror``), before its commit point: a batch
         whose commit then fails is read again and merged again, which changes nothing (the
-        merge is idempotent per change), so the mirror holds every committed change."""
+        merge is idempotent per change), so the mirror holds every committed change.
+        ``validate``: check the ledger's invariants after every event (``--debug-validate``)."""
         if max_buffered_rows is None:
             max_buffered_rows = 2 * max_rows
         if max_rows < 1 or max_age_s <= 0 or max_buffered_rows < max_rows:
@@ -137,11 +143,11 @@ class FileSink(Sink):
         self._waiting: list[tuple[asyncio.Future[None], int]] = []
         self._entries: list[tuple[str, tuple[DataChange, ...], int]] = []
         self._fresh_entries: list[tuple[str, list[DataChange]]] = []  # what the files hold
-        self._keys: list[int] = []  # the fence keys of the buffered batches
-        # id(batch) -> (fence key, batch) while the sink holds it (the reference keeps id unique)
-        self._held: dict[int, tuple[int, SinkBatch]] = {}
-        self._next_key = 0
-        self._gaps: dict[str, int] = {}  # token -> first commit timestamp of a failed batch
+        self._keys: list[int] = []  # the ledger's keys of the buffered batches
+        # what was written per partition, the gaps failed batches left, the held batches and
+        # their fence keys, the failure cascade (protocol/ledger.py)
+        self.ledger = OutputLedger()
+        self._validate = validate
         self.committer = Committer(directory, connector=connector, permit=permit, fsync=fsync)
         self.store = self.committer.store
         self.directory = directory
@@ -157,7 +163,6 @@ class FileSink(Sink):
         self._batches = 0
         self._failures = 0
         self._dropped = 0
-        self._tails = Tails()  # what was written, per partition (protocol/dedup.py)
         self._mirror: Any = None  # runtime.lake.mirror.MirrorWriter
         if mirror:
             if layout != "typed":
@@ -228,32 +233,31 @@ class FileSink(Sink):
         the partition asks this first: a gap an earlier reader's failed batch left here is
         closed (the new one resumes from what is committed; another process may have written
         those records meanwhile)."""
-        self._gaps.pop(token, None)
+        self.ledger.reader_starts(token)
         position = await asyncio.to_thread(self.committer.committed, token)
-        if position is not None:
-            self._tails.resume(token, position)
+        self.ledger.seed(token, position)
+        self._check()
         return position
 
     async def fence(self, batches: Sequence[SinkBatch]) -> list[bool]:
         """For each batch, whether it passed the commit point; those that did not never will
         (a batch no longer held is answered False: its future tells)."""
-        held = [self._held.get(id(b)) for b in batches]
-        keys = [h[0] for h in held if h is not None]
-        outcome = await asyncio.to_thread(self.committer.fence, keys)
-        return [h is not None and h[0] in outcome.committed for h in held]
+        keys = [self.ledger.key_of(id(b)) for b in batches]
+        outcome = await asyncio.to_thread(self.committer.fence, [k for k in keys if k is not None])
+        return [k is not None and k in outcome.committed for k in keys]
+
+    def _check(self) -> None:
+        if self._validate:
+            self.ledger.validate()
 
     def _fresh(self, batch: SinkBatch) -> list[DataChange]:
-        tail = self._tails.get(batch.token)
-        if tail is None:
-            return list(batch.records)
-        out = [r for r in batch.records if not tail.seen(r.commit_ts, r.identity)]
+        out = self.ledger.unseen(batch.token, batch.records)
         self._dropped += len(batch.records) - len(out)
         return out
 
-    def _written(self, fresh: list[tuple[str, list[DataChange]]]) -> None:
-        for token, records in fresh:
-            for change in records:
-                self._tails.accept(token, change.identity)
+    def _written(self, keys: list[int], fresh: list[tuple[str, list[DataChange]]]) -> None:
+        self.ledger.committed(keys, fresh)
+        self._check()
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         if self._closed or self._error is not None:
@@ -265,33 +269,20 @@ class FileSink(Sink):
                 lambda: self._buffered == 0 or self._buffered + rows <= self._max_buffered
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._refuses(batch):
+        admitted = self.ledger.admit(id(batch), batch.token, batch.records, batch.watermark)
+        self._check()
+        if not isinstance(admitted, Admit):  # it continues past a failed batch (the ledger's gap)
             future.set_exception(
                 SinkError(f"an earlier batch of {batch.token} failed; re-read from before it")
             )
             future.exception()  # its reader re-reads; nobody else needs to retrieve it
             return future
-        cols = self._columns
-        for change in records if self.layout == "generic" else ():
-            for out in output_records(change):
-                cols["record_id"].append(out.record_id)
-                cols["partition_token"].append(batch.token)
-                cols["table"].append(out.table)
-                cols["keys"].append(out.keys)
-                cols["mod_type"].append(out.mod_type)
-                cols["commit_ts"].append(out.commit_ts)
-                cols["server_transaction_id"].append(out.server_transaction_id)
-                cols["record_sequence"].append(out.record_sequence)
-                cols["mod_index"].append(out.mod_index)
-                cols["new_values"].append(out.new_values)
-                cols["old_values"].append(out.old_values)
+        self._append_columns(batch.token, records)
         self._buffered += rows
         self._waiting.append((future, rows))
-        key = self._next_key
-        self._next_key += 1
+        key = admitted.key
         self._keys.append(key)
-        self._held[id(batch)] = (key, batch)
-        future.add_done_callback(lambda _: self._release(id(batch), key))
+        future.add_done_callback(lambda _: self._release(key))
         self._entries.append((batch.token, batch.records, batch.watermark))
         self._fresh_entries.append((batch.token, records))
         if self._first_at is None:
@@ -301,32 +292,60 @@ class FileSink(Sink):
             self._kick.set()
         return future
 
-    def _refuses(self, batch: SinkBatch) -> bool:
-        """Whether ``batch`` continues a partition past a failed batch (see the module
-        docstring); a batch starting at or before the gap is the re-read and closes it."""
-        gap = self._gaps.get(batch.token)
-        if gap is None:
-            return False
-        if batch.records and batch.records[0].commit_ts <= gap:
-            del self._gaps[batch.token]
-            return False
-        return batch.watermark > gap
+    def _append_columns(self, token: str, records: Sequence[DataChange]) -> None:
+        """The generic layout's rows of ``records`` into the buffered columns."""
+        cols = self._columns
+        for change in records if self.layout == "generic" else ():
+            for out in output_records(change):
+                cols["record_id"].append(out.record_id)
+                cols["partition_token"].append(token)
+                cols["table"].append(out.table)
+                cols["keys"].append(out.keys)
+                cols["mod_type"].append(out.mod_type)
+                cols["commit_ts"].append(out.commit_ts)
+                cols["server_transaction_id"].append(out.server_transaction_id)
+                cols["record_sequence"].append(out.record_sequence)
+                cols["mod_index"].append(out.mod_index)
+                cols["new_values"].append(out.new_values)
+                cols["old_values"].append(out.old_values)
 
-    def _open_gaps(self, entries: list[tuple[str, tuple[DataChange, ...], int]]) -> None:
-        for token, records, _ in entries:
-            if records:
-                first = min(r.commit_ts for r in records)
-                self._gaps[token] = min(self._gaps.get(token, first), first)
-
-    def _fail_buffered(self, error: BaseException) -> int:
-        """After a failed micro-batch: fail every batch buffered behind it (some may continue
-        its partitions) and open their gaps too; the rows dropped."""
-        self._open_gaps(self._entries)
-        waiting = self._take_buffer()[1]
-        rows = sum(n for _, n in waiting)
+    def _fail(
+        self,
+        keys: list[int],
+        waiting: list[tuple[asyncio.Future[None], int]],
+        error: BaseException,
+        behind: BaseException,
+        *,
+        only_their_partitions: bool = False,
+    ) -> int:
+        """The batches ``keys`` (their futures: ``waiting``) of a micro-batch failed: fail them
+        with ``error``, and with ``behind`` every batch buffered behind them that the ledger's
+        cascade fails too (protocol/ledger.py, rule 3: all of them, or with
+        ``only_their_partitions`` those of the same partitions; their gaps open there). The
+        rows dropped from the buffer."""
+        doomed = set(self.ledger.fail(keys, only_their_partitions=only_their_partitions))
+        self._check()
         for future, _ in waiting:
             if not future.done():
                 future.set_exception(error)
+        # a buffered batch no longer held was given up (its future cancelled): it goes too,
+        # committing it could move its partition past the failed records
+        idx = [i for i, key in enumerate(self._keys) if key in doomed or not self.ledger.holds(key)]
+        rows = 0
+        for i in reversed(idx):
+            future, n = self._waiting.pop(i)
+            rows += n
+            del self._entries[i]
+            del self._fresh_entries[i]
+            del self._keys[i]
+            if not future.done():
+                future.set_exception(behind)
+        if idx:  # the generic layout's columns hold what is left, and only that
+            self._columns = {c: [] for c in COLUMNS}
+            for token, records in self._fresh_entries:
+                self._append_columns(token, records)
+        if not self._entries:
+            self._first_at = None
         return rows
 
     def _take_buffer(
@@ -349,11 +368,10 @@ class FileSink(Sink):
         self._first_at = None
         return taken
 
-    def _release(self, batch_id: int, key: int) -> None:
+    def _release(self, key: int) -> None:
         """A batch's future resolved: the sink no longer holds it."""
-        held = self._held.get(batch_id)
-        if held is not None and held[0] == key:
-            del self._held[batch_id]
+        self.ledger.release(key)
+        self._check()
         self.committer.forget((key,))
 
     async def _write_loop(self) -> None:
@@ -382,11 +400,12 @@ class FileSink(Sink):
         except CommitRefused as exc:
             self._failures += 1
             log.warning("%s; its batches will be re-read by the partitions' owners", exc)
-            for future, _ in waiting:
-                if not future.done():
-                    future.set_exception(SinkError(str(exc)))
-            self._open_gaps(entries)
-            dropped = self._fail_buffered(SinkError(f"an earlier micro-batch failed: {exc}"))
+            dropped = self._fail(
+                keys,
+                waiting,
+                SinkError(str(exc)),
+                SinkError(f"an earlier micro-batch failed: {exc}"),
+            )
         except CommitIncomplete as exc:
             # committed, not visible yet: stop here; the next open applies the manifest
             self._failures += 1
@@ -405,17 +424,16 @@ class FileSink(Sink):
                 return
             self._failures += 1
             log.exception("%r: committing %d rows failed", self, rows)
-            for future, _ in waiting:
-                if not future.done():
-                    future.set_exception(
-                        SinkError(f"writing parquet failed: {type(exc).__name__}: {exc}")
-                    )
-            self._open_gaps(entries)
-            dropped = self._fail_buffered(SinkError(f"an earlier micro-batch failed: {exc}"))
+            dropped = self._fail(
+                keys,
+                waiting,
+                SinkError(f"writing parquet failed: {type(exc).__name__}: {exc}"),
+                SinkError(f"an earlier micro-batch failed: {exc}"),
+            )
         else:
+            self._written(keys, fresh)
             if rows:
                 self._files += 1
-                self._written(fresh)
             self._rows += rows
             self._batches += len(waiting)
             for future, _ in waiting:
@@ -466,11 +484,14 @@ class FileSink(Sink):
         )
         error = SinkError(f"typed conversion failed: {exc}")
         keep = [i for i, (token, _, _) in enumerate(entries) if token not in bad]
-        for i, (token, _, _) in enumerate(entries):
-            if token in bad and not waiting[i][0].done():
-                waiting[i][0].set_exception(error)
-        self._open_gaps([e for e in entries if e[0] in bad])
-        dropped = self._fail_buffered_of(bad, error)
+        out = [i for i, (token, _, _) in enumerate(entries) if token in bad]
+        dropped = self._fail(
+            [keys[i] for i in out],
+            [waiting[i] for i in out],
+            error,
+            error,
+            only_their_partitions=True,
+        )
         good_rows = sum(waiting[i][1] for i in keep)
         good_fresh = [fresh[i] for i in keep]
         try:
@@ -484,42 +505,21 @@ class FileSink(Sink):
             )
         except Exception as again:
             log.exception("%r: committing the other partitions' %d rows failed", self, good_rows)
-            for i in keep:
-                if not waiting[i][0].done():
-                    waiting[i][0].set_exception(SinkError(f"writing parquet failed: {again!r}"))
-            self._open_gaps([entries[i] for i in keep])
-            return dropped + self._fail_buffered(
-                SinkError(f"an earlier micro-batch failed: {again}")
+            return dropped + self._fail(
+                [keys[i] for i in keep],
+                [waiting[i] for i in keep],
+                SinkError(f"writing parquet failed: {again!r}"),
+                SinkError(f"an earlier micro-batch failed: {again}"),
             )
+        self._written([keys[i] for i in keep], good_fresh)
         if good_rows:
             self._files += 1
-            self._written(good_fresh)
         self._rows += good_rows
         self._batches += len(keep)
         for i in keep:
             if not waiting[i][0].done():
                 waiting[i][0].set_result(None)
         return dropped
-
-    def _fail_buffered_of(self, tokens: set[str], error: BaseException) -> int:
-        """Fail the batches of ``tokens`` buffered behind a failed micro-batch (they continue
-        past the failed records); the rows dropped from the buffer."""
-        idx = [i for i, (token, _, _) in enumerate(self._entries) if token in tokens]
-        if not idx:
-            return 0
-        self._open_gaps([self._entries[i] for i in idx])
-        rows = 0
-        for i in reversed(idx):
-            future, n = self._waiting.pop(i)
-            rows += n
-            del self._entries[i]
-            del self._fresh_entries[i]
-            del self._keys[i]
-            if not future.done():
-                future.set_exception(error)
-        if not self._entries:
-            self._first_at = None
-        return rows
 
     def _commit_batch(
         self,
