@@ -200,7 +200,12 @@ async def test_retry_then_permanent_failure_fails_the_put(tmp_path: Path) -> Non
         raise RuntimeError("injected")
 
     config = SparkConfig(
-        output_dir=str(tmp_path), max_rows=1, max_age_s=0.05, max_attempts=3, retry_backoff_s=0.01
+        output_dir=str(tmp_path),
+        max_rows=1,
+        max_age_s=0.05,
+        max_attempts=3,
+        retry_backoff_s=0.01,
+        debug_validate=True,
     )
     async with SparkBridge(config, foreach_batch=broken, spark=_FakeSpark()) as bridge:
         future = await bridge.put(SinkBatch("p", (change(5),), 5))

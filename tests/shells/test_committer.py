@@ -107,7 +107,7 @@ async def test_killed_before_the_manifest_commits_nothing_and_leaves_nothing_vis
     assert any((tmp_path / STAGING_DIR).rglob("*.parquet"))  # staged, not committed
     assert rows(tmp_path) == []
     assert dataset_rows(tmp_path) == 0
-    async with FileSink(tmp_path, max_age_s=0.01) as sink:
+    async with FileSink(tmp_path, max_age_s=0.01, validate=True) as sink:
         assert await sink.durable_position("p") is None
         # the partitions' owners re-read the batch: it is written once
         for future in await put_both(sink):
@@ -160,7 +160,9 @@ async def test_committed_is_recovered_before_it_is_answered(tmp_path: Path) -> N
 @pytest.mark.asyncio
 async def test_a_lapsed_lease_commits_nothing(tmp_path: Path) -> None:
     lease = {"valid": True}
-    async with FileSink(tmp_path, max_age_s=0.01, permit=lambda: lease["valid"]) as sink:
+    async with FileSink(
+        tmp_path, max_age_s=0.01, permit=lambda: lease["valid"], validate=True
+    ) as sink:
         await (await sink.put(SinkBatch("p", P_RECORDS[:1], 10)))
         lease["valid"] = False
         future = await sink.put(SinkBatch("p", P_RECORDS[1:], 20))

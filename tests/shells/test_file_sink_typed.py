@@ -132,7 +132,7 @@ async def test_a_value_that_does_not_fit_fails_only_its_partitions_batches(
     good_c = (rec(12, "U", 3),)
     mod = Mod(keys='{"Id":"not a number"}', new_values="{}", old_values="{}")
     bad = DataChange(13, "0", "txn13", True, "T", (ID, WHEN), (mod,), "INSERT")
-    async with FileSink(tmp_path, max_age_s=0.2) as sink:
+    async with FileSink(tmp_path, max_age_s=0.2, validate=True) as sink:
         futures = [
             await sink.put(SinkBatch("a", good_a, 11)),
             await sink.put(SinkBatch("b", (bad,), 13)),
