@@ -4,8 +4,10 @@ A pure core shared by the file sink (``runtime.files.sink``) and the Spark bridg
 (``runtime.spark.bridge``): events in (a batch handed over, a micro-batch committed or failed,
 a reader starting, a position learned), decisions out (admit or refuse, which batches fail with
 a failed one, which records are re-reads, whether a micro-batch may still commit, when to run a
-failed job again). No I/O, no clock, no event loop: the shells carry the decisions out. Time does
-not enter: every rule here is about order, not age.
+failed job again). No I/O, no clock, no event loop: the shells carry the decisions out. No
+``now`` either: every rule here is about order, not age. Units: commit timestamps and watermarks
+are microseconds (``protocol.records.Micros``); the one duration, the retry backoff, is seconds,
+as the sink's settings give it.
 
 Rules, per partition token:
 
