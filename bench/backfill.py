@@ -199,7 +199,7 @@ def _run_bounded(
     procs = [start(i, 1) for i in range(len(commands))]
     restarted_at: float | None = None
     if kill_at is not None:
-        from runtime.typed_files import table_dirs
+        from runtime.files.typed import table_dirs
 
         while procs[0].poll() is None and time.monotonic() < began + timeout_s:
             if table_dirs(kill_at):

@@ -161,8 +161,8 @@ def inject(run: Run, kind: str, args: argparse.Namespace, spark_start_s: float) 
 def _output_ids(directory: Path) -> list[str]:
     """Every committed row's id (``commit/txn/seq/mod``), raw (duplicates kept), in either
     layout."""
+    from runtime.files.typed import generic_rows, is_typed_layout
     from runtime.spark import KEY_COLUMNS, read_output
-    from runtime.typed_files import generic_rows, is_typed_layout
 
     if is_typed_layout(directory):
         return [row["record_id"] for row in generic_rows(directory)]

@@ -41,7 +41,7 @@ def read_changes(data: Path) -> Iterator[Change]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from runtime.typed_files import read_table, table_dirs
+    from runtime.files.typed import read_table, table_dirs
 
     typed = table_dirs(data)
     for directory in typed:
@@ -83,7 +83,7 @@ def typed_tables(data: Path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from runtime.typed_files import table_dirs
+    from runtime.files.typed import table_dirs
 
     count = 0
     for directory in table_dirs(data):

@@ -48,11 +48,11 @@ from typing import Any
 
 from bench.e2e import _params, _stream_end
 from protocol.records import DataChange
+from runtime.files.typed import write_tables
 from runtime.sim.stream import StreamModel
 from runtime.spark.datasource import wire_chunks, write_staged_typed
 from runtime.spark.session import start_session, warm
 from runtime.typed import tables_from_wire, typed_tables, wire_table
-from runtime.typed_files import write_tables
 
 WAYS = ("spark", "floor", "pyarrow")
 

@@ -1,5 +1,5 @@
 """A connector's own records beside a file or Spark output, apart from its commits
-(``runtime.commit``): where it started (``protocol.commit.StartRecord``) and how far the output
+(``runtime.files.commit``): where it started (``protocol.commit.StartRecord``) and how far the output
 is complete (``protocol.completeness.Mark``), both under ``<output>/_shoal/<connector>/``.
 
 The start record lets every broker refuse a different explicit start alike: a persistent
@@ -8,7 +8,7 @@ output's progress files would then let the new start skip a window silently. It 
 restart that lost its sync topic the connector's first start, so the partitions are found again
 from there and each resumes from its progress file.
 
-A file that cannot be decoded raises ``runtime.commit.CorruptState`` naming it (the run stops,
+A file that cannot be decoded raises ``runtime.files.commit.CorruptState`` naming it (the run stops,
 exit 1); nothing here is retried silently.
 """
 
@@ -26,7 +26,7 @@ from protocol.commit import (
     start_path,
 )
 from protocol.completeness import Mark
-from runtime.commit import CorruptState
+from runtime.files.commit import CorruptState
 from runtime.lake.store import Store, open_store
 
 __all__ = ["OutputState"]

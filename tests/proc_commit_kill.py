@@ -17,10 +17,10 @@ import os
 import signal
 import sys
 
-from actors.cli.sinks import FileSink
 from actors.embed import GatedSource, drain_node
 from actors.node import TaskNode
 from protocol.dedup import Position
+from runtime.files.sink import FileSink
 from runtime.kafka import KafkaConfig, KafkaSyncLog
 from runtime.ports import Sink, SinkBatch
 from tests.fixtures.kafka_nodes import joiner, make_source, node_config

@@ -1,4 +1,4 @@
-"""One micro-batch committed through :class:`runtime.commit.Committer` over a store (a local
+"""One micro-batch committed through :class:`runtime.files.commit.Committer` over a store (a local
 directory or ``s3://``), in its own process, SIGKILLed at a chosen step of the commit.
 
 Usage: ``python -m tests.proc_lake_commit STORE LAYOUT BATCH [--kill-at STEP]``. ``LAYOUT``:
@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from protocol.commit import Manifest
 from protocol.records import DataChange
-from runtime.commit import Committer
+from runtime.files.commit import Committer
 from runtime.lake.delta import write_data_file
 from runtime.lake.store import open_store
 

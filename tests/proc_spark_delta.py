@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from protocol.records import ColumnType, DataChange, Mod
-from runtime.commit import Committer
+from runtime.files.commit import Committer
 from runtime.ports import SinkBatch
 from runtime.spark import SparkBridge, SparkConfig
 

@@ -302,7 +302,8 @@ class RunOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         bool,
         _d(
             "Check the invariants of every protocol core (the task's, its readers', its group "
-            "membership's, a Kafka sink's retry queue's) after every event (debugging; slower)."
+            "membership's, a Kafka sink's retry queue's, the file sink's or Spark bridge's "
+            "output ledger's) after every event (debugging; slower)."
         ),
     ] = False
 

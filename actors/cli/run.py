@@ -53,7 +53,7 @@ from actors.cli.config import (
     trail,
 )
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
-from actors.cli.sinks import CountingSink, FileSink
+from actors.cli.sinks import CountingSink
 from actors.cli.sinks import spark_config as build_spark_config
 from actors.embed import GatedSource, drain_node
 from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
@@ -67,6 +67,7 @@ from protocol.messages import SnapshotItem
 from protocol.records import ChangeRecord
 from protocol.retry import may_drive
 from protocol.stream_options import StreamOptions, start_refusal
+from runtime.files.sink import FileSink
 from runtime.filtered import FilterStats
 from runtime.logs import mask
 from runtime.looplag import LoopLag, watch_loop
@@ -767,6 +768,7 @@ class Pipeline:
                     table_format=cfg.run.table_format,
                     mark=lambda: max(self._completeness_written, -1),
                     mirror=cfg.run.mirror,
+                    validate=cfg.run.debug_validate,
                 )
                 inner = await stack.enter_async_context(self._file_sink)
             case "spark":
@@ -1114,7 +1116,7 @@ class Pipeline:
         Reads the whole output: for the simulated stream's self-check only."""
         if self._given_sink is not None or self.config.run.sink == "kafka":
             return set()
-        from runtime.typed_files import output_identities
+        from runtime.files.typed import output_identities
 
         try:
             return output_identities(self._sink_dir())

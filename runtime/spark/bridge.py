@@ -3,7 +3,7 @@
 Partition readers ``put`` their ``SinkBatch``es; the bridge buffers them (``Batcher``) and cuts
 a micro-batch at ``max_rows`` rows or ``max_age_s`` seconds (by age only while fewer than two
 are in flight, so a slow sink gets fewer, bigger micro-batches: ``Batcher.due``). A cutter task drops replayed
-records (``Tails``) and builds the Arrow table off the event loop; a committer task hands each
+records (the output ledger's pending tail, ``protocol.ledger``) and builds the Arrow table off the event loop; a committer task hands each
 micro-batch, in order, to Spark (``createDataFrame`` from Arrow, then the default parquet sink or
 the user's ``foreach_batch(df, batch_id)``), and resolves the futures of its ``SinkBatch``es
 only once Spark has committed it. Readers advance their committed watermark only over resolved
@@ -15,11 +15,13 @@ behind a micro-batch that fails commits nothing (its files are deleted) and fail
 * Backpressure: at most ``max_inflight_batches`` micro-batches are cut and not yet committed;
   while that many are in flight and the buffer is full, ``put`` waits.
 * Retry: a micro-batch Spark fails is re-run with the same batch id (``max_attempts``, with
-  backoff); the default sink overwrites its own partitions (dynamic partition overwrite keyed by
-  run and batch id), so a re-run never duplicates. After the last attempt its futures fail, and
-  so does everything cut or buffered after it (those were de-duplicated on the assumption that
-  the failed one commits); a later batch of an affected partition is refused until its reader
-  re-reads from its committed watermark.
+  backoff: ``protocol.ledger.retry_delay``); the default sink overwrites its own partitions
+  (dynamic partition overwrite keyed by run and batch id), so a re-run never duplicates. After
+  the last attempt its futures fail, and so does everything cut or buffered after it (those
+  were de-duplicated on the assumption that the failed one commits); a later batch of an
+  affected partition, a heartbeat past the failed records included, is refused until its
+  reader re-reads from its committed watermark. These rules (dedup tails, gaps, the cascade,
+  fence keys) are the output ledger's (``protocol.ledger``), the same as the file sink's.
 * A lost session (embedded path): after a failed Spark job the bridge asks its
   ``SessionSupervisor`` (``runtime.spark.supervisor``) whether the session died (the local JVM
   exited, a Spark Connect server restarted); if so a new one is started, warmed, and the job run
@@ -45,7 +47,7 @@ behind a micro-batch that fails commits nothing (its files are deleted) and fail
 * The default output: parquet under ``output_dir``, partitioned by ``table`` and by ``batch``,
   one row per mod; ``read_output`` reads it back. On the embedded path (without
   ``dead_letter``) each micro-batch is committed atomically with the sink's own durable position
-  (docs/design.md#exactly-once-output, ``runtime.commit``): Spark writes it, with its own
+  (docs/design.md#exactly-once-output, ``runtime.files.commit``): Spark writes it, with its own
   ``_temporary`` commit, partitioned by table, under ``<output_dir>/_staging/<batch>/`` where no
   reader looks; the lease (``permit``) is checked; a manifest is written (the commit point); each
   staged ``table=<t>`` directory is renamed to ``table=<t>/batch=<id>`` and each partition's
@@ -98,8 +100,9 @@ import msgspec
 
 from protocol.commit import batch_identity, records_identity
 from protocol.dedup import Position
+from protocol.ledger import Admit, OutputLedger, retry_delay
 from protocol.records import DataChange
-from runtime.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
+from runtime.files.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
 from runtime.kafka.retry_queue import PendingSend, RetryQueue, RetryQueueError
 from runtime.ports import Sink, SinkBatch
 from runtime.spark.config import BridgeError, BridgeStats, ForeachBatch, SparkConfig
@@ -115,7 +118,7 @@ from runtime.spark.keyed import (
     spark_records,
 )
 from runtime.spark.output import write_default, write_staged
-from runtime.spark.rows import Batcher, Cut, Tails, to_arrow, warm_records, warm_table
+from runtime.spark.rows import Batcher, Cut, to_arrow, warm_records, warm_table
 from runtime.spark.session import SparkStartError, abandon_start, start_session, warm
 from runtime.spark.supervisor import SessionSupervisor, SparkJobTimeout, SparkLost, cancel_jobs
 from runtime.spark.typed_output import TypedBatch, typed_tails
@@ -204,14 +207,11 @@ class SparkBridge(Sink):
         self.run_id = f"{time.time_ns():020d}"
         self._batcher = Batcher(config.max_rows, config.max_age_s)
         self._futures: dict[int, asyncio.Future[None]] = {}  # id(SinkBatch) → future
-        self._fence_keys: dict[int, int] = {}  # id(SinkBatch) → its key for the committer
-        self._next_fence_key = 0
-        self._tails = Tails()  # what the cutter accepted (touched only by the cutter)
-        self._committed = Tails()  # what Spark committed
-        self._seeded: set[str] = set()  # partitions whose tails came from their progress file
-        self._gate = Tails()  # gaps left by failed batches (checked in put)
-        self._generation = 0  # bumped by every failed micro-batch
-        self._tails_generation = 0
+        # per partition: what Spark committed and what the cutter took ahead of it, the gaps
+        # failed batches left, the held batches and their fence keys, the failure cascade and
+        # its generation (protocol/ledger.py)
+        self.ledger = OutputLedger(ahead=True)
+        self._validate = config.debug_validate
         self.watermarks: dict[int, dict[str, int]] = {}  # batch id → token → watermark (recent)
         self._watermark_ids: deque[int] = deque()
         self.latencies: deque[float] = deque(maxlen=100_000)  # put → commit, per SinkBatch
@@ -455,29 +455,30 @@ class SparkBridge(Sink):
         self._puts += 1
         rows = sum(len(r.mods) for r in batch.records)
         self._rows_in += rows
-        if self._gate.refuses(batch.token, batch.records):
-            self._puts_refused += 1
-            self._puts_failed += 1
-            _fail(
-                future,
-                BridgeError(
-                    f"an earlier batch of {batch.token} failed; re-read from the committed watermark"
-                ),
-            )
-            return future
         async with self._changed:
             await self._changed.wait_for(lambda: not self._batcher.full() or self._closing)
             if self._stopping():
                 self._puts_refused += 1
                 raise BridgeError(f"{self!r} stopped")
+            admitted = self.ledger.admit(id(batch), batch.token, batch.records, batch.watermark)
+            self._check()
+            if not isinstance(admitted, Admit):  # it continues past a failed batch (a gap)
+                self._puts_refused += 1
+                self._puts_failed += 1
+                _fail(
+                    future,
+                    BridgeError(
+                        f"an earlier batch of {batch.token} failed; re-read from the committed "
+                        "watermark"
+                    ),
+                )
+                return future
             now = time.monotonic()
             if self.first_put_at is None and batch.records:
                 self.first_put_at = now
             self._batcher.add(batch, now)
             self._futures[id(batch)] = future
             self._put_at[id(batch)] = now
-            self._fence_keys[id(batch)] = self._next_fence_key
-            self._next_fence_key += 1
         assert self._kick is not None
         if self._batcher.entries == 1 or self._batcher.full():
             self._kick.set()
@@ -508,7 +509,8 @@ class SparkBridge(Sink):
         the partition asks this first: a gap an earlier reader's failed batch left is closed
         (it resumes from what is committed; a partition read on elsewhere and back here was
         refused for ever)."""
-        self._gate.close_gap(token)
+        self.ledger.reader_starts(token)
+        self._check()
         if self.committer is None:
             return None
         return await asyncio.to_thread(self.committer.committed, token)
@@ -520,9 +522,15 @@ class SparkBridge(Sink):
         committer = self.committer
         if committer is None:
             return None
-        keys = [self._fence_keys.get(id(b)) for b in batches]
+        keys = [self.ledger.key_of(id(b)) for b in batches]
         outcome = await asyncio.to_thread(committer.fence, [k for k in keys if k is not None])
         return [k is not None and k in outcome.committed for k in keys]
+
+    def _check(self) -> None:
+        """With ``SparkConfig.debug_validate``: the ledger's invariants, after each of its
+        events on the event loop."""
+        if self._validate:
+            self.ledger.validate()
 
     def _stopping(self) -> bool:
         return self._closing
@@ -579,11 +587,10 @@ class SparkBridge(Sink):
                     self._inflight += 1
                     self._inflight_cuts[cut.batch_id] = cut
                     self._changed.notify_all()
-                generation = self._generation
-                if self._tails_generation != generation:
-                    self._tails.rewind(self._committed)
-                    self._tails_generation = generation
+                # after a failure the cutter's tail starts again from what committed
+                generation = self.ledger.begin_cut()
                 await self._seed_from_progress(cut)
+                self._check()
                 log.debug("%r: cut micro-batch %d (%d rows)", self, cut.batch_id, cut.rows)
                 prepared = await asyncio.to_thread(self._prepare, cut)
                 await self._queue.put((cut, generation, *prepared))
@@ -620,14 +627,9 @@ class SparkBridge(Sink):
         committer = self.committer
         if committer is None:
             return
-        for token in dict.fromkeys(e.token for e in cut.entries):
-            if token in self._seeded:
-                continue
+        for token in self.ledger.unseeded(e.token for e in cut.entries):
             position = await asyncio.to_thread(committer.committed, token)
-            self._seeded.add(token)
-            if position is not None:
-                self._tails.resume(token, position)
-                self._committed.resume(token, position)
+            self.ledger.seed(token, position)
 
     def _seed_tails(self) -> None:
         """Blocking: learn, per partition token, the newest commit timestamp in the default
@@ -636,8 +638,7 @@ class SparkBridge(Sink):
         out = Path(self.config.output_dir)
         if self.layout == "typed":
             for token, identity in typed_tails(self.config.output_dir):
-                for tails in (self._tails, self._committed):
-                    tails.accept_identity(token, identity)
+                self.ledger.seed_identity(token, identity)
             return
         if self.config.remote is None and not any(out.rglob("*.parquet")):
             return
@@ -661,14 +662,13 @@ class SparkBridge(Sink):
             return
         for row in rows:
             ts, txn, seq = row["commit_ts"], row["server_transaction_id"], row["record_sequence"]
-            for tails in (self._tails, self._committed):
-                tails.accept_identity(row["partition_token"], (ts, txn, seq))
-        log.info("%r: resumed de-duplication for %d partitions", self, len(self._committed))
+            self.ledger.seed_identity(row["partition_token"], (ts, txn, seq))
+        log.info("%r: resumed de-duplication for %d partitions", self, self.ledger.partitions())
 
     def _prepare(self, cut: Cut) -> tuple[Any, list[tuple[str, list[DataChange]]], int]:
         """Off the loop: drop replays, build the Arrow table."""
         t0 = time.monotonic()
-        fresh = [(e.token, self._tails.fresh(e.token, e.records)) for e in cut.entries]
+        fresh = [(e.token, self.ledger.take_fresh(e.token, e.records)) for e in cut.entries]
         rows = sum(len(r.mods) for _, records in fresh for r in records)
         if self.layout == "typed" and self.foreach_batch is None:
             batch = TypedBatch(fresh, rows)
@@ -702,7 +702,7 @@ class SparkBridge(Sink):
                 cut, generation, table, fresh, rows = item
                 self._rows_dedup += cut.rows - rows
                 self._remember_watermarks(cut)
-                if generation != self._generation:
+                if not self.ledger.current(generation):
                     self._fail_cut(cut, BridgeError("an earlier micro-batch failed; re-read"))
                     await self._done(cut)
                 elif self._streaming is not None:
@@ -787,7 +787,7 @@ class SparkBridge(Sink):
             error = await self._attempts(cut.batch_id, table, rows, cut, commit=True, order=order)
             if order is not None:
                 await order.after_prior()  # failed early: still after the one before it
-                if order.generation != self._generation:  # the one before it failed
+                if not self.ledger.current(order.generation):  # the one before it failed
                     self._fail_cut(cut, BridgeError("an earlier micro-batch failed; re-read"))
                     return
             if isinstance(error, CommitRefused | CommitIncomplete):
@@ -839,7 +839,7 @@ class SparkBridge(Sink):
         if isinstance(self._broken, SparkLost):
             return self._broken
         attempt = 0
-        while attempt < cfg.max_attempts:
+        while True:
             attempt += 1
             try:
                 async with self._spark_lock:
@@ -851,7 +851,7 @@ class SparkBridge(Sink):
                     if order is not None:
                         order.wrote()
                         await order.after_prior()
-                        if order.generation != self._generation:
+                        if not self.ledger.current(order.generation):
                             await asyncio.to_thread(self._discard, identity, staged)
                             return None
                     t0 = time.monotonic()
@@ -880,12 +880,13 @@ class SparkBridge(Sink):
                     cfg.max_attempts,
                     _error_text(exc),
                 )
-                if attempt < cfg.max_attempts:
-                    await asyncio.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
+                delay = retry_delay(attempt, cfg.max_attempts, cfg.retry_backoff_s)
+                if delay is None:  # the last attempt (protocol/ledger.py, rule 5)
+                    return error
+                await asyncio.sleep(delay)
                 continue
             self._job_succeeded()
             return None
-        return error
 
     # --- the retry queue and dead-letter queue (dead_letter) ------------------------------
 
@@ -1165,16 +1166,18 @@ class SparkBridge(Sink):
         de-duplicated assuming they commit), and refuse their partitions' continuations."""
         self._batches_failed += len(cuts)
         log.error("%r: %s", self, failure)
+        # the ledger's cascade (protocol/ledger.py, rule 3): every batch held and not committed
+        # fails, and its partition's continuations are refused from now on (gaps), or one could
+        # commit past them; the generation moves on, so the cuts still in flight fail when they
+        # reach the committer
+        keys = [
+            k for cut in cuts for e in cut.entries if (k := self.ledger.key_of(id(e))) is not None
+        ]
+        self.ledger.fail(keys)
+        self._check()
         for cut in cuts:
             self._fail_cut(cut, failure)
-        self._generation += 1
-        # Cuts still in flight fail when they reach the committer; refuse their partitions'
-        # continuations from now on, or one could commit past them before they fail.
-        for cut in self._inflight_cuts.values():
-            for entry in cut.entries:
-                self._gate.open_gap(entry.token, entry.records)
         for entry in self._batcher.take_all():
-            self._gate.open_gap(entry.token, entry.records)
             self._resolve(entry, failure)
 
     def _succeed(
@@ -1186,9 +1189,9 @@ class SparkBridge(Sink):
     ) -> None:
         """``cut``'s rows are committed, or (``parked``: entry index → RQ futures) handed to
         the RQ; an entry with parked rows resolves once the RQ settled them all."""
-        for token, records in fresh:
-            for change in records:
-                self._committed.accept(token, change)
+        keys = [k for e in cut.entries if (k := self.ledger.key_of(id(e))) is not None]
+        self.ledger.committed(keys, fresh)
+        self._check()
         self._rows_committed += rows
         self._batches_committed += 1
         self._last_batch_id = cut.batch_id
@@ -1375,11 +1378,11 @@ class SparkBridge(Sink):
     async def _commit_streamed(self, spooled: _Spooled) -> None:
         """The streaming path's typed layout: Spark's checkpoint holds ``spooled``'s
         micro-batch (its files and receipt written): commit it as the embedded path commits
-        (``runtime.commit``: the moves or Delta commits, the partitions' positions, fences and
+        (``runtime.files.commit``: the moves or Delta commits, the partitions' positions, fences and
         the lease), once; a cut after a failed one fails (it was de-duplicated assuming the
         failed one commits)."""
         cut = spooled.cut
-        if spooled.generation != self._generation:
+        if not self.ledger.current(spooled.generation):
             self._fail_cut(cut, BridgeError("an earlier micro-batch failed; re-read"))
             return
         table = spooled.table
@@ -1414,7 +1417,7 @@ class SparkBridge(Sink):
     ) -> None:
         """Commit micro-batch ``cut`` (blocking): what it wrote, its partitions' positions, the
         fences of its batches and, with Delta tables, the completeness watermark."""
-        keys = [k for e in cut.entries if (k := self._fence_keys.get(id(e))) is not None]
+        keys = [k for e in cut.entries if (k := self.ledger.key_of(id(e))) is not None]
         metadata = None
         if tables and self._mark is not None:
             metadata = {"shoal.low_watermark_us": self._mark()}
@@ -1533,16 +1536,19 @@ class SparkBridge(Sink):
             self.watermarks.pop(self._watermark_ids.popleft(), None)
 
     def _fail_cut(self, cut: Cut, error: BaseException) -> None:
+        """Fail ``cut``'s batches (their gaps opened when the ledger's cascade doomed them)."""
         for entry in cut.entries:
-            self._gate.open_gap(entry.token, entry.records)
             self._resolve(entry, error)
 
     def _resolve(self, entry: SinkBatch, error: BaseException | None, now: float = 0.0) -> None:
         future = self._futures.pop(id(entry), None)
         put_at = self._put_at.pop(id(entry), None)
-        key = self._fence_keys.pop(id(entry), None)
-        if key is not None and self.committer is not None:
-            self.committer.forget((key,))
+        key = self.ledger.key_of(id(entry))
+        if key is not None:
+            self.ledger.release(key)
+            self._check()
+            if self.committer is not None:
+                self.committer.forget((key,))
         if future is None or future.done():
             return
         if error is None:
@@ -1562,7 +1568,7 @@ class SparkBridge(Sink):
                 _fail(future, error)
         self._futures.clear()
         self._put_at.clear()
-        self._fence_keys.clear()
+        self.ledger.release_all()
 
 
 _STORE_SCHEMES = ("s3://", "gs://", "gcs://", "file://")

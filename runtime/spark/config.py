@@ -72,6 +72,9 @@ class SparkConfig(msgspec.Struct, frozen=True):
     # typed DataFrame, the typed layout's columns and types); typed on the embedded path
     # without dead_letter
     foreach_batch_frames: Literal["generic", "typed"] = "generic"
+    # check the output ledger's invariants after each of its events (protocol/ledger.py;
+    # the CLI's --debug-validate)
+    debug_validate: bool = False
 
 
 class BridgeStats(msgspec.Struct, frozen=True):

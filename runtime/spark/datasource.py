@@ -73,8 +73,8 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
+from runtime.files.typed import encode_parquet
 from runtime.typed import TableSpec, decode_specs, encode_specs, tables_from_wire
-from runtime.typed_files import encode_parquet
 
 __all__ = [
     "CHUNK_COLUMN",

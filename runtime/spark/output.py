@@ -37,18 +37,18 @@ def read_output(
     rows as their metadata and row key columns under the generic names (``table``,
     ``commit_ts`` as int microseconds, ``server_transaction_id``, ``record_sequence``,
     ``mod_index``, ``partition_token``, ``mod_type``, ``batch``) without the tables' own
-    columns: read one table with ``runtime.typed_files.read_table``, or with Spark
+    columns: read one table with ``runtime.files.typed.read_table``, or with Spark
     (docs/reading-output.md).
     """
     if isinstance(spark_or_path, str | os.PathLike):
-        from runtime.typed_files import is_typed_layout
+        from runtime.files.typed import is_typed_layout
 
         if is_typed_layout(spark_or_path):
             return _read_typed(Path(spark_or_path), dedupe)
         return _read_arrow(Path(spark_or_path), dedupe)
     if path is None:
         raise TypeError("read_output(spark, path): the output directory is required")
-    from runtime.typed_files import is_typed_layout
+    from runtime.files.typed import is_typed_layout
 
     if is_typed_layout(path):
         raise ValueError(
@@ -133,7 +133,7 @@ def _dataset(directory: Path, files: list[Path] | None = None) -> Any:
 def _read_typed(directory: Path, dedupe: bool) -> Any:
     import pyarrow as pa
 
-    from runtime.typed_files import GENERIC_KEY_COLUMNS, read_changes
+    from runtime.files.typed import GENERIC_KEY_COLUMNS, read_changes
 
     changes = read_changes(directory)
     columns = {"table": changes.column("table")}

@@ -4,10 +4,8 @@
   ``to_arrow`` makes the Arrow table Spark takes in.
 * ``row_key`` is the identity of one output row: (commit timestamp, server transaction id,
   record sequence, mod index). The default output never holds two rows with the same key.
-* ``Tails`` drops replayed records before they reach Spark, by the one de-duplication rule of
-  ``protocol.dedup`` (per partition token, the newest accepted commit timestamp and the
-  identities at it: memory is bounded by the number of partitions), and keeps the gaps failed
-  batches leave.
+* Replayed records, the gaps failed batches leave and the failure cascade are the output
+  ledger's (``protocol.ledger``, shared with the file sink), not this module's.
 * ``Batcher`` collects ``SinkBatch``es and says when a micro-batch is due: at ``max_rows`` rows
   or when its oldest entry is ``max_age_s`` old — by age only while fewer than
   ``AGE_CUT_MAX_INFLIGHT`` micro-batches are in flight (adaptive batches, see ``Batcher.due``).
@@ -21,7 +19,6 @@ from typing import Any
 
 import msgspec
 
-from protocol import dedup
 from protocol.records import DataChange, Micros
 from runtime.ports import SinkBatch
 
@@ -30,7 +27,6 @@ __all__ = [
     "COLUMNS",
     "Batcher",
     "Cut",
-    "Tails",
     "arrow_schema",
     "row_key",
     "to_arrow",
@@ -124,69 +120,6 @@ def to_arrow(entries: Iterable[tuple[str, Sequence[DataChange]]]) -> Any:
     schema = arrow_schema()
     cols = to_columns(entries)
     return pa.table([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
-
-
-class Tails:
-    """Per partition token, the tail of ``protocol.dedup`` (the newest accepted commit timestamp
-    and the identities at it: the one de-duplication rule), plus the gaps failed batches left."""
-
-    def __init__(self) -> None:
-        self._tails = dedup.Tails()
-        self._gaps: dict[str, Micros] = {}
-
-    def __len__(self) -> int:
-        return len(self._tails)
-
-    def is_duplicate(self, token: str, change: DataChange) -> bool:
-        return self._tails.seen(token, change)
-
-    def accept(self, token: str, change: DataChange) -> None:
-        self._tails.accept(token, change.identity)
-
-    def accept_identity(self, token: str, identity: tuple[Micros, str, str]) -> None:
-        self._tails.accept(token, identity)
-
-    def resume(self, token: str, position: dedup.Position) -> None:
-        """Start ``token``'s tail at a committed ``position`` unless it already has one."""
-        self._tails.resume(token, position)
-
-    def fresh(self, token: str, records: Iterable[DataChange]) -> list[DataChange]:
-        """The records not seen before, which are then accepted."""
-        return self._tails.fresh(token, records)
-
-    def open_gap(self, token: str, records: Iterable[DataChange]) -> None:
-        """A batch of ``token`` failed: until its reader re-reads from before ``records``, later
-        batches of ``token`` are refused (``refuses``). Accepting them would move the tail past
-        records that never committed, and the re-read would then drop those as duplicates."""
-        first = min((r.commit_ts for r in records), default=None)
-        if first is not None:
-            self._gaps[token] = min(self._gaps.get(token, first), first)
-
-    def refuses(self, token: str, records: Sequence[DataChange]) -> bool:
-        """Whether a batch of ``token`` must be failed: it continues past a gap. A batch that
-        starts at or before the gap is the re-read, and closes the gap."""
-        gap = self._gaps.get(token)
-        if gap is None or not records:
-            return False
-        if records[0].commit_ts <= gap:
-            del self._gaps[token]
-            return False
-        return True
-
-    def close_gap(self, token: str) -> None:
-        """A new reader of ``token`` starts (from a committed position): an earlier reader's
-        gap no longer applies (another process may have written those records meanwhile)."""
-        self._gaps.pop(token, None)
-
-    def rewind(self, committed: Tails) -> None:
-        """Forget what was accepted but never committed; keep the gaps."""
-        self._tails = committed._tails.copy()
-
-    def copy(self) -> Tails:
-        other = Tails()
-        other.rewind(self)
-        other._gaps = dict(self._gaps)
-        return other
 
 
 class Cut(msgspec.Struct, frozen=True):

@@ -12,7 +12,7 @@ failure, so after every failed job the bridge asks :meth:`SessionSupervisor.reco
   session), warmed through the path batches take, up to ``SparkConfig.restarts`` times with
   doubling backoff; the bridge then runs the batch again. Nothing acked is lost and nothing is
   written twice: what was not committed was never acked, and the default output's atomic
-  commit (``runtime.commit``) keeps a batch that was half written when the JVM died out of sight;
+  commit (``runtime.files.commit``) keeps a batch that was half written when the JVM died out of sight;
 * it is gone and cannot come back (restarts used up or off, a session the caller owns, a start
   that hangs past ``start_timeout_s``): :class:`SparkLost`, an
   :class:`~runtime.ports.Unrecoverable` that stops the process with a message naming Spark and

@@ -7,7 +7,7 @@ A micro-batch is turned into its wire table and its tables' specs off the event 
 cut (:class:`TypedBatch`), then written by Spark in **one job whatever the number of tables**
 (``runtime.spark.datasource``): the executors convert the rows into each table's typed rows and
 write the files, the driver writes the receipt of the files it committed. The micro-batch is
-then committed by the same committer as the generic layout (``runtime.commit``), so the output
+then committed by the same committer as the generic layout (``runtime.files.commit``), so the output
 stays exactly once:
 
 * parquet: the files are staged under ``_staging/<connector>/<id>/<table>/``; the manifest moves
@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.commit import STAGING_DIR, DataFile
 from protocol.records import DataChange
-from runtime.commit import Committer, TableWrite
+from runtime.files.commit import Committer, TableWrite
+from runtime.files.typed import read_changes
 from runtime.spark.datasource import (
     Receipt,
     streamed_receipt,
@@ -46,7 +47,6 @@ from runtime.spark.datasource import (
     write_staged_typed,
 )
 from runtime.typed import TableSpec, TypedError, wire_table
-from runtime.typed_files import read_changes
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -107,7 +107,7 @@ class TypedBatch:
         """Write the tables through Spark for the committer's batch ``identity`` (none, and no
         Spark job, without rows): parquet, under its staging directory (on any store), and
         the moves to commit; ``delta``, straight into each Delta table's directory (only the
-        receipt staged), and the Delta commits (``runtime.commit.Committer.commit``'s
+        receipt staged), and the Delta commits (``runtime.files.commit.Committer.commit``'s
         ``tables=``: each table's data files and its schema)."""
         self._check()
         if not self.num_rows:

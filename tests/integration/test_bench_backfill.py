@@ -14,11 +14,11 @@ from typing import Literal
 
 import pytest
 
-from actors.cli.sinks import FileSink
 from bench import backfill
 from bench.chaos import read_output
 from bench.output import read_changes, typed_tables
 from protocol.records import ColumnType, DataChange, Mod
+from runtime.files.sink import FileSink
 from runtime.ports import SinkBatch
 from tests.parts import require_emulator
 

@@ -29,7 +29,7 @@ import msgspec
 import pytest
 
 from actors.cli.progress import RunSummary
-from actors.cli.sinks import read_rows
+from runtime.files.sink import read_rows
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.net import free_port
 from runtime.sim.stream import StreamModel, StreamParams

@@ -24,8 +24,8 @@ import msgspec
 import pytest
 
 from actors.cli.progress import RunSummary
-from actors.cli.sinks import read_rows
 from protocol.records import DataChange
+from runtime.files.sink import read_rows
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.sim.stream import StreamModel, StreamParams
 from tests.fixtures.kafka import kafka_broker

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.cli.sinks import read_rows
+from runtime.files.sink import read_rows
 from runtime.kafka import KafkaConfig
 from runtime.sim.stream import StreamModel
 from tests.fixtures.kafka import connector, kafka_broker, kafka_config

@@ -1,4 +1,4 @@
-"""The committer (runtime/commit.py) over a store: on a local directory and on moto's S3 server,
+"""The committer (runtime/files/commit.py) over a store: on a local directory and on moto's S3 server,
 with Delta tables (the Delta commit is the visibility step, applied idempotently from the
 manifest) and with parquet directories (copied into place where the store cannot rename);
 processes SIGKILLed at each step of a commit, and the next committer finishing the batch
@@ -22,7 +22,7 @@ import pytest
 from deltalake import DeltaTable
 
 from protocol.dedup import Position
-from runtime.commit import CommitRefused, Committer
+from runtime.files.commit import CommitRefused, Committer
 from runtime.lake.delta import SchemaConflict, write_data_file
 from runtime.lake.store import Store, StoreUnsupported, open_store
 from tests.fixtures.s3 import S3Server, s3_env, s3_server

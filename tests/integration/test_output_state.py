@@ -25,7 +25,7 @@ import msgspec
 import pytest
 
 from actors.cli.progress import RunSummary
-from actors.cli.sinks import read_rows
+from runtime.files.sink import read_rows
 from tests.helpers import assert_catches_a_double
 from tests.integration.test_cli_bounds import SIM, _exactly, _expected, _rfc3339, _run, _window
 

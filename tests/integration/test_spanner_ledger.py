@@ -27,10 +27,10 @@ import pytest
 
 from actors.cli.progress import RunSummary
 from bench.procs import descendants
+from runtime.files.typed import read_table
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.spanner.config import SpannerConfig
 from runtime.spanner.emulator import EmulatorUnavailable, SpannerEmulator, sync_client
-from runtime.typed_files import read_table
 from tests.fixtures.kafka import kafka_broker
 from tests.fixtures.spanner import CHURN_ALIVE_S, until_past
 from tests.helpers import assert_catches_a_double, exactly, wait_until

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pytest
 
 from protocol.records import ChildPartitions, DataChange
+from runtime.files.typed import read_table
 from runtime.spanner.emulator import SpannerEmulator, sync_client
 from runtime.spanner.reader import (
     GOOGLE_SQL,
@@ -34,7 +35,6 @@ from runtime.spanner.reader import (
     walk_stream,
 )
 from runtime.typed import typed_tables
-from runtime.typed_files import read_table
 from tests.fixtures.spanner import churn_emulator, until_past
 from tests.helpers import REPO
 

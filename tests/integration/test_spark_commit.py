@@ -15,7 +15,7 @@ from pyspark.errors import AnalysisException
 from protocol.commit import STAGING_DIR, Rename, batch_identity
 from protocol.dedup import Position
 from protocol.records import DataChange, Mod
-from runtime.commit import Committer
+from runtime.files.commit import Committer
 from runtime.ports import SinkBatch
 from runtime.spark import BridgeError, SparkBridge, SparkConfig, read_output
 from tests.fixtures.spark import spark

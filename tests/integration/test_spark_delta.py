@@ -42,12 +42,12 @@ import pytest
 from deltalake import DeltaTable
 
 from bench.procs import tree
-from runtime.commit import Committer
+from runtime.files.commit import Committer
+from runtime.files.typed import output_identities
 from runtime.lake.store import open_store
 from runtime.ports import SinkBatch
 from runtime.spark import BridgeError, SparkBridge, SparkConfig
 from runtime.spark.session import start_session
-from runtime.typed_files import output_identities
 from tests.fixtures.s3 import S3Server, s3_server
 from tests.helpers import REPO, assert_catches_a_double
 from tests.integration.test_cli_bounds import SIM, _exactly, _expected, _rfc3339, _window

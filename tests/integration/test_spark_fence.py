@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from actors.cli.sinks import read_rows
+from runtime.files.sink import read_rows
 from runtime.ports import SinkBatch
 from tests.fixtures.spark import spark
 from tests.helpers import assert_catches_a_double, exactly

@@ -26,11 +26,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from runtime.files.typed import read_changes, read_table, table_dirs
 from runtime.ports import SinkBatch
 from runtime.spark import SparkBridge, SparkConfig
 from runtime.spark.datasource import StreamTaskWritten, TypedStreamChangelog, TypedStreamWriter
 from runtime.spark.streaming import spool_files
-from runtime.typed_files import read_changes, read_table, table_dirs
 from tests.fixtures.spark import Cluster, spark, wait_for
 from tests.helpers import assert_catches_a_double
 from tests.proc_spark_delta import micro_batches

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from protocol.records import ColumnType, DataChange, Mod
+from runtime.files.typed import read_table, table_dirs
 from runtime.ports import SinkBatch
 from runtime.spark import SparkBridge, SparkConfig
 from runtime.spark.datasource import write_staged_typed
 from runtime.spark.session import java_executable, start_session
 from runtime.spark.standalone import StandaloneCluster
 from runtime.typed import typed_tables, wire_table
-from runtime.typed_files import read_table, table_dirs
 from tests.fixtures.typed_records import comparable
 from tests.helpers import REPO
 

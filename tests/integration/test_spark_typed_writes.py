@@ -19,6 +19,7 @@ import pytest
 
 from protocol.commit import STAGING_DIR
 from protocol.records import ColumnType, DataChange, Mod
+from runtime.files.typed import read_table, table_dirs
 from runtime.ports import SinkBatch
 from runtime.spark import SparkBridge, SparkConfig, read_output
 from runtime.spark.datasource import (
@@ -31,7 +32,6 @@ from runtime.spark.datasource import (
 )
 from runtime.spark.session import java_executable, start_session
 from runtime.typed import typed_tables, wire_table
-from runtime.typed_files import read_table, table_dirs
 from tests.fixtures.typed_records import all_types_entries, comparable
 from tests.helpers import assert_catches_a_double, assert_no_row_twice
 

@@ -24,13 +24,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from actors.cli.sinks import FileSink
 from protocol.records import ChangeRecord, DataChange
+from runtime.files.sink import FileSink
+from runtime.files.typed import read_table
 from runtime.ports import SinkBatch
 from runtime.spanner.emulator import EmulatorUnavailable, SpannerEmulator, sync_client
 from runtime.spanner.loadgen import LoadGenerator
 from runtime.spanner.reader import SpannerSource, walk_stream
-from runtime.typed_files import read_table
 from tests.fixtures.spanner import until_past
 from tests.fixtures.spark import spark
 from tests.parts import require_part

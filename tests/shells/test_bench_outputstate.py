@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.cli.sinks import FileSink
 from bench import outputstate, procs
 from bench.outputstate import Key, Oracle, Sim
 from protocol.records import DataChange
+from runtime.files.sink import FileSink
 from runtime.ports import SinkBatch
 from tests.helpers import wait_until
 

@@ -1,4 +1,4 @@
-"""Atomic micro-batch commits of the parquet file sink (runtime/commit.py,
+"""Atomic micro-batch commits of the parquet file sink (runtime/files/commit.py,
 docs/design.md#exactly-once-output): a process killed at any step of a commit leaves either
 nothing visible or a manifest the next sink over the same directory applies; readers never see
 staged files; ``committed(token)`` answers the batch's position; a lapsed lease commits nothing.
@@ -17,11 +17,11 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
-from actors.cli.sinks import FileSink, SinkError, read_rows
 from protocol.commit import STAGING_DIR, Rename, WriteProgress
 from protocol.dedup import Position
 from protocol.records import DataChange, Mod
-from runtime.commit import CommitIncomplete, Committer
+from runtime.files.commit import CommitIncomplete, Committer
+from runtime.files.sink import FileSink, SinkError, read_rows
 from runtime.ports import SinkBatch
 
 
@@ -107,7 +107,7 @@ async def test_killed_before_the_manifest_commits_nothing_and_leaves_nothing_vis
     assert any((tmp_path / STAGING_DIR).rglob("*.parquet"))  # staged, not committed
     assert rows(tmp_path) == []
     assert dataset_rows(tmp_path) == 0
-    async with FileSink(tmp_path, max_age_s=0.01) as sink:
+    async with FileSink(tmp_path, max_age_s=0.01, validate=True) as sink:
         assert await sink.durable_position("p") is None
         # the partitions' owners re-read the batch: it is written once
         for future in await put_both(sink):
@@ -160,7 +160,9 @@ async def test_committed_is_recovered_before_it_is_answered(tmp_path: Path) -> N
 @pytest.mark.asyncio
 async def test_a_lapsed_lease_commits_nothing(tmp_path: Path) -> None:
     lease = {"valid": True}
-    async with FileSink(tmp_path, max_age_s=0.01, permit=lambda: lease["valid"]) as sink:
+    async with FileSink(
+        tmp_path, max_age_s=0.01, permit=lambda: lease["valid"], validate=True
+    ) as sink:
         await (await sink.put(SinkBatch("p", P_RECORDS[:1], 10)))
         lease["valid"] = False
         future = await sink.put(SinkBatch("p", P_RECORDS[1:], 20))
@@ -231,7 +233,7 @@ def test_connectors_sharing_an_output_never_see_each_others_state(tmp_path: Path
 
 @pytest.mark.parametrize("content", [b"", b'{"ts": 20, "i'])
 def test_an_unreadable_progress_file_stops_loudly_naming_it(tmp_path: Path, content: bytes) -> None:
-    from runtime.commit import CorruptState
+    from runtime.files.commit import CorruptState
     from runtime.ports import Unrecoverable
 
     committer = Committer(tmp_path, connector="ca", fsync=False)
@@ -245,7 +247,7 @@ def test_an_unreadable_progress_file_stops_loudly_naming_it(tmp_path: Path, cont
 
 
 def test_an_unreadable_manifest_stops_recovery_naming_it(tmp_path: Path) -> None:
-    from runtime.commit import CorruptState
+    from runtime.files.commit import CorruptState
 
     commits = tmp_path / "_shoal" / "ca" / "commits"
     commits.mkdir(parents=True)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.cli.sinks import FileSink, read_rows
 from actors.kernel import Supervisor
 from actors.reader import PartitionReader
 from protocol.events import ReaderCommitted, ReaderStopped, StopReason, TaskEvent
 from protocol.records import ChangeRecord, ColumnType, DataChange, Heartbeat, Mod
+from runtime.files.sink import FileSink, read_rows
 from runtime.ports import ChangeStreamSource, Sink, SinkBatch
 
 T0 = 1_700_000_000_000_000
@@ -158,7 +158,9 @@ async def test_a_refused_micro_batch_holds_back_its_partitions_until_they_re_rea
     partition it held (q) is refused too until q's reader re-reads from before the refused
     records: committing it would move q's recorded position past records never written."""
     # a micro-batch is cut at two rows (and never by age)
-    sink = FileSink(tmp_path, max_rows=2, max_age_s=3600, fsync=False, layout="generic")
+    sink = FileSink(
+        tmp_path, max_rows=2, max_age_s=3600, fsync=False, layout="generic", validate=True
+    )
     async with sink:
         p1 = SinkBatch("p", (_record(1),), T0 + 1000)
         first = await sink.put(p1)
@@ -189,7 +191,9 @@ async def test_a_partition_back_from_another_process_is_not_held_back(tmp_path: 
     """A gap a refused batch left in one sink does not outlive its reader: the partition was
     read on elsewhere (another sink over the output wrote the refused records); when a new
     reader here asks for its position and goes on from there, its batches are accepted."""
-    here = FileSink(tmp_path, max_rows=2, max_age_s=3600, fsync=False, layout="generic")
+    here = FileSink(
+        tmp_path, max_rows=2, max_age_s=3600, fsync=False, layout="generic", validate=True
+    )
     async with here:
         p1 = SinkBatch("p", (_record(1),), T0 + 1000)
         first = await here.put(p1)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.cli.sinks import FileSink, read_rows
 from protocol.records import DataChange, Mod
+from runtime.files.sink import FileSink, read_rows
 from runtime.ports import SinkBatch
 
 

@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.cli.sinks import FileSink, read_rows
 from protocol.commit import STAGING_DIR
 from protocol.records import ColumnType, DataChange, Mod
+from runtime.files.sink import FileSink, read_rows
+from runtime.files.typed import read_changes, read_table, table_dirs
 from runtime.ports import SinkBatch
-from runtime.typed_files import read_changes, read_table, table_dirs
 
 ID = ColumnType("Id", '{"code":"INT64"}', True, 1)
 WHEN = ColumnType("When", '{"code":"TIMESTAMP"}', False, 2)
@@ -91,9 +91,9 @@ def test_a_killed_typed_commit_is_all_or_nothing(tmp_path: Path, killed: str) ->
     right after it (the manifest written, no table renamed) has every table put in place by the
     next committer over the directory. Same batch, same staged files, only the kill differs."""
     from protocol.commit import Manifest, Move, PartitionPosition, next_position
-    from runtime.commit import Committer
+    from runtime.files.commit import Committer
+    from runtime.files.typed import write_tables
     from runtime.typed import typed_tables
-    from runtime.typed_files import write_tables
 
     records = [rec(10 + i, f"T{i}", i) for i in range(5)]
     committer = Committer(tmp_path, fsync=False, clock=lambda: 1e12)  # staged files look old
@@ -132,7 +132,7 @@ async def test_a_value_that_does_not_fit_fails_only_its_partitions_batches(
     good_c = (rec(12, "U", 3),)
     mod = Mod(keys='{"Id":"not a number"}', new_values="{}", old_values="{}")
     bad = DataChange(13, "0", "txn13", True, "T", (ID, WHEN), (mod,), "INSERT")
-    async with FileSink(tmp_path, max_age_s=0.2) as sink:
+    async with FileSink(tmp_path, max_age_s=0.2, validate=True) as sink:
         futures = [
             await sink.put(SinkBatch("a", good_a, 11)),
             await sink.put(SinkBatch("b", (bad,), 13)),

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import pytest
 
 from actors.cli.run import Ledger
-from actors.cli.sinks import CountingSink, FileSink
+from actors.cli.sinks import CountingSink
 from protocol.dedup import Position
+from runtime.files.sink import FileSink
 from runtime.kafka.membership import KafkaMembership
 from runtime.kafka.sink import KafkaSink
 from runtime.ports import ChangeStreamSource, Membership, Sink, SinkBatch, SinkWrapper, fence_sink

@@ -4,7 +4,7 @@ into its staging directory, and reading a layout back with pyarrow (tests, the C
 Layout under the output directory::
 
     <table>/batch=<id>/part-00000.parquet   one file per table and micro-batch
-    _staging/ _shoal/                       the committer's (runtime/commit.py): not output
+    _staging/ _shoal/                       the committer's (runtime/files/commit.py): not output
 
 A micro-batch's tables are written by pyarrow on the driver, all of them in one pass without
 any Spark job (hundreds of tables cost hundreds of small files, not hundreds of jobs), under
