@@ -25,7 +25,9 @@ def _window() -> list[tuple[str, DataChange]]:
     return list(StreamModel(PARAMS).expected_by_partition(END))
 
 
-def _batches(window: list[tuple[str, DataChange]], size: int = 7) -> Iterator[tuple[str, list]]:
+def _batches(
+    window: list[tuple[str, DataChange]], size: int = 7
+) -> Iterator[tuple[str, list[DataChange]]]:
     """The window cut into batches of one partition each, in each partition's order."""
     by_token: dict[str, list[DataChange]] = {}
     for token, record in window:
@@ -35,7 +37,7 @@ def _batches(window: list[tuple[str, DataChange]], size: int = 7) -> Iterator[tu
             yield token, records[i : i + size]
 
 
-def _deliver(tally: CommitTally, batches: Iterator[tuple[str, list]]) -> None:
+def _deliver(tally: CommitTally, batches: Iterator[tuple[str, list[DataChange]]]) -> None:
     for token, records in batches:
         tally.settled(token, tally.handed(token), records)
 
