@@ -1087,10 +1087,18 @@ class Pipeline:
             return None
         # per partition sums, off the loop: a backlog of a million records, listed whole on
         # the loop, held a gigabyte and stalled it for 47 s (bench catchup)
-        expected = await asyncio.to_thread(lambda: expect(self._model_window(end)))
+        expected = await self._expected(end)
         self._expect(expected)
         self._cap = end
         return await self._in_output(expected)
+
+    async def _expected(self, until: int) -> dict[str, Sums]:
+        """The sums per partition of :meth:`_model_window`, off the loop. The model's topology
+        is made on the loop first, as far as any reader's query can take it (a round past the
+        cap), so that the thread and the readers never both add rounds to it."""
+        model = self._model
+        model.generate_until(until + 2 * model.params.round_us)
+        return await asyncio.to_thread(lambda: expect(self._model_window(until)))
 
     def _model_window(self, until: int) -> Iterator[tuple[str, DataChange]]:
         """The simulated stream's records the tasks read up to ``until`` (from ``--start-at``,
@@ -1157,7 +1165,7 @@ class Pipeline:
             tally = ledger.tally
             assert tally is not None  # a bounded run of the simulated stream keeps it
             # what the tasks read: the stream up to the cap, from --start-at, through the filter
-            expected = await asyncio.to_thread(lambda: expect(self._model_window(cap)))
+            expected = await self._expected(cap)
             self._expect(expected)
             self._say(f"shoal: stream closed; catching up on {self._expected_records} records")
             look_at, look_every = time.monotonic() + 2.0, 2.0
