@@ -31,7 +31,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
@@ -53,6 +53,7 @@ from actors.cli.config import (
     trail,
 )
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
+from actors.cli.selfcheck import CommitTally, Sums, expect, missing_from
 from actors.cli.sinks import CountingSink
 from actors.cli.sinks import spark_config as build_spark_config
 from actors.embed import GatedSource, drain_node
@@ -64,7 +65,7 @@ from protocol.commit import StartRecord, start_conflict
 from protocol.completeness import Mark, held_by, low_watermark, mark_due
 from protocol.dedup import Position
 from protocol.messages import SnapshotItem
-from protocol.records import ChangeRecord
+from protocol.records import ChangeRecord, DataChange
 from protocol.retry import may_drive
 from protocol.stream_options import StreamOptions, start_refusal
 from runtime.files.sink import FileSink
@@ -103,20 +104,27 @@ class RunFailed(RuntimeError):
 
 
 class Ledger(SinkWrapper):
-    """The shared sink, remembering which records it committed (bounded runs of a simulated
-    stream or of the emulator's write load only: their self-check) and whether every batch
-    failed since the last commit (``health``)."""
+    """The shared sink, tallying what it committed per partition (bounded runs of a simulated
+    stream or of the emulator's write load only: their self-check, ``actors/cli/selfcheck.py``)
+    and whether every batch failed since the last commit (``health``)."""
 
-    def __init__(self, inner: Sink, *, keep_ids: bool) -> None:
+    def __init__(self, inner: Sink, *, check: bool) -> None:
         super().__init__(inner)
-        self.keep_ids = keep_ids
+        self.tally: CommitTally | None = CommitTally() if check else None
         self.health = FailureStreak()
-        self.ids: set[tuple[int, str, str]] = set()
         self.records = 0
         self.rows = 0
-        self.distinct_rows = 0  # rows of records committed for the first time (with keep_ids)
-        self.duplicates = 0
         self.fatal: Unrecoverable | None = None  # the sink failed for good: the run stops
+
+    @property
+    def duplicates(self) -> int:
+        """Records committed again (with the check)."""
+        return 0 if self.tally is None else self.tally.duplicates
+
+    @property
+    def distinct_rows(self) -> int:
+        """Rows of the records committed for the first time (with the check)."""
+        return 0 if self.tally is None else self.tally.distinct_rows
 
     async def durable_position(self, token: str) -> Position | None:
         try:
@@ -133,12 +141,15 @@ class Ledger(SinkWrapper):
             if isinstance(exc, Unrecoverable):
                 self.fatal = self.fatal or exc
             raise
-        records = batch.records
+        records, token, tally = batch.records, batch.token, self.tally
+        number = tally.handed(token) if tally is not None else 0
 
         def done(f: asyncio.Future[None]) -> None:
+            error = None if f.cancelled() else f.exception()
+            if tally is not None:  # in the order handed over: a failed batch counts nothing
+                tally.settled(token, number, None if f.cancelled() or error else records)
             if f.cancelled():
                 return
-            error = f.exception()
             if error is not None:
                 self.health.failure(time.monotonic(), describe_error(error))
                 if isinstance(error, Unrecoverable):
@@ -147,13 +158,6 @@ class Ledger(SinkWrapper):
             self.health.success(time.monotonic())
             self.records += len(records)
             self.rows += sum(len(r.mods) for r in records)
-            if self.keep_ids:
-                for r in records:
-                    if r.identity in self.ids:
-                        self.duplicates += 1
-                    else:
-                        self.ids.add(r.identity)
-                        self.distinct_rows += len(r.mods)
 
         future.add_done_callback(done)
         return future
@@ -756,7 +760,7 @@ class Pipeline:
         cfg = self.config
         inner: Sink
         if self._given_sink is not None:
-            self._ledger = Ledger(self._given_sink, keep_ids=self._bounded)
+            self._ledger = Ledger(self._given_sink, check=self._bounded)
             return self._ledger
         match cfg.run.sink:
             case "files":
@@ -799,12 +803,11 @@ class Pipeline:
                         validate=cfg.run.debug_validate,
                     )
                 )
-        # the identity of every record delivered, for the self-check of a simulated stream or
-        # the emulator's write load only: on a real database it would grow with the backlog
-        # (a million records: about 290 MB) and nothing reads it
+        # what was committed, per partition, for the self-check of a simulated stream or the
+        # emulator's write load only (on a real database nothing reads it)
         checks = self.config.run.source != "spanner" or self._given_source is not None
-        keep = checks and (self._bounded or self._end_at is not None)
-        self._ledger = Ledger(inner, keep_ids=keep)
+        check = checks and (self._bounded or self._end_at is not None)
+        self._ledger = Ledger(inner, check=check)
         return self._ledger
 
     async def _spark_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
@@ -1080,42 +1083,63 @@ class Pipeline:
         whether the sink holds every record of ``[start, end_at]`` the filter keeps, as the
         stream model alone says. None where that is not known (other sources, shared runs)."""
         ledger, model, end = self._ledger, self._model, self._end_at
-        if ledger is None or model is None or end is None or not self._alone():
+        if ledger is None or ledger.tally is None or model is None or end is None:
             return None
-        start = self._start_at if self._start_at is not None else model.params.start_ts
-        keeps = self._filter.keeps
-
-        def window() -> tuple[set[tuple[int, str, str]], int]:
-            # the identities only, off the loop: a backlog of a million records, listed whole
-            # on the loop, held a gigabyte and stalled it for 47 s (bench catchup)
-            ids: set[tuple[int, str, str]] = set()
-            rows = 0
-            for r in model.expected(end):
-                if r.commit_ts >= start and keeps(r):
-                    ids.add(r.identity)
-                    rows += len(r.mods)
-            return ids, rows
-
-        expected, self._expected_rows = await asyncio.to_thread(window)
-        self._expected_records = len(expected)
+        if not self._alone():
+            return None
+        # per partition sums, off the loop: a backlog of a million records, listed whole on
+        # the loop, held a gigabyte and stalled it for 47 s (bench catchup)
+        expected = await self._expected(end)
+        self._expect(expected)
         self._cap = end
         return await self._in_output(expected)
 
-    async def _in_output(self, expected: set[tuple[int, str, str]]) -> bool:
-        """Whether the output holds every record of ``expected``: those this process delivered
-        (the ledger), and the rest looked up in the output itself — an earlier run of the same
-        connector may have written them (a re-run of a finished bounded run, a restart after a
-        stop)."""
-        missing = expected - cast(Ledger, self._ledger).ids
-        if not missing:
+    async def _expected(self, until: int) -> dict[str, Sums]:
+        """The sums per partition of :meth:`_model_window`, off the loop. The model's topology
+        is made on the loop first, as far as any reader's query can take it (a round past the
+        cap), so that the thread and the readers never both add rounds to it."""
+        model = self._model
+        model.generate_until(until + 2 * model.params.round_us)
+        return await asyncio.to_thread(lambda: expect(self._model_window(until)))
+
+    def _model_window(self, until: int) -> Iterator[tuple[str, DataChange]]:
+        """The simulated stream's records the tasks read up to ``until`` (from ``--start-at``,
+        else the stream's start, through the filter), with their partition tokens."""
+        model = self._model
+        start = self._start_at if self._start_at is not None else model.params.start_ts
+        keeps = self._filter.keeps
+        for token, record in model.expected_by_partition(until):
+            if record.commit_ts >= start and keeps(record):
+                yield token, record
+
+    def _expect(self, expected: dict[str, Sums]) -> None:
+        self._expected_records = sum(s.records for s in expected.values())
+        self._expected_rows = sum(s.rows for s in expected.values())
+
+    async def _in_output(self, expected: dict[str, Sums]) -> bool:
+        """Whether the output holds every record of ``expected``: the sink committed each of
+        them once in this run (the ledger's sums), or else, for the partitions whose sums
+        differ, each is found in the output itself — an earlier run of the same connector may
+        have written them (a re-run of a finished bounded run, a restart after a stop)."""
+        tally = cast(CommitTally, cast(Ledger, self._ledger).tally)
+        differ = tally.differs(expected)
+        if not differ:
             return True
-        return missing <= await asyncio.to_thread(self._read_output_ids)
+        if self._given_sink is not None or self.config.run.sink == "kafka":
+            return False  # no output to read back
+        cap = self._cap
+        assert cap is not None
+
+        def look() -> bool:
+            # the identities of the whole output: this path only (the slow one)
+            present = self._read_output_ids()
+            return next(missing_from(self._model_window(cap), differ, present), None) is None
+
+        return await asyncio.to_thread(look)
 
     def _read_output_ids(self) -> set[tuple[int, str, str]]:
-        """The identities of the records in the file or Spark output (empty for other sinks).
-        Reads the whole output: for the simulated stream's self-check only."""
-        if self._given_sink is not None or self.config.run.sink == "kafka":
-            return set()
+        """The identities of the records in the file or Spark output. Reads the whole output:
+        for the simulated stream's self-check only."""
         from runtime.files.typed import output_identities
 
         try:
@@ -1140,18 +1164,14 @@ class Pipeline:
         start, end, keeps = self._start_at, self._end_at, self._filter.keeps_change
         if self._model is not None:
             self._cap = cap = self._now() if end is None else min(self._now(), end)
+            tally = ledger.tally
+            assert tally is not None  # a bounded run of the simulated stream keeps it
             # what the tasks read: the stream up to the cap, from --start-at, through the filter
-            produced = [
-                r
-                for r in self._model.expected(cap)
-                if (start is None or r.commit_ts >= start) and keeps(r.table, r.mod_type)
-            ]
-            expected = {r.identity for r in produced}
-            self._expected_rows = sum(len(r.mods) for r in produced)
-            self._expected_records = len(expected)
-            self._say(f"shoal: stream closed; catching up on {len(expected)} records")
+            expected = await self._expected(cap)
+            self._expect(expected)
+            self._say(f"shoal: stream closed; catching up on {self._expected_records} records")
             look_at, look_every = time.monotonic() + 2.0, 2.0
-            while not expected <= ledger.ids:
+            while not tally.complete(expected):
                 if self.stop.is_set():
                     return False
                 if time.monotonic() >= look_at:  # perhaps an earlier run wrote the rest

@@ -224,6 +224,12 @@ class StreamModel:
 
     def expected(self, until_ts: int) -> Iterator[DataChange]:
         """Every data record committed at or before ``until_ts``, over all partitions."""
+        for _, rec in self.expected_by_partition(until_ts):
+            yield rec
+
+    def expected_by_partition(self, until_ts: int) -> Iterator[tuple[str, DataChange]]:
+        """:meth:`expected` with each record's partition token, a partition at a time (the
+        command line's self-check sums them per partition: ``actors/cli/selfcheck.py``)."""
         self.generate_until(until_ts)
         for token in list(self.partitions):
             info = self.partitions[token]
@@ -231,7 +237,7 @@ class StreamModel:
                 continue
             for rec in self.records(token, info.start_ts, until_ts):
                 if isinstance(rec, DataChange):
-                    yield rec
+                    yield token, rec
 
 
 def snapshot_records(

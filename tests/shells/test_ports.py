@@ -97,7 +97,7 @@ BATCHES = [SinkBatch("p", (), 1), SinkBatch("q", (), 2)]
 @pytest.mark.asyncio
 async def test_wrappers_reach_the_capabilities_of_the_sink_inside() -> None:
     inner = _Fencing([True, False])
-    outer = CountingSink(Ledger(inner, keep_ids=False))
+    outer = CountingSink(Ledger(inner, check=False))
     await outer.prepare("p")
     assert inner.prepared == ["p"]
     assert await outer.durable_position("p") == Position(7, ())
@@ -107,7 +107,7 @@ async def test_wrappers_reach_the_capabilities_of_the_sink_inside() -> None:
 
 @pytest.mark.asyncio
 async def test_a_sink_without_a_capability_answers_the_ports_default() -> None:
-    bare = CountingSink(Ledger(_PutOnly(), keep_ids=False))
+    bare = CountingSink(Ledger(_PutOnly(), check=False))
     await bare.prepare("p")  # nothing to prepare: returns
     assert await bare.durable_position("p") is None
     assert await fence_sink(bare, BATCHES) is None
