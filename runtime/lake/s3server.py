@@ -99,15 +99,25 @@ class S3Server:
 
     def requests(self, since: int = 0) -> list[S3Request]:
         """The S3 requests the server answered after log offset ``since`` (its health checks,
-        ``/moto-api/``, left out). moto's server logs a request once it answered it, so call
-        this once the requests to count are done."""
-        with open(self.log_path, "rb") as f:
-            f.seek(since)
-            data = f.read()
+        ``/moto-api/``, left out). moto's server logs a request after answering it, so this
+        first sends a marker request of its own and waits (up to 10 s) for it in the log:
+        the requests answered before are then logged too."""
+        marker = f"_shoal-log-marker-{uuid.uuid4().hex}"
+        with contextlib.suppress(Exception):  # a 404 is the expected answer
+            self.client().head_object(Bucket=self.bucket, Key=marker)
+        deadline = time.monotonic() + 10
+        while True:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                data = f.read()
+            if marker.encode() in data or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         return [
-            _parse_request(m.group(1), m.group(2), m.group(3))
+            request
             for m in _REQUEST.finditer(data)
             if not m.group(2).startswith(b"/moto-api")
+            and (request := _parse_request(m.group(1), m.group(2), m.group(3))).key != marker
         ]
 
     def client(self) -> Any:
