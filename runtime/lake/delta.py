@@ -90,7 +90,12 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Field, Transaction
 from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
-from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
+from deltalake.transaction import (
+    AddAction,
+    PostCommitHookProperties,
+    RemoveAction,
+    create_table_with_add_actions,
+)
 
 from protocol.commit import DataFile, delta_app_id
 from runtime.lake.store import Store, StoreError
@@ -116,6 +121,7 @@ DEFAULT_TXN_RETENTION_S: Final = 30 * 86400.0
 RETENTION_KEY: Final = "delta.setTransactionRetentionDuration"
 CHECKPOINT_KEY: Final = "delta.checkpointInterval"
 DEFAULT_CHECKPOINT_INTERVAL: Final = 10
+DELTA_RS_CHECKPOINT_INTERVAL: Final = 100  # delta-rs's own default, for tables without the key
 
 
 class DeltaCommitFailed(RuntimeError):
@@ -316,6 +322,20 @@ def delta_schema(schema: pa.Schema | DeltaSchema) -> DeltaSchema:
     )
 
 
+class _AppTxn(msgspec.Struct, frozen=True):
+    """What a committer knows of one application's transactions in one table: as of table
+    version ``as_of`` the application's latest ``txn`` version was ``version``; ``own``: this
+    committer then committed application version ``own`` in a commit after ``as_of`` (whose
+    table version delta-rs does not say)."""
+
+    as_of: int
+    version: int | None
+    own: int | None = None
+
+
+_GONE: Final = object()  # a commit file that is not (or no longer) in the log
+
+
 def _type_json(field: Any) -> str:
     return json.dumps(json.loads(field.to_json())["type"], sort_keys=True)
 
@@ -355,6 +375,11 @@ class DeltaCommitter:
         self._lock = threading.Lock()
         self._table_locks: dict[str, threading.Lock] = {}
         self._tables: dict[str, DeltaTable] = {}
+        # tables whose snapshot was read from the store after this committer last committed to
+        # them (check_schema loaded it just now): the next commit needs no update first
+        self._fresh: set[str] = set()
+        self._absent: set[str] = set()  # tables check_schema found missing (to be created)
+        self._txns: dict[tuple[str, str], _AppTxn] = {}  # (table, app): its txn version
         self._rng = random.Random()
         self.conflicts = 0  # commit attempts lost to a concurrent writer or a store error
 
@@ -420,7 +445,10 @@ class DeltaCommitter:
         """The table, brought up to date; None if there is no Delta table there yet."""
         dt = self._tables.get(table)
         if dt is not None:
-            dt.update_incremental()
+            if table in self._fresh:
+                self._fresh.discard(table)  # read from the store just now
+            else:
+                dt.update_incremental()
             return dt
         try:
             dt = DeltaTable(self.table_uri(table), storage_options=self._options)
@@ -429,11 +457,67 @@ class DeltaCommitter:
         self._tables[table] = dt
         return dt
 
+    def _forget(self, table: str) -> None:
+        """Drop what this committer knows of ``table``: read it again from the store."""
+        self._tables.pop(table, None)
+        self._fresh.discard(table)
+        self._absent.discard(table)
+        for key in [k for k in self._txns if k[0] == table]:
+            del self._txns[key]
+
     def committed(self, table: str, app: str) -> int | None:
         """Blocking: the latest version of application ``app`` committed to ``table``."""
         with self._table_lock(table):
             dt = self._load(table)
-            return None if dt is None else dt.transaction_version(app)
+            return None if dt is None else self._app_version(dt, table, app)
+
+    def _app_version(self, dt: DeltaTable, table: str, app: str) -> int | None:
+        """The latest ``txn`` version of ``app`` in ``table`` as of snapshot ``dt``.
+
+        delta-rs's ``transaction_version`` reads the checkpoint and every commit file since it
+        for each call. So the answer is kept per (table, app) with the table version it holds
+        at, and brought forward by reading only the commit files after that version (immutable;
+        none at all when the one commit since is this committer's own, whose ``txn`` it knows);
+        delta-rs is asked only the first time, or when a file is gone or the table went back."""
+        current = dt.version()
+        known = self._txns.get((table, app))
+        version: int | None
+        if (
+            known is None
+            or known.as_of > current
+            or (known.own is not None and known.as_of == current)
+        ):
+            version = dt.transaction_version(app)
+        else:
+            version, start = known.version, known.as_of + 1
+            if known.own is not None and current == known.as_of + 1:
+                version, start = known.own, current + 1  # the one commit since is ours
+            for v in range(start, current + 1):
+                found = self._txn_in_commit(table, v, app)
+                if found is _GONE:
+                    version = dt.transaction_version(app)
+                    break
+                if found is not None:
+                    assert isinstance(found, int)
+                    version = found
+        self._txns[(table, app)] = _AppTxn(current, version)
+        return version
+
+    def _txn_in_commit(self, table: str, version: int, app: str) -> object:
+        """The ``txn`` version of ``app`` in commit file ``version`` of ``table`` (None if it has
+        none, :data:`_GONE` if the file is not there)."""
+        data = self.store.read_bytes(f"{table}/_delta_log/{version:020d}.json")
+        if data is None:
+            return _GONE
+        found: int | None = None
+        if app.encode() in data:
+            for line in data.splitlines():
+                if b'"txn"' not in line:
+                    continue
+                txn = json.loads(line).get("txn")
+                if isinstance(txn, dict) and txn.get("appId") == app:
+                    found = int(txn["version"])
+        return found
 
     def _in_history(self, dt: DeltaTable, app: str, version: int) -> bool:
         for entry in dt.history():
@@ -493,7 +577,7 @@ class DeltaCommitter:
                     # a concurrent writer won (metadata change, same app_id) or the store
                     # failed: read the table again and retry
                     log.info("%r: commit to %s lost attempt %d: %s", self, table, attempt, exc)
-                    self._tables.pop(table, None)
+                    self._forget(table)
                     last = exc
                     continue
                 if result is not None:
@@ -524,11 +608,16 @@ class DeltaCommitter:
         first_attempt_ms: int | None,
     ) -> CommitResult | None:
         """One try; None to try again (a racing creator)."""
+        if table in self._absent:
+            # check_schema found no table just now: create it (only if absent: a table created
+            # meanwhile makes the creation fail, and the next attempt appends)
+            self._absent.discard(table)
+            return self._create(table, adds, schema, app, version, custom, attempt)
         dt = self._load(table)
         if dt is None:
             return self._create(table, adds, schema, app, version, custom, attempt)
         if version is not None:
-            done = dt.transaction_version(app)
+            done = self._app_version(dt, table, app)
             if (done is not None and done >= version) or (
                 done is None
                 and self._maybe_expired(dt, first_attempt_ms)
@@ -544,6 +633,7 @@ class DeltaCommitter:
                 return CommitResult(table, None, True, False, (), attempt)
         added = self._merge_schema(dt, table, schema, custom)
         read_version = dt.version()
+        before = self._txns.get((table, app))
         actions: list[AddAction | RemoveAction] = [*adds]
         dt.create_write_transaction(
             actions,
@@ -552,7 +642,10 @@ class DeltaCommitter:
             commit_properties=CommitProperties(
                 custom_metadata=custom, app_transactions=self._txn(app, version)
             ),
+            post_commithook_properties=self._hooks(dt, read_version),
         )
+        if version is not None and before is not None and before.as_of == read_version:
+            self._txns[(table, app)] = _AppTxn(read_version, before.version, own=version)
         return CommitResult(
             table,
             (
@@ -564,6 +657,18 @@ class DeltaCommitter:
             False,
             added,
             attempt,
+        )
+
+    def _hooks(self, dt: DeltaTable, read_version: int) -> PostCommitHookProperties:
+        """delta-rs's post-commit hooks for a commit read at ``read_version``: the checkpoint
+        at the table's interval as always, but the expired-log clean-up (a listing of the whole
+        log, every commit) only with the commits likely to write a checkpoint."""
+        text = dt.metadata().configuration.get(CHECKPOINT_KEY)
+        interval = int(text) if text and text.isdigit() and int(text) > 0 else 0
+        interval = interval or DELTA_RS_CHECKPOINT_INTERVAL
+        due = (read_version + 1) % interval == 0
+        return PostCommitHookProperties(
+            create_checkpoint=True, cleanup_expired_logs=None if due else False
         )
 
     def _own_version(self, table: str, read_version: int, commit_id: str) -> int | None:
@@ -616,6 +721,8 @@ class DeltaCommitter:
                 return None  # it exists now: commit to it as an append
             raise DeltaCommitFailed(f"{self!r}: creating table {table} failed: {exc}") from exc
         log.info("%r: created table %s", self, table)
+        if version is not None:
+            self._txns[(table, app)] = _AppTxn(0, version)  # version 0 is this commit
         return CommitResult(table, 0, False, True, (), attempt)
 
     def _merge_schema(
@@ -662,6 +769,10 @@ class DeltaCommitter:
             dt = self._tables.get(table)
             if dt is None:
                 dt = self._load(table)
+                if dt is None:
+                    self._absent.add(table)
+                else:
+                    self._fresh.add(table)
             if dt is not None:
                 self._missing_columns(dt, table, delta_schema(schema))
 
