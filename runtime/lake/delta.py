@@ -5,11 +5,12 @@ visible as the add actions of **one** Delta transaction per table and micro-batc
 
 **One commit, idempotent.** The commit carries the micro-batch's identity as a Delta
 *application transaction* (``txn`` action: ``app_id``, ``version``). Before committing, the
-table's latest version for ``app_id`` is read (``transaction_version``); if it is at least
-``version`` the batch is already in the table and nothing is written, so a commit retried after
-a crash — by the same process or by whoever recovers its manifest — adds nothing twice. Between
-that read and the commit, delta-rs's conflict checker treats ``app_id`` as read: a concurrent
-commit of the same ``app_id`` fails ours, the retry reads the table again and finds the batch.
+table's latest version for ``app_id`` is read from its log (see "Requests per commit"); if it
+is at least ``version`` the batch is already in the table and nothing is written, so a commit
+retried after a crash — by the same process or by whoever recovers its manifest — adds
+nothing twice. Between that read and the commit, delta-rs's conflict checker treats ``app_id``
+as read: a concurrent commit of the same ``app_id`` fails ours, the retry reads the table
+again and finds the batch.
 
 **app_id and version.** ``app_id`` is ``shoal/<connector>/<writer>`` (:func:`app_id`): a
 writer is one committing instance (a random id chosen when it opens, :func:`new_writer_id`),
@@ -52,11 +53,26 @@ switches delta-rs to a copy-and-delete log store that is unsafe with several wri
 :meth:`DeltaCommitter.check` refuses it for concurrent writers. On GCS, object_store writes
 the commit with a generation precondition (not testable here).
 
+**Requests per commit.** On an object store each request costs milliseconds, and a
+micro-batch's commit waits for them. The committer keeps one ``DeltaTable`` per table open
+and brings it up to date incrementally (one listing, the new commit files), and keeps each
+application's ``txn`` version per table with the table version it holds at: delta-rs 1.6's
+``transaction_version`` reads the checkpoint and every commit file since for each call, so
+the committer reads only the commit files written after the version it knows (immutable; none
+when the one commit since is its own) and asks delta-rs only the first time, or when a file is
+gone. A table :meth:`DeltaCommitter.check_schema` has just loaded (or found missing) is not
+read again by the commit that follows; a stale snapshot is safe anyway: delta-rs fails a
+commit when a commit it did not see carries the same ``app_id``, and the retry reads the table
+again. delta-rs's expired-log clean-up, a listing of the whole log after every commit, runs
+only with the commits due a checkpoint. Measured on moto's server (three tables, 25
+micro-batches): a micro-batch's commits cost 28 requests whatever the log's length (before:
+36–57, growing with the commits since the last checkpoint), 103–136 with a checkpoint.
+
 **Checkpoints.** Tables created here get ``delta.checkpointInterval`` 10 (Delta Lake's own
-default; delta-rs's is 100): delta-rs 1.6 reads every commit file since the last checkpoint for
-each commit it makes, so the interval bounds a commit's requests (measured on moto's server:
-7–17 requests per commit, about 40 for the one that writes a checkpoint; with 100 it grows to
-over 100).
+default; delta-rs's is 100), written by delta-rs after the commit that reaches the interval
+(about 30 requests a table on moto's server): it keeps a reader's (and a restarted
+committer's first) load of the table short. Expired log files (older than
+``delta.logRetentionDuration``, default 30 days) are deleted with those commits.
 
 **Statistics.** Every add action carries ``numRecords`` and, where the parquet footer has them,
 per-column ``minValues``/``maxValues``/``nullCount`` of top-level numeric, boolean, date,
