@@ -395,7 +395,8 @@ class DeltaCommitter:
         # them (check_schema loaded it just now): the next commit needs no update first
         self._fresh: set[str] = set()
         self._absent: set[str] = set()  # tables check_schema found missing (to be created)
-        self._txns: dict[tuple[str, str], _AppTxn] = {}  # (table, app): its txn version
+        # table -> app -> its txn version (one table's entries are used under its lock)
+        self._txns: dict[str, dict[str, _AppTxn]] = {}
         self._rng = random.Random()
         self.conflicts = 0  # commit attempts lost to a concurrent writer or a store error
 
@@ -478,8 +479,7 @@ class DeltaCommitter:
         self._tables.pop(table, None)
         self._fresh.discard(table)
         self._absent.discard(table)
-        for key in [k for k in self._txns if k[0] == table]:
-            del self._txns[key]
+        self._txns.pop(table, None)
 
     def committed(self, table: str, app: str) -> int | None:
         """Blocking: the latest version of application ``app`` committed to ``table``."""
@@ -496,7 +496,7 @@ class DeltaCommitter:
         none at all when the one commit since is this committer's own, whose ``txn`` it knows);
         delta-rs is asked only the first time, or when a file is gone or the table went back."""
         current = dt.version()
-        known = self._txns.get((table, app))
+        known = self._txns.get(table, {}).get(app)
         version: int | None
         if (
             known is None
@@ -516,7 +516,7 @@ class DeltaCommitter:
                 if found is not None:
                     assert isinstance(found, int)
                     version = found
-        self._txns[(table, app)] = _AppTxn(current, version)
+        self._txns.setdefault(table, {})[app] = _AppTxn(current, version)
         return version
 
     def _txn_in_commit(self, table: str, version: int, app: str) -> object:
@@ -649,7 +649,7 @@ class DeltaCommitter:
                 return CommitResult(table, None, True, False, (), attempt)
         added = self._merge_schema(dt, table, schema, custom)
         read_version = dt.version()
-        before = self._txns.get((table, app))
+        before = self._txns.get(table, {}).get(app)
         actions: list[AddAction | RemoveAction] = [*adds]
         dt.create_write_transaction(
             actions,
@@ -661,7 +661,7 @@ class DeltaCommitter:
             post_commithook_properties=self._hooks(dt, read_version),
         )
         if version is not None and before is not None and before.as_of == read_version:
-            self._txns[(table, app)] = _AppTxn(read_version, before.version, own=version)
+            self._txns[table][app] = _AppTxn(read_version, before.version, own=version)
         return CommitResult(
             table,
             (
@@ -738,7 +738,7 @@ class DeltaCommitter:
             raise DeltaCommitFailed(f"{self!r}: creating table {table} failed: {exc}") from exc
         log.info("%r: created table %s", self, table)
         if version is not None:
-            self._txns[(table, app)] = _AppTxn(0, version)  # version 0 is this commit
+            self._txns.setdefault(table, {})[app] = _AppTxn(0, version)  # version 0 is ours
         return CommitResult(table, 0, False, True, (), attempt)
 
     def _merge_schema(
