@@ -632,23 +632,15 @@ class DeltaCommitter:
         dt = self._load(table)
         if dt is None:
             return self._create(table, adds, schema, app, version, custom, attempt)
-        if version is not None:
-            done = self._app_version(dt, table, app)
-            if (done is not None and done >= version) or (
-                done is None
-                and self._maybe_expired(dt, first_attempt_ms)
-                and self._in_history(dt, app, version)
-            ):
-                log.info(
-                    "%r: batch %s/%d is already in table %s: nothing committed",
-                    self,
-                    app,
-                    version,
-                    table,
-                )
-                return CommitResult(table, None, True, False, (), attempt)
+        if self._already(dt, table, app, version, first_attempt_ms):
+            return CommitResult(table, None, True, False, (), attempt)
+        checked = dt.version()
         added = self._merge_schema(dt, table, schema, custom)
         read_version = dt.version()
+        if read_version != checked and self._already(dt, table, app, version, first_attempt_ms):
+            # the snapshot moved on (columns added): a recovery may have committed the batch
+            # meanwhile, in a commit our commit would not conflict with any more
+            return CommitResult(table, None, True, False, added, attempt)
         before = self._txns.get(table, {}).get(app)
         actions: list[AddAction | RemoveAction] = [*adds]
         dt.create_write_transaction(
@@ -674,6 +666,33 @@ class DeltaCommitter:
             added,
             attempt,
         )
+
+    def _already(
+        self,
+        dt: DeltaTable,
+        table: str,
+        app: str,
+        version: int | None,
+        first_attempt_ms: int | None,
+    ) -> bool:
+        """Whether ``app`` committed ``version`` (or a later one) to the table, as of ``dt``."""
+        if version is None:
+            return False
+        done = self._app_version(dt, table, app)
+        if (done is not None and done >= version) or (
+            done is None
+            and self._maybe_expired(dt, first_attempt_ms)
+            and self._in_history(dt, app, version)
+        ):
+            log.info(
+                "%r: batch %s/%d is already in table %s: nothing committed",
+                self,
+                app,
+                version,
+                table,
+            )
+            return True
+        return False
 
     def _hooks(self, dt: DeltaTable, read_version: int) -> PostCommitHookProperties:
         """delta-rs's post-commit hooks for a commit read at ``read_version``: the checkpoint
@@ -738,14 +757,30 @@ class DeltaCommitter:
             raise DeltaCommitFailed(f"{self!r}: creating table {table} failed: {exc}") from exc
         log.info("%r: created table %s", self, table)
         if version is not None:
-            self._txns.setdefault(table, {})[app] = _AppTxn(0, version)  # version 0 is ours
-        return CommitResult(table, 0, False, True, (), attempt)
+            # usually version 0; but a writer creating the table at the same moment may have
+            # written version 0, and delta-rs then commits ours (protocol, metadata, adds and
+            # txn) as the next version
+            self._txns.setdefault(table, {})[app] = _AppTxn(-1, None, own=version)
+        return CommitResult(
+            table,
+            self._own_version(table, -1, custom["shoal.commit"]) if self.find_versions else None,
+            False,
+            True,
+            (),
+            attempt,
+        )
 
     def _merge_schema(
         self, dt: DeltaTable, table: str, schema: DeltaSchema, custom: dict[str, Any]
     ) -> tuple[str, ...]:
-        """Commit the columns of ``schema`` the table lacks (a metadata-only commit)."""
+        """Commit the columns of ``schema`` the table lacks (a metadata-only commit). The
+        snapshot may be the one check_schema loaded (not brought up to date for the commit):
+        before adding columns it is, so a column another writer added meanwhile is not added
+        twice."""
         missing = self._missing_columns(dt, table, schema)
+        if missing:
+            dt.update_incremental()
+            missing = self._missing_columns(dt, table, schema)
         if not missing:
             return ()
         names = tuple(f.name for f in missing)
