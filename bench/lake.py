@@ -33,9 +33,17 @@ of the window: ``lost`` (rows missing) and ``duplicates`` (rows more than once, 
 window) over all runs. ``spark_jobs_per_batch`` is the runs' Spark jobs per micro-batch with
 rows (their summaries: the typed write counts its jobs).
 
+**S3 requests** of the timed runs, counted from moto's log (exact, whatever the machine's load):
+``s3_requests_per_batch`` is all of a run's requests (its start, the executors' data files, the
+receipts, the Delta commits, its progress files) over its micro-batches;
+``s3_log_requests_per_commit`` the requests on the Delta logs (``<table>/_delta_log/``: reading
+the table, committing, checkpoints) over the Delta commits the run made (one per table and
+micro-batch; the metadata commits of new columns count too).
+
 Last line: ``{"scenario": "lake", "store": "s3", "table_format": "delta", "tables", "rows",
 "spark_jobs_per_batch", "lost", "duplicates", "killed", "exited_by_itself", "floor_ratio",
-"rows_per_s", "floor_rows_per_s", "local_floor_rows_per_s", ...}``.
+"rows_per_s", "floor_rows_per_s", "local_floor_rows_per_s", "s3_requests_per_batch",
+"s3_log_requests_per_commit", ...}``.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -64,7 +73,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterComm
 
 from bench.procs import tree
 from protocol.records import DataChange
-from runtime.lake.s3server import S3Server, S3Unavailable, running_s3_server
+from runtime.lake.s3server import S3Request, S3Server, S3Unavailable, running_s3_server
 from runtime.sim.stream import StreamModel, StreamParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,11 +299,31 @@ def _compare(got: collections.Counter[str], expected: collections.Counter[str]) 
     return lost, dup
 
 
+_LOG_COMMIT = re.compile(r"/_delta_log/\d{20}\.json$")
+
+
+class _Requests(collections.Counter[str]):
+    """S3 requests by kind: ``all``, ``log`` (on a Delta log), ``commits`` (log versions
+    written), ``timed_batches`` (the micro-batches of the runs counted)."""
+
+    def add(self, requests: list[S3Request]) -> None:
+        for r in requests:
+            self["all"] += 1
+            if "/_delta_log/" in r.key:
+                self["log"] += 1
+                if r.method == "PUT" and r.status == 200 and _LOG_COMMIT.search(r.key):
+                    self["commits"] += 1
+
+    def per(self, kind: str, of: str) -> float | None:
+        return round(self[kind] / self[of], 1) if self[of] else None
+
+
 class _Tally:
     def __init__(self) -> None:
         self.lost = self.duplicates = self.jobs = self.writes = 0
         self.exited = True
         self.runs = 0
+        self.requests = _Requests()
 
 
 def _run_timed(
@@ -311,10 +340,13 @@ def _run_timed(
     start, end = window
     summary = work / f"{name}.json"
     log = work / f"{name}.log"
+    offset = s3.log_offset()
     t0 = time.monotonic()
     rc = _wait(_cli(s3, _args(s3, name, start, end, summary, extra), log), log, 900)
     wall = time.monotonic() - t0
     tally.runs += 1
+    requests = _Requests()
+    requests.add(s3.requests(offset))
     lost, dup = _compare(_read_rows(s3, name, tables), expected)
     tally.lost += lost
     tally.duplicates += dup
@@ -325,6 +357,8 @@ def _run_timed(
     figures = json.loads(summary.read_text())
     tally.jobs += figures.get("spark_jobs") or 0
     tally.writes += figures.get("spark_writes") or 0
+    requests["timed_batches"] = figures.get("spark_writes") or 0
+    tally.requests.update(requests)
     busy = figures.get("sink_write_s")
     rows = sum(expected.values())
     rate = rows / busy if busy else None
@@ -332,7 +366,10 @@ def _run_timed(
         f"  {name}: exit 0 in {wall:.1f} s; rows written {figures.get('rows_written')}, "
         f"{figures.get('spark_writes')} micro-batches, {figures.get('spark_jobs')} Spark jobs, "
         f"first put to last commit {busy or 0:.2f} s ({rate or 0:,.0f} rows/s); "
-        f"lost {lost}, duplicates {dup}"
+        f"lost {lost}, duplicates {dup}; S3 requests {requests['all']} "
+        f"({requests.per('all', 'timed_batches')} per micro-batch), on the Delta logs "
+        f"{requests['log']} ({requests.per('log', 'commits')} per Delta commit, "
+        f"{requests['commits']} commits)"
     )
     return rate
 
@@ -496,6 +533,8 @@ def main(argv: list[str]) -> int:
                 "rows_per_s": round(_median(lake)),
                 "floor_rows_per_s": round(_median(floor)),
                 "local_floor_rows_per_s": round(_median(local)),
+                "s3_requests_per_batch": tally.requests.per("all", "timed_batches"),
+                "s3_log_requests_per_commit": tally.requests.per("log", "commits"),
                 "rounds": args.rounds,
                 "max_rows": args.max_rows,
                 "quick": args.quick,

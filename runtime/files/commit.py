@@ -30,8 +30,10 @@ into place, commits each Delta table and writes each partition's progress file a
 in parallel threads: past the commit point each is idempotent and independent of the others) and
 deletes the manifest. :meth:`recover` applies the manifests a killed
 process left and deletes staged directories no manifest names once they are older than
-``garbage_age_s``; it runs at open and before :meth:`committed` answers. :meth:`committed` reads
-one progress file.
+``garbage_age_s``; it runs at open and before :meth:`committed` answers (which looks for
+left-over staged directories at most once a minute: on an object store that is a listing of
+every staged file, and a reader of a new partition asks once per partition). :meth:`committed`
+reads one progress file.
 
 **Corrupt state stops loudly**: a progress file or manifest that cannot be decoded (truncated,
 emptied, overwritten) raises :class:`CorruptState` (an ``Unrecoverable``: the run stops with exit
@@ -122,6 +124,8 @@ __all__ = [
 
 log = logging.getLogger("shoal.commit")
 
+COLLECT_EVERY_S = 60.0  # committed() looks for staged left-overs at most this often
+
 
 class CommitRefused(RuntimeError):
     """The lease ran out before the commit point: nothing of the batch was committed."""
@@ -203,6 +207,7 @@ class Committer:
         self.recovered = 0  # manifests applied at recovery
         self.fences = CommitFences()  # guarded by _lock
         self._forgotten: deque[int] = deque()  # keys to forget at the next locked call
+        self._next_collect = float("-inf")  # committed() looks for staged left-overs from then
 
     def __repr__(self) -> str:
         return f"Committer({self.store.uri_for()!r}, connector={self.connector!r})"
@@ -282,7 +287,11 @@ class Committer:
         """Blocking: partition ``token``'s committed position by this output's own record, after
         applying what a killed process left (one progress file)."""
         with self._lock:
-            self._recover()
+            now = self.clock()
+            collect = now >= self._next_collect
+            if collect:
+                self._next_collect = now + COLLECT_EVERY_S
+            self._recover(collect=collect)
             position = self._positions[token] = self._read_position(token)
             return position
 
@@ -511,7 +520,8 @@ class Committer:
         with self._lock:
             return self._recover()
 
-    def _recover(self) -> int:
+    def _recover(self, *, collect: bool = True) -> int:
+        """Apply the manifests left behind; ``collect``: also delete old staged left-overs."""
         manifests: list[Manifest] = []
         for entry in self.store.list_files(self._commits, recursive=False):
             name = entry.path.rsplit("/", 1)[-1]
@@ -534,6 +544,8 @@ class Committer:
             log.warning("%r: applying batch %s left by a stopped process", self, manifest.batch)
             self._apply(manifest)
         self.recovered += len(manifests)
+        if not collect:
+            return len(manifests)
         staged = [
             (f"{self._staging}/{name}", mtime)
             for name, mtime in self.store.dir_mtimes(self._staging)

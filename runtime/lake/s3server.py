@@ -5,17 +5,21 @@ broker and ``runtime/spanner/emulator.py`` are their Kafka and Spanner. Not for 
 :func:`running_s3_server` starts one in its own process with one bucket and random test
 credentials (so a test can look for them in logs and output), and stops it after.
 :class:`S3Unavailable`: moto's server or boto3 is not installed (``pip install 'moto[server]'
-boto3``)."""
+boto3``).
+:meth:`S3Server.requests` reads back the requests the server answered (from its log), so a
+test or a bench can count what a commit costs in requests."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -23,11 +27,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["S3Server", "S3Unavailable", "running_s3_server"]
+__all__ = ["S3Request", "S3Server", "S3Unavailable", "running_s3_server"]
+
+# werkzeug's request line, coloured by status: ... "GET /bucket/key?query HTTP/1.1" 200 -
+_COLOUR = rb"(?:\x1b\[[0-9;]*m)*"
+_REQUEST = re.compile(rb'"' + _COLOUR + rb"([A-Z]+) (\S+) HTTP/[0-9.]+" + _COLOUR + rb'" (\d{3})')
 
 
 class S3Unavailable(RuntimeError):
     """moto's server or boto3 is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class S3Request:
+    """One request the server answered: ``key`` is the object key (or the listing's
+    ``prefix``) without the bucket; ``listing`` for a bucket listing."""
+
+    method: str
+    key: str
+    listing: bool
+    status: int
+
+
+def _parse_request(method: bytes, target: bytes, status: bytes) -> S3Request:
+    path, _, query = target.decode(errors="replace").partition("?")
+    parts = path.lstrip("/").split("/", 1)
+    key = urllib.parse.unquote(parts[1]) if len(parts) > 1 else ""
+    listing = False
+    if not key and query:
+        for item in query.split("&"):
+            name, _, value = item.partition("=")
+            if name == "prefix":
+                key = urllib.parse.unquote(value)
+            elif name == "list-type":
+                listing = True
+    return S3Request(method.decode(), key, listing, int(status))
 
 
 @dataclass(frozen=True)
@@ -58,6 +92,33 @@ class S3Server:
             "AWS_ACCESS_KEY_ID": self.env["AWS_ACCESS_KEY_ID"],
             "AWS_SECRET_ACCESS_KEY": self.env["AWS_SECRET_ACCESS_KEY"],
         }
+
+    def log_offset(self) -> int:
+        """Where the server's log ends now: :meth:`requests` ``since`` it counts what follows."""
+        return self.log_path.stat().st_size
+
+    def requests(self, since: int = 0) -> list[S3Request]:
+        """The S3 requests the server answered after log offset ``since`` (its health checks,
+        ``/moto-api/``, left out). moto's server logs a request after answering it, so this
+        first sends a marker request of its own and waits (up to 10 s) for it in the log:
+        the requests answered before are then logged too."""
+        marker = f"_shoal-log-marker-{uuid.uuid4().hex}"
+        with contextlib.suppress(Exception):  # a 404 is the expected answer
+            self.client().head_object(Bucket=self.bucket, Key=marker)
+        deadline = time.monotonic() + 10
+        while True:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                data = f.read()
+            if marker.encode() in data or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        return [
+            request
+            for m in _REQUEST.finditer(data)
+            if not m.group(2).startswith(b"/moto-api")
+            and (request := _parse_request(m.group(1), m.group(2), m.group(3))).key != marker
+        ]
 
     def client(self) -> Any:
         """A boto3 S3 client of this server."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -210,6 +211,7 @@ class Store:
             self.uri = f"gs://{self.base}"
             self.fs = pafs.GcsFileSystem()
         self._boto: Any = None
+        self._boto_lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_reopen, (self.kind, self.base, self.option, self.endpoint, self.region))
@@ -312,7 +314,10 @@ class Store:
     # --- reading ----------------------------------------------------------------------------
 
     def read_bytes(self, rel: str) -> bytes | None:
-        """The content of ``rel``, or None if there is no such file."""
+        """The content of ``rel``, or None if there is no such file. On S3 with boto3 one GET
+        (pyarrow asks for the object's size first: two)."""
+        if self.kind == "s3" and self.supports_create_if_absent:
+            return self._s3_get(self.path(rel))
         try:
             with self.fs.open_input_stream(self.path(rel)) as f:
                 data: bytes = f.read()
@@ -456,11 +461,15 @@ class Store:
         )
 
     def _s3_client(self) -> Any:
-        if self._boto is None:
-            import boto3
+        with self._boto_lock:  # boto3 makes clients thread-unsafely; a client is thread-safe
+            if self._boto is None:
+                import boto3
 
-            self._boto = boto3.client("s3", endpoint_url=self.endpoint, region_name=self.region)
-        return self._boto
+                session = boto3.session.Session()
+                self._boto = session.client(
+                    "s3", endpoint_url=self.endpoint, region_name=self.region
+                )
+            return self._boto
 
     def _s3_put_if_absent(self, path: str, data: bytes) -> bool:
         import botocore.exceptions
@@ -488,12 +497,72 @@ class Store:
         os.rename(self.path(src), target)
 
     def delete(self, rel: str) -> None:
-        """Delete the file ``rel``; nothing if it is not there."""
+        """Delete the file ``rel``; nothing if it is not there. On S3 with boto3 this is one
+        DELETE request (pyarrow's asks first whether the object is there, and after deleting
+        it writes an empty marker object for its parent "directory": three requests); a store
+        error is an ``OSError`` either way."""
+        if self.kind == "s3" and self.supports_create_if_absent:
+            self._s3_delete(self.path(rel))
+            return
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path(rel))
 
+    def _s3_get(self, path: str) -> bytes | None:
+        import botocore.exceptions
+
+        bucket, _, key = path.partition("/")
+        try:
+            response = self._s3_client().get_object(Bucket=bucket, Key=key)
+            data: bytes = response["Body"].read()
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise OSError(f"reading s3://{path} failed: {exc}") from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise OSError(f"reading s3://{path} failed: {exc}") from exc
+        return data
+
+    def _s3_delete_prefix(self, prefix: str) -> None:
+        import botocore.exceptions
+
+        bucket, _, key_prefix = prefix.partition("/")
+        client = self._s3_client()
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=key_prefix
+            ):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if not keys:
+                    continue
+                answer = client.delete_objects(
+                    Bucket=bucket, Delete={"Objects": keys, "Quiet": True}
+                )
+                if answer.get("Errors"):
+                    first = answer["Errors"][0]
+                    raise OSError(
+                        f"deleting under s3://{prefix} failed for {len(answer['Errors'])} "
+                        f"objects, e.g. {first.get('Key')}: {first.get('Code')} "
+                        f"{first.get('Message')}"
+                    )
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise OSError(f"deleting under s3://{prefix} failed: {exc}") from exc
+
+    def _s3_delete(self, path: str) -> None:
+        import botocore.exceptions
+
+        bucket, _, key = path.partition("/")
+        try:
+            self._s3_client().delete_object(Bucket=bucket, Key=key)  # absent: 204 all the same
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise OSError(f"deleting s3://{path} failed: {exc}") from exc
+
     def delete_tree(self, rel: str) -> None:
-        """Delete the directory ``rel`` and everything under it; nothing if it is not there."""
+        """Delete the directory ``rel`` and everything under it; nothing if it is not there.
+        On S3 with boto3 a listing and one batch delete (pyarrow also asks first whether it
+        is there and writes a marker object for its parent after)."""
+        if self.kind == "s3" and self.supports_create_if_absent:
+            self._s3_delete_prefix(self.path(rel).rstrip("/") + "/")
+            return
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_dir(self.path(rel))
 

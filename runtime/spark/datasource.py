@@ -177,7 +177,12 @@ _receipt_decoder = msgspec.json.Decoder(Receipt)
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     """The file system of a location and the location's path in it: a local path, ``file://``,
     ``s3://``, ``gs://`` (credentials from the standard environment and credential chains).
-    The one place the typed write opens a file system, in executors and in the caller."""
+    The one place the typed write opens a file system, in executors and in the caller. On S3
+    a file smaller than a multipart upload's part is written by one PUT when it closes
+    (``allow_delayed_open``), not by a multipart upload of three requests; either way it
+    appears whole or not at all."""
+    if uri.startswith(("s3://", "s3a://")) and "?" not in uri:
+        uri += "?allow_delayed_open=true"
     fs, path = pafs.FileSystem.from_uri(uri)
     return fs, path.rstrip("/")
 
@@ -568,9 +573,10 @@ def write_staged_typed(
 
     ``tables_uri`` (Delta tables): the tasks write each table's files straight into
     ``<tables_uri>/<table>/`` (named by ``batch``, :func:`data_file_name`, with their Delta
-    statistics), not under ``staging_uri``, which then holds only the receipt; nothing there is
-    visible until a Delta commit names the files. Files of task attempts Spark did not commit,
-    and of a write that failed, are deleted (:func:`drop_write`)."""
+    statistics), not under ``staging_uri``, which then holds only the receipt (not listed
+    here: the caller deletes the staging location); nothing there is visible until a Delta
+    commit names the files. Files of task attempts Spark did not commit, and of a write that
+    failed, are deleted (:func:`drop_write`)."""
     write_id = uuid.uuid4().hex
     if wire.num_rows == 0:
         return Receipt(write_id, (), spark_jobs=0)
@@ -614,7 +620,8 @@ def write_staged_typed(
             except Exception as exc:  # the write's own error is the one to raise
                 log.warning("typed write %s: deleting its files failed: %s", write_id, exc)
         raise
-    dropped = drop_unlisted(staging_uri, receipt)
+    # Delta tables: the staging location holds only the receipt (the caller deletes it)
+    dropped = drop_unlisted(staging_uri, receipt) if tables_uri is None else []
     if tables_uri is not None:
         retried = sorted({f.table for t in receipt.tasks if t.attempt for f in t.files})
         if retried:  # a task that ran again may have left files of its failed attempt

@@ -200,3 +200,38 @@ def test_parquet_commit_killed_mid_way_is_finished_once(output: Output, kill_at:
         assert_catches_a_double(exactly(batch_ids(1, 2)), output.parquet_ids(table))
     assert not output.store.list_files("_staging")
     assert Committer(output.store, connector="lake").committed("p") == position(2)
+
+
+@pytest.mark.s3
+def test_a_new_partitions_position_costs_a_listing_and_a_read(s3_env: S3Server) -> None:
+    """A reader of each new partition asks the committer for its position: on S3 that is a
+    listing of the manifests left behind and one read of the progress file; the look for
+    staged left-overs (a listing of every staged file) comes with the first question and then
+    at most once a minute. A staged left-over older than ``garbage_age_s`` is deleted by it."""
+    now = [1e12]
+    store = open_store(s3_env.uri(f"pos-{uuid.uuid4().hex[:8]}"))
+    committer = Committer(store, garbage_age_s=0.0, clock=lambda: now[0])
+
+    def asked(token: str) -> list[str]:
+        since = s3_env.log_offset()
+        assert committer.committed(token) is None
+        kinds = []
+        for r in s3_env.requests(since):
+            places = ("commits", "_staging", "progress")
+            where = next((k for k in places if f"/{k}/" in r.key), "bucket")
+            kinds.append(f"{'list' if r.listing else r.method} {where}")
+        return kinds
+
+    assert asked("p0") == ["list commits", "list _staging", "GET progress"]
+    store.write_bytes(f"{committer.staged('left')}/t/part-0.parquet", b"x")
+    assert asked("p1") == ["list commits", "GET progress"]
+    assert store.list_files(committer.staged("left"))  # not looked for yet
+    now[0] += 61
+    assert asked("p2") == [
+        "list commits",
+        "list _staging",
+        "list _staging",  # deleting it
+        "POST bucket",  # a batch delete
+        "GET progress",
+    ]
+    assert not store.list_files(committer.staged("left"))

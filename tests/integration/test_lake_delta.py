@@ -161,6 +161,72 @@ def test_schema_merge(lake: Lake) -> None:
     assert len(lake.ids("t")) == 6
 
 
+def test_a_batch_another_committer_committed_meanwhile_is_found(lake: Lake) -> None:
+    """The committer keeps each application's transaction version per table and brings it
+    forward from the commit files written after it: a batch of its application committed by
+    another committer meanwhile (a recovery of its manifest), with a foreign writer's commits
+    in between, is found and not committed again; its own later batches still commit."""
+    a = DeltaCommitter(lake.store)
+    b = DeltaCommitter(lake.store)  # another process recovering a's manifest
+    other = DeltaCommitter(lake.store)  # a writer of its own application
+    app, foreign = app_id("conn", new_writer_id()), app_id("conn", new_writer_id())
+
+    def commit(c: DeltaCommitter, batch: int, application: str, version: int) -> bool:
+        data = batch_table(batch, 2, 0, None)
+        f = write_data_file(lake.store, "t", data)
+        result = c.commit("t", [f], data.schema, app=application, version=version)
+        if result.already:
+            c.discard("t", [f])
+        return result.already
+
+    assert not commit(a, 1, app, 1)  # creates the table
+    assert not commit(a, 2, app, 2)
+    assert a.committed("t", app) == 2
+    assert not commit(other, 100, foreign, 1)
+    assert not commit(b, 3, app, 3)  # a's batch 3, committed by the recovery
+    assert not commit(other, 101, foreign, 2)
+    assert commit(a, 3, app, 3)  # a's own retry of batch 3: found, nothing added
+    assert not commit(a, 4, app, 4)
+    assert not commit(a, 5, app, 5)  # the one commit since a's last is its own
+    assert commit(b, 5, app, 5)
+    expected = ids_of(range(1, 6), rows=2) + ids_of(range(100, 102), rows=2)
+    assert lake.ids("t") == sorted(expected)
+    assert lake.table("t").transaction_version(app) == 5
+    assert (a.committed("t", app), a.committed("t", foreign)) == (5, 2)
+    # control: without the application transaction the same retry adds the batch again
+    data = batch_table(3, 2, 0, None)
+    f = write_data_file(lake.store, "t", data)
+    assert not a.commit("t", [f], data.schema, app=app, version=None).already
+    assert Counter(lake.ids("t"))[6] == 2
+
+
+@pytest.mark.s3
+def test_a_commit_costs_the_same_few_requests_however_long_the_log(s3_env: S3Server) -> None:
+    """A micro-batch's commit to a table it committed to before costs a fixed number of S3
+    requests (bring the snapshot up to date, write the commit), not one more per commit file
+    since the last checkpoint, as delta-rs's own transaction lookup does (control: it reads
+    every commit file of the log tail)."""
+    lake = s3_lake(s3_env)
+    committer = DeltaCommitter(lake.store, find_versions=False)
+    app = app_id("conn", new_writer_id())
+    counts = []
+    for batch in range(1, 10):  # versions 0-8: no checkpoint (every 10)
+        data = batch_table(batch, 2, 0, None)
+        f = write_data_file(lake.store, "t", data)
+        since = s3_env.log_offset()
+        committer.commit("t", [f], data.schema, app=app, version=batch)
+        counts.append(len(s3_env.requests(since)))
+    assert len(set(counts[2:])) == 1, counts  # the second loads the table
+    assert counts[-1] <= 8, counts
+    # control: delta-rs's lookup of the same answer reads the log's eight commit files after
+    # version 0 (and the table's first commit)
+    dt = lake.table("t")
+    since = s3_env.log_offset()
+    assert dt.transaction_version(app) == 9
+    logs = [r for r in s3_env.requests(since) if r.key.endswith(".json") and r.method == "GET"]
+    assert len(logs) >= 8
+
+
 def test_delta_rs_append_alone_drops_a_new_column(tmp_path: Path) -> None:
     """Why the committer adds columns in a metadata commit first: delta-rs 1.6's append of
     external files ignores the schema it is given (if this starts failing, delta-rs learned

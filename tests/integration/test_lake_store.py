@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import pickle
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -130,13 +132,67 @@ def test_operations(store: Store) -> None:
     store.delete("a/x.json")
     store.delete("a/x.json")  # missing: nothing
     assert not store.exists("a/x.json")
+    store.write_bytes("ab/k.json", b"k")  # a sibling whose name starts the same
     store.delete_tree("a")
     store.delete_tree("a")
-    assert [e.path for e in store.list_files()] == ["c/z.json", "locks/one", "t/part-0.parquet"]
+    assert [e.path for e in store.list_files()] == [
+        "ab/k.json",
+        "c/z.json",
+        "locks/one",
+        "t/part-0.parquet",
+    ]
     # a pickled store (what a Spark executor gets) works and carries no credential
     again = pickle.loads(pickle.dumps(store))
     assert again == store
     assert again.read_bytes("c/z.json") == b"zz"
+
+
+@pytest.mark.s3
+def test_s3_operations_cost_one_request_each(s3_env: S3Server) -> None:
+    """What a commit does on S3, in requests (counted by moto's server): reading, writing and
+    deleting a small object are one request each, emptying a directory a listing and one
+    batch delete, and the typed write's file system writes a small data file with one PUT.
+    Control: pyarrow's own file system needs two to read and three to delete or to write
+    through a multipart upload."""
+    from runtime.spark.datasource import filesystem
+
+    store = open_store(s3_env.uri(f"cost-{uuid.uuid4().hex[:8]}"))
+
+    def cost(action: Callable[[], object]) -> list[str]:
+        since = s3_env.log_offset()
+        action()
+        return [r.method for r in s3_env.requests(since)]
+
+    assert cost(lambda: store.write_bytes("d/x.json", b"x")) == ["PUT"]
+    store.write_bytes("d/y.json", b"y")
+    assert cost(lambda: store.read_bytes("d/x.json")) == ["GET"]
+    assert cost(lambda: store.read_bytes("d/missing.json")) == ["GET"]
+    assert cost(lambda: store.delete("d/x.json")) == ["DELETE"]
+    assert store.read_bytes("d/x.json") is None
+    store.write_bytes("d/e/z.json", b"z")
+    assert cost(lambda: store.delete_tree("d")) == ["GET", "POST"]  # list, delete both
+    assert store.list_files() == []
+    fs, base = filesystem(store.uri_for("data"))
+
+    def put() -> None:
+        with fs.open_output_stream(f"{base}/part-0.parquet") as out:
+            out.write(b"p" * 1000)
+
+    assert cost(put) == ["PUT"]
+    # control: pyarrow's file system without the delayed open, and its read and delete
+    plain, path = pafs.FileSystem.from_uri(store.uri_for("plain"))
+
+    def plain_put() -> None:
+        with plain.open_output_stream(f"{path}/f") as out:
+            out.write(b"p")
+
+    def plain_read() -> None:
+        with plain.open_input_stream(f"{path}/f") as f:
+            f.read()
+
+    assert cost(plain_put) == ["POST", "PUT", "POST"]
+    assert cost(plain_read) == ["HEAD", "GET"]
+    assert cost(lambda: plain.delete_file(f"{path}/f")) == ["HEAD", "DELETE", "PUT"]
 
 
 def test_rename_only_where_atomic(store: Store) -> None:
