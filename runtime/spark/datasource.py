@@ -29,14 +29,14 @@ task gets runs of whole tables and a micro-batch of ``n`` tables makes at most
 Back in the caller, :func:`write_staged_typed` reads the receipt (of this write: a random write
 id ties them), checks it holds every row of the wire table, and deletes every other file under
 the staging location (those of failed task attempts). What is staged is then committed by the
-caller (the Spark bridge: ``runtime.commit``'s renames, or copies on an object store).
+caller (the Spark bridge: ``runtime.files.commit``'s renames, or copies on an object store).
 
 **Delta tables** (``tables_uri``): the executors write each table's file straight into the
 Delta table's directory, ``<tables>/<table>/part-<batch>-<write>p<partition>a<attempt>.parquet``
 (invisible to readers until a Delta commit names it), with the statistics of its add action
 from the footer they just wrote; the staging location holds only the receipt. The caller
 commits the receipt's files as one Delta transaction per table (the Spark bridge:
-``runtime.commit``'s ``tables=``, idempotent by its application transaction); files of task
+``runtime.files.commit``'s ``tables=``, idempotent by its application transaction); files of task
 attempts Spark did not count, or of a write that failed, are found by the write's id in their
 name and deleted (:func:`drop_write`); a process killed before its commit leaves files that no
 Delta log names (``VACUUM`` removes them).
@@ -452,7 +452,7 @@ class TypedStreamChangelog(DataSource):
 
 def data_file_name(batch: str, write_id: str, partition: int, attempt: int) -> str:
     """The name of a Delta data file a task writes: ``part-<batch>-<write>p<task>a<attempt>``
-    (the micro-batch can be told from it, as from ``runtime.typed_files.delta_file_name``;
+    (the micro-batch can be told from it, as from ``runtime.files.typed.delta_file_name``;
     :func:`drop_write` finds a write's files by the prefix before ``p``)."""
     return f"{_write_prefix(batch, write_id)}p{partition:05d}a{attempt}.parquet"
 
@@ -462,7 +462,7 @@ def _write_prefix(batch: str, write_id: str) -> str:
 
 
 def _encode_with_stats(table: pa.Table) -> tuple[pa.Buffer, str]:
-    """A Delta data file's bytes (as :func:`runtime.typed_files.encode_parquet`) and the
+    """A Delta data file's bytes (as :func:`runtime.files.typed.encode_parquet`) and the
     statistics of its add action, from the footer just written."""
     import pyarrow.parquet as pq
 
