@@ -10,7 +10,9 @@ Every connector starts with a snapshot of ``--snapshot-partitions`` partitions (
 partitions announced and ended, with the tasks, kills, zombies and hand-offs of the default
 mode; besides its invariants a seed checks every key's changes reach the sink in timestamp
 order. ``--ignore-move-in-holds`` is its teeth: the same seeds with the holds ignored must
-fail. ``--model-only`` runs instead the small lifecycle model of that module (no tasks: the
+fail; ``--ignore-claims`` reads a partition announced by a partition start at once instead of
+claiming it (half the model's new partitions are announced by two partitions: some seeds then
+read one partition on two tasks). ``--model-only`` runs instead the small lifecycle model of that module (no tasks: the
 lifecycle core alone against readers at unrelated speeds, milliseconds a seed)."""
 
 from __future__ import annotations
