@@ -167,6 +167,7 @@ async def open_task(
     start_at: int | None = None,
     end_at: int | None = None,
     drain_timeout: float = 30.0,
+    loop_lag: Callable[[], float] | None = None,
 ) -> AsyncIterator[TaskNode]:
     """Run one task in the caller's event loop; see the module docstring. Give exactly one of
     ``sink`` and ``on_batch``. ``stream_start`` (Unix micros) is where a never-started stream
@@ -179,7 +180,11 @@ async def open_task(
     every partition is read up to it (inclusive) and then finishes, and
     ``node.nothing_left()`` turns true once the whole connector got there (every task's CIM
     shows it): leave the block then. A first start (nothing in the sync topic) after
-    ``end_at`` would read nothing: entering the block raises :class:`actors.node.EmptyWindow`."""
+    ``end_at`` would read nothing: entering the block raises :class:`actors.node.EmptyWindow`.
+
+    ``loop_lag``: how late (seconds) the caller's event loop has lately run, e.g. the
+    ``recent`` method of a :class:`runtime.looplag.LoopLag` fed by ``watch_loop``; the lease
+    margin grows by it (docs/design.md#membership-and-leases)."""
     from runtime.bounded import BoundedSource
     from runtime.kafka import KafkaMembership, KafkaSyncLog
 
@@ -194,7 +199,7 @@ async def open_task(
         raise ValueError(f"task.task_id {task_config.task_id!r} differs from {task_id!r}")
 
     async def join(member: str) -> Membership:
-        membership = KafkaMembership(kafka, connector, member)
+        membership = KafkaMembership(kafka, connector, member, loop_lag=loop_lag)
         await membership.start()
         return membership
 

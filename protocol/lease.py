@@ -79,6 +79,9 @@ The rule (:func:`valid_until`)
 
       lease = min(alive + session_timeout, stable + rebalance_timeout) - margin
 
+  where the margin is the configured one plus how late the member's event loop has lately run
+  (A2), at most half the shorter timeout (:func:`margin_under_lag`).
+
   By K1 and K3 nothing but the join phase removes the member before ``alive + session``; by K2
   the join phase of a rebalance that began after ``stable`` cannot end before
   ``stable + rebalance``. A member told ``REBALANCE_IN_PROGRESS`` keeps its lease from that
@@ -191,9 +194,21 @@ def rebalance_in_progress(facts: MemberFacts) -> bool:
 DERIVED: Final = LeaseRules()
 
 
-def valid_until(facts: MemberFacts, timing: LeaseTiming, rules: LeaseRules = DERIVED) -> int | None:
+def margin_under_lag(timing: LeaseTiming, lag: int) -> int:
+    """The margin for a member whose event loop has lately run up to ``lag`` micros late
+    (A2: the margin covers how long the task takes to see that its lease ended; a stalled loop
+    sees it that much later): the configured margin plus the lag, at most half the shorter
+    timeout, so that a loop stalled for seconds shortens the lease but leaves one."""
+    ceiling = max(timing.margin, min(timing.session, timing.rebalance) // 2)
+    return min(timing.margin + max(0, lag), ceiling)
+
+
+def valid_until(
+    facts: MemberFacts, timing: LeaseTiming, rules: LeaseRules = DERIVED, lag: int = 0
+) -> int | None:
     """The end of the lease (micros, exclusive): ``min(alive + session, stable + rebalance) -
-    margin``; ``None`` while not a member (no lease)."""
+    margin``, the margin grown by the loop's recent ``lag`` (:func:`margin_under_lag`);
+    ``None`` while not a member (no lease)."""
     if not facts.member or facts.alive is None:
         return None
     alive = facts.alive
@@ -203,7 +218,7 @@ def valid_until(facts: MemberFacts, timing: LeaseTiming, rules: LeaseRules = DER
     if rules.rebalance_bound:
         stable = facts.stable if facts.stable is not None else alive
         until = min(until, stable + timing.rebalance)
-    return until - timing.margin
+    return until - margin_under_lag(timing, lag)
 
 
 def silent_for(facts: MemberFacts, heard: int | None, now: int) -> int:

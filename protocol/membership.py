@@ -20,7 +20,9 @@ simulator's group model (``runtime/sim/faultsim.py``) are both such shells.
 4. **The lease** (:class:`LeaseUntil`): after every answer that is a fact of the lease (a
    heartbeat, JoinGroup or SyncGroup answered, ``protocol/lease.py`` K1-K4) the core reports the
    lease those facts give, so the shell pushes it to its task rather than the task polling.
-   A JoinGroup sent, or one that failed, is reported too (a broken rule may count it).
+   A JoinGroup sent, or one that failed, is reported too (a broken rule may count it). How
+   late the shell's event loop has lately run (:class:`LoopLagged`) grows the lease's margin
+   (``lease.margin_under_lag``): a task on a stalled loop sees its lease end that much later.
 
 :class:`MemberRules` holds the rules as derived (the defaults), or broken for the fault
 simulator's teeth tests.
@@ -44,6 +46,7 @@ __all__ = [
     "JoinFailed",
     "JoinSent",
     "LeaseUntil",
+    "LoopLagged",
     "MemberCommand",
     "MemberCore",
     "MemberEvent",
@@ -145,8 +148,16 @@ class Assigned(_Event, frozen=True, tag="assigned"):
     logged: Logged = Logged()
 
 
+class LoopLagged(_Event, frozen=True, tag="loop-lagged"):
+    """The member's event loop has lately run up to ``lag`` micros late (the shell measures it):
+    the lease margin grows by it (``protocol.lease.margin_under_lag``)."""
+
+    lag: int
+
+
 MemberEvent = (
-    JoinSent
+    LoopLagged
+    | JoinSent
     | JoinAnswered
     | JoinFailed
     | HeartbeatAnswered
@@ -203,6 +214,7 @@ class MemberCore:
         self.facts = MemberFacts()  # the facts of the lease (protocol/lease.py)
         self.stale_epochs = 0  # assignments refused
         self.landed_first = 0  # assignments whose own epoch was in the CIM first
+        self.lag = 0  # how late the event loop has lately run (micros): the margin grows by it
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -229,7 +241,7 @@ class MemberCore:
 
     def lease_until(self) -> int | None:
         """The end of the lease (micros, exclusive); ``None`` while not a member."""
-        return lease.valid_until(self.facts, self.timing, self.rules.lease)
+        return lease.valid_until(self.facts, self.timing, self.rules.lease, self.lag)
 
     def rebalance_in_progress(self) -> bool:
         """Told a rebalance is under way (after its last stable answer), or joining."""
@@ -245,6 +257,8 @@ class MemberCore:
         """Apply one event at ``now``; what the shell must do."""
         facts = self.facts
         match event:
+            case LoopLagged(lag=lag):
+                self.lag = max(0, lag)
             case JoinSent(sent=sent):
                 self.facts = lease.join_sent(facts, sent)
             case JoinAnswered():
@@ -289,6 +303,7 @@ class MemberCore:
         assert self.epoch_seen >= NO_EPOCH, self.epoch_seen
         assert self.stale_epochs >= 0, self.stale_epochs
         assert self.landed_first >= 0, self.landed_first
+        assert self.lag >= 0, self.lag
         if f.member:  # a SyncGroup was answered: it is alive from its send time
             assert f.alive is not None, f
         if f.stable is not None:  # a stable answer is an answer as this member's too

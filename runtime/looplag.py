@@ -10,6 +10,7 @@ ran. The Prometheus histogram ``shoal_event_loop_lag_seconds`` and the run summa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 DEFAULT_PERIOD_S = 0.1
 WINDOW = 6000  # 10 minutes of samples at the default period
+RECENT = 600  # a minute of samples at the default period
 
 
 class LoopLag:
@@ -35,15 +37,28 @@ class LoopLag:
         self.samples += 1
         self.max_s = max(self.max_s, lag_s)
 
+    def recent(self, q: float = 0.99, samples: int = RECENT) -> float:
+        """The ``q`` quantile (nearest rank) of the last ``samples`` lags (a minute at the
+        default period); 0 before any sample. The lease margin grows by it
+        (``protocol.lease.margin_under_lag``): a loop that lately runs late sees its lease end
+        that late; one stall in a minute does not shorten every lease."""
+        if samples < 1:
+            raise ValueError(f"samples must be at least 1, got {samples}")
+        return _quantile(list(itertools.islice(reversed(self._recent), samples)), q)
+
     def percentile(self, q: float) -> float:
         """The ``q`` quantile (0-1, nearest rank) of the recent window; 0 before any sample."""
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"q must be within 0 and 1, got {q}")
-        if not self._recent:
-            return 0.0
-        ordered = sorted(self._recent)
-        rank = max(1, math.ceil(q * len(ordered)))
-        return ordered[rank - 1]
+        return _quantile(list(self._recent), q)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be within 0 and 1, got {q}")
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
 
 
 async def watch_loop(

@@ -862,7 +862,12 @@ class Pipeline:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 trace = stack.enter_context(path.open("ab"))
             membership = KafkaMembership(
-                kafka, connector, task_id, trace=trace, validate=cfg.run.debug_validate
+                kafka,
+                connector,
+                task_id,
+                trace=trace,
+                validate=cfg.run.debug_validate,
+                loop_lag=self.loop_lag.recent,
             )
             await membership.start()
             return membership

@@ -34,6 +34,7 @@ from protocol.membership import (
     JoinFailed,
     JoinSent,
     LeaseUntil,
+    LoopLagged,
     MemberCommand,
     MemberCore,
     MemberEvent,
@@ -275,9 +276,12 @@ class KafkaMembership(Membership):
         heartbeat_while_rebalancing: bool = True,
         trace: BinaryIO | None = None,
         validate: bool = False,
+        loop_lag: Callable[[], float] | None = None,
     ) -> None:
         """``trace``: record the member core's inputs and commands there (protocol/trace.py);
-        ``validate``: check its invariants after every event (debugging)."""
+        ``validate``: check its invariants after every event (debugging); ``loop_lag``: how
+        late (seconds) the event loop has lately run (``runtime.looplag.LoopLag.recent``),
+        added to the lease margin (``protocol.lease.margin_under_lag``)."""
         check_connector(connector)
         if not task_id:
             raise ValueError("task_id must not be empty")
@@ -307,6 +311,7 @@ class KafkaMembership(Membership):
         if trace is not None:
             trace.write(tracing.encode(tracing.MemberStart(task_id, task_id, self._timing)))
         self._validate = validate
+        self._loop_lag = loop_lag
         # when (our clock, micros) the coordinator last answered a group request as this
         # member's: it is reachable then, whatever the lease (send times) says
         self._heard: int | None = None
@@ -830,7 +835,12 @@ class KafkaMembership(Membership):
     def _apply(self, event: MemberEvent) -> None:
         """Hand the member core an event; a lease it reports while this task is a member is
         pushed to the events' reader (one renewal queued at a time: the reader gets the lease
-        the facts give when it takes it)."""
+        the facts give when it takes it). The loop's recent lag, when it changed (to the
+        millisecond), goes first, so the lease of this event has the margin it calls for."""
+        if self._loop_lag is not None and not isinstance(event, LoopLagged):
+            lag = round(max(0.0, self._loop_lag()) * 1000) * 1000
+            if lag != self._core.lag:
+                self._step(LoopLagged(lag))
         for command in self._step(event):
             member = self._current is not None
             if isinstance(command, LeaseUntil) and member and not self._lease_queued:

@@ -128,3 +128,22 @@ def test_silence_counts_from_the_answer_of_a_held_sync_group_not_its_send_time()
     assert lease.silent_for(facts, heard=5_500_000, now=5_600_000) == 100_000
     assert lease.silent_for(facts, heard=None, now=5_600_000) == 4_600_000
     assert lease.silent_for(MemberFacts(), heard=None, now=7) == 7
+
+
+def test_a_lagging_loop_grows_the_margin_up_to_half_the_shorter_timeout() -> None:
+    facts = joined(0)  # alive and stable from 10 ms
+    base = lease.valid_until(facts, TIMING)
+    assert base == 10_000 + S - M
+    # the loop ran 0.8 s late lately: the task may see its lease end 0.8 s late, so it ends
+    # 0.8 s earlier
+    assert lease.valid_until(facts, TIMING, lag=800_000) == 10_000 + S - M - 800_000
+    assert lease.margin_under_lag(TIMING, 800_000) == M + 800_000
+    # a stall of seconds: the margin stops at half the session (3 s), a lease is left
+    assert lease.margin_under_lag(TIMING, 10_000_000) == S // 2
+    assert lease.valid_until(facts, TIMING, lag=10_000_000) == 10_000 + S - S // 2
+    # no lag (or a negative measurement): the configured margin
+    assert lease.margin_under_lag(TIMING, 0) == M
+    assert lease.margin_under_lag(TIMING, -5) == M
+    # a configured margin above half the session is kept, never lowered
+    wide = LeaseTiming(session=S, rebalance=R, margin=2_000_000)
+    assert lease.margin_under_lag(wide, 5_000_000) == 2_000_000

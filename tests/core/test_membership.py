@@ -14,6 +14,7 @@ from protocol.membership import (
     JoinFailed,
     JoinSent,
     LeaseUntil,
+    LoopLagged,
     MemberCore,
     MemberRules,
     MembershipLost,
@@ -176,3 +177,23 @@ def test_silence_counts_from_the_later_of_the_last_send_and_the_last_answer() ->
     core = _member()
     assert core.silent_for(heard=None, now=1_200) == 1_000  # since the SyncGroup's send (200)
     assert core.silent_for(heard=900, now=1_200) == 300
+
+
+def test_the_loops_lag_grows_the_margin_of_the_leases_reported_next() -> None:
+    core = _member()
+    assert core.handle(HeartbeatAnswered(1_000, rebalancing=False), 1_010) == [LeaseUntil(3_500)]
+    # the loop ran 400 us late lately: the lease the same facts give ends 400 us earlier
+    assert core.handle(LoopLagged(400), 1_020) == [LeaseUntil(3_100)]
+    assert core.lease_until() == 3_100
+    assert core.handle(HeartbeatAnswered(2_000, rebalancing=False), 2_010) == [LeaseUntil(4_100)]
+    # a long stall: the margin stops at half the session (1500), a lease is left
+    assert core.handle(LoopLagged(9_000), 2_020) == [LeaseUntil(3_500)]
+    assert core.handle(LoopLagged(0), 2_030) == [LeaseUntil(4_500)]
+    core.validate()
+
+
+def test_a_lag_before_membership_reports_no_lease() -> None:
+    core = _core()
+    assert core.handle(LoopLagged(400), 10) == []
+    assert core.lag == 400
+    core.validate()

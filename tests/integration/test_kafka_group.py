@@ -26,7 +26,7 @@ import msgspec
 import pytest
 
 from protocol import trace
-from protocol.membership import Assigned
+from protocol.membership import Assigned, HeartbeatAnswered, LoopLagged, SyncAnswered
 from runtime.kafka import KafkaConfig, KafkaMembership, MembershipError, heartbeat_topic
 from runtime.kafka.broker import EmbeddedBroker
 from runtime.kafka.synclog import KafkaSyncLog, SyncLogError
@@ -308,6 +308,47 @@ async def test_the_member_pushes_its_lease_and_its_core_replays_from_a_trace(
     )
     again = [*lines[:assigned], lines[assigned], *lines[assigned:]]  # assigned twice: refused
     assert trace.mismatches(again)
+
+
+async def test_the_loops_lag_shortens_the_leases_it_pushes(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """With ``loop_lag`` (how late the event loop has lately run), the lease the member pushes
+    ends that much earlier than its heartbeats alone would give (``lease.margin_under_lag``),
+    and the lag is a traced event its core replays."""
+    lag = [0.0]
+    recorded = io.BytesIO()
+    membership = KafkaMembership(
+        kafka_config, connector, "task-a", trace=recorded, validate=True, loop_lag=lambda: lag[0]
+    )
+    await membership.start()
+    try:
+        events = membership.events()
+        await next_assignment(events)
+        lag[0] = 0.7  # from now on, as if the loop had lately stalled for 0.7 s
+        async with asyncio.timeout(20):
+            async for event in events:
+                if isinstance(event, GroupLease):
+                    break
+        pushed = membership.lease_valid_until()
+        read_at = time.monotonic() * 1e6
+    finally:
+        await membership.close()
+    lines = list(trace.decode(recorded.getvalue().splitlines()))
+    assert trace.mismatches(lines) == []
+    steps = [line for line in lines if isinstance(line, trace.MemberStep)]
+    lagged = [s.event for s in steps if isinstance(s.event, LoopLagged)]
+    assert lagged == [LoopLagged(700_000)]
+    start = lines[0]
+    assert isinstance(start, trace.MemberStart)
+    timing = start.timing
+    newest = max(
+        s.event.sent
+        for s in steps
+        if isinstance(s.event, HeartbeatAnswered | SyncAnswered) and s.now <= read_at
+    )
+    # the lease from the newest heartbeat, less the configured margin and the 0.7 s
+    assert abs(pushed * 1e6 - (newest + timing.session - timing.margin - 700_000)) < 1
 
 
 async def test_events_has_one_reader_and_ends_on_close(

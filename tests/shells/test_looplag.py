@@ -32,6 +32,18 @@ def test_the_window_forgets_old_lags_but_not_the_largest() -> None:
     assert lag.max_s == 2.0  # ... but stays the largest seen
 
 
+def test_the_recent_quantile_is_over_the_last_samples_only() -> None:
+    lag = LoopLag(window=10)
+    assert lag.recent() == 0.0
+    for value in (0.9, 0.01, 0.05, 0.02):
+        lag.record(value)
+    assert lag.recent(1.0, samples=3) == 0.05  # the 0.9 s stall is older than the last three
+    assert lag.recent(1.0) == 0.9
+    assert lag.recent(0.5) == 0.02
+    with pytest.raises(ValueError, match="samples"):
+        lag.recent(samples=0)
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="window"):
         LoopLag(window=0)
