@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO, assert_never, cast
 
 import msgspec
 
@@ -59,7 +59,7 @@ from actors.cli.sinks import spark_config as build_spark_config
 from actors.embed import GatedSource, drain_node
 from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
 from actors.task import wall_micros
-from protocol import epochs
+from protocol import ending, epochs
 from protocol.cim import final_states
 from protocol.commit import StartRecord, start_conflict
 from protocol.completeness import Mark, held_by, low_watermark, mark_due
@@ -89,6 +89,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shoal.runtime")
 
+# How the run waits for its end (``protocol/ending.py`` decides): it looks again when a fact may
+# have changed (a stop, a delivery, a port's failure, a task's step), at most once per _SETTLE_S
+# (a busy run's changes come in streams), at the next time a fact changes by time alone, and at
+# least every _FALLBACK_S for the facts nothing announces (a sync log's failure, the broker's exit).
+_SETTLE_S = 0.05
+_FALLBACK_S = 1.0
+
 _ERROR_COUNTERS = (
     "reader_failed",
     "publish_failed",
@@ -108,8 +115,12 @@ class Ledger(SinkWrapper):
     stream or of the emulator's write load only: their self-check, ``actors/cli/selfcheck.py``)
     and whether every batch failed since the last commit (``health``)."""
 
-    def __init__(self, inner: Sink, *, check: bool) -> None:
+    def __init__(
+        self, inner: Sink, *, check: bool, changed: Callable[[], None] | None = None
+    ) -> None:
+        """``changed``: called when a batch settled or the sink failed for good."""
         super().__init__(inner)
+        self._changed = changed
         self.tally: CommitTally | None = CommitTally() if check else None
         self.health = FailureStreak()
         self.records = 0
@@ -130,7 +141,7 @@ class Ledger(SinkWrapper):
         try:
             return await self.inner.durable_position(token)
         except Unrecoverable as exc:  # e.g. an unreadable progress file: the run stops
-            self.fatal = self.fatal or exc
+            self._fail(exc)
             raise
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
@@ -139,7 +150,7 @@ class Ledger(SinkWrapper):
         except Exception as exc:
             self.health.failure(time.monotonic(), describe_error(exc))
             if isinstance(exc, Unrecoverable):
-                self.fatal = self.fatal or exc
+                self._fail(exc)
             raise
         records, token, tally = batch.records, batch.token, self.tally
         number = tally.handed(token) if tally is not None else 0
@@ -153,22 +164,35 @@ class Ledger(SinkWrapper):
             if error is not None:
                 self.health.failure(time.monotonic(), describe_error(error))
                 if isinstance(error, Unrecoverable):
-                    self.fatal = self.fatal or error
+                    self._fail(error)
                 return
             self.health.success(time.monotonic())
             self.records += len(records)
             self.rows += sum(len(r.mods) for r in records)
+            # (a task's CountingSink counts this batch in its own callback, queued after this
+            # one: the run, woken through the loop, sees it counted)
+            if self._changed is not None:
+                self._changed()
 
         future.add_done_callback(done)
         return future
+
+    def _fail(self, error: Unrecoverable) -> None:
+        self.fatal = self.fatal or error
+        if self._changed is not None:
+            self._changed()
 
 
 class WatchedSource(ChangeStreamSource):
     """A source that keeps a :class:`FailureStreak` of its queries: a batch counts as success,
     a query ending in an exception as a failure (a cancelled one as neither)."""
 
-    def __init__(self, inner: ChangeStreamSource) -> None:
+    def __init__(
+        self, inner: ChangeStreamSource, *, changed: Callable[[], None] | None = None
+    ) -> None:
+        """``changed``: called when a query failed for good."""
         self.inner = inner
+        self._changed = changed
         self.health = FailureStreak()
         self.fatal: Unrecoverable | None = None  # a query failed for good: the run stops
 
@@ -183,6 +207,8 @@ class WatchedSource(ChangeStreamSource):
             self.health.failure(time.monotonic(), describe_error(exc))
             if isinstance(exc, Unrecoverable):
                 self.fatal = self.fatal or exc
+                if self._changed is not None:
+                    self._changed()
             raise
 
 
@@ -255,6 +281,7 @@ class Pipeline:
         self._loadgen: Any = None
         self._load_stop = asyncio.Event()
         self._draining = asyncio.Event()
+        self._changed = asyncio.Event()  # a fact of the run's end may have changed
         self._stream_start: int | None = None
         self._kill_on_abort: list[Callable[[], None]] = []
         self._expected_records: int | None = None
@@ -432,7 +459,8 @@ class Pipeline:
             sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
             raw_source = await self._start_source(stack)
             source = self._source = WatchedSource(
-                self._bound_and_filter(await self._snapshot_routing(stack, raw_source))
+                self._bound_and_filter(await self._snapshot_routing(stack, raw_source)),
+                changed=self._notice,
             )
             await self._warn_empty(raw_source)
             if cfg.run.metrics_port is not None:
@@ -463,6 +491,7 @@ class Pipeline:
                 )
                 if self._loadgen is not None:
                     group.create_task(self._load_loop(), name="loadgen")
+                relay = group.create_task(self._relay_stop(), name="stop-relay")
                 reason = await self._wait_for_end()
                 try:
                     async with asyncio.timeout(cfg.run.drain_timeout):
@@ -494,6 +523,7 @@ class Pipeline:
                 self._load_stop.set()
                 sampler.cancel()
                 lag_watch.cancel()
+                relay.cancel()
             self._say("shoal: tasks left the group")
         return self._summary(reason, caught_up, drained, partitions, final or self.sample())
 
@@ -760,7 +790,7 @@ class Pipeline:
         cfg = self.config
         inner: Sink
         if self._given_sink is not None:
-            self._ledger = Ledger(self._given_sink, check=self._bounded)
+            self._ledger = Ledger(self._given_sink, check=self._bounded, changed=self._notice)
             return self._ledger
         match cfg.run.sink:
             case "files":
@@ -807,7 +837,7 @@ class Pipeline:
         # emulator's write load only (on a real database nothing reads it)
         checks = self.config.run.source != "spanner" or self._given_source is not None
         check = checks and (self._bounded or self._end_at is not None)
-        self._ledger = Ledger(inner, check=check)
+        self._ledger = Ledger(inner, check=check, changed=self._notice)
         return self._ledger
 
     async def _spark_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
@@ -906,6 +936,7 @@ class Pipeline:
                 source=gate,
                 sink=counting,
                 snapshots=self._snapshots,
+                on_change=self._notice,
             )
             self.tasks.append(_Task(node, counting, gate, sync_log))
 
@@ -1015,54 +1046,80 @@ class Pipeline:
         """Readers stop and commit what is in flight; the task's final state is read back."""
         t.drained = await drain_node(t.node, t.gate)
 
+    def _notice(self) -> None:
+        """A fact of the run's end may have changed: :meth:`_wait_for_end` looks again."""
+        self._changed.set()
+
+    async def _relay_stop(self) -> None:
+        await self.stop.wait()
+        self._notice()
+
     async def _wait_for_end(self) -> str:
+        """Until ``protocol.ending.decide`` says the run ends (its reason) or fails: then stop
+        the run (exit 1, with the message; a port's own exception). It looks again as
+        ``_SETTLE_S`` and ``_FALLBACK_S`` say."""
         run = self.config.run
         deadline = None if run.duration is None else time.monotonic() + run.duration
         while True:
-            self._check_fatal()
-            if self.stop.is_set():
-                return "signal"
-            if deadline is not None and time.monotonic() >= deadline:
-                return "duration"
-            if run.max_records is not None and self._delivered() >= run.max_records:
-                return "max-records"
-            if self._end_at is not None and self._read_to_end():
-                return "end-at"
-            await asyncio.sleep(0.05)
+            self._changed.clear()
+            looked_at = time.monotonic()
+            match ending.decide(self._end_facts(looked_at, deadline)):
+                case ending.Fail(message, cause):
+                    self.failed = message
+                    port = self._port_failure()
+                    if cause == "port" and port is not None:
+                        raise port
+                    raise RunFailed(message)
+                case ending.End(reason):
+                    return reason
+                case ending.KeepGoing(wake_at):
+                    wait = _FALLBACK_S
+                    if wake_at is not None:
+                        wait = max(0.0, min(wait, wake_at - time.monotonic()))
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait):
+                            await self._changed.wait()
+                    settle = _SETTLE_S - (time.monotonic() - looked_at)
+                    if self._changed.is_set() and settle > 0 and not self.stop.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(settle):
+                                await self.stop.wait()
+                case never:
+                    assert_never(never)
 
-    def _check_fatal(self) -> None:
-        """Stop the run (exit 1, with the port's own message) once a port failed for good:
-        retrying what cannot be mended would only look alive (docs/operations.md, "When the
-        parts around shoal fail")."""
+    def _end_facts(self, now: float, deadline: float | None) -> ending.Facts:
+        """What ``protocol.ending.decide`` needs to know, now."""
+        port = self._port_failure()
+        broker = self._broker
+        code = broker.exit_code() if broker is not None else None
+        return ending.Facts(
+            now=now,
+            stop_requested=self.stop.is_set(),
+            stopping=self.stopping,
+            deadline=deadline,
+            delivered=self._delivered(),
+            max_records=self.config.run.max_records,
+            read_to_end=None if self._end_at is None else self._read_to_end(),
+            port_failure=None if port is None else str(port),
+            broker_pid=broker.pid if code is not None else None,
+            broker_exit_code=code,
+            out_of_group_since=tuple(
+                t.node.task.out_of_group_since
+                if t.node.ready.is_set() and t.node.task is not None
+                else None
+                for t in self.tasks
+            ),
+            unreachable_limit_s=self.config.kafka.unreachable_limit_s,
+            kafka=self._bootstrap,
+        )
+
+    def _port_failure(self) -> Unrecoverable | None:
+        """The first port that failed for good: the sink, the source, a task's sync log."""
         for port in (self._ledger, self._source, *(t.sync_log for t in self.tasks)):
             fatal = None if port is None else port.fatal
             if fatal is not None:
-                self.failed = str(fatal)
-                raise fatal
-        broker = self._broker
-        if broker is not None and not self.stopping and (code := broker.exit_code()) is not None:
-            self.failed = (
-                f"Kafka: the embedded broker (pid {broker.pid}) exited with code {code}; it "
-                "kept its topics in memory, so the connector's state is gone with it"
-            )
-            raise RunFailed(self.failed)
-        limit = self.config.kafka.unreachable_limit_s
-        if limit > 0 and self.tasks and not self.stopping:
-            now = time.monotonic()
-            outs = [
-                now - since
-                for t in self.tasks
-                if t.node.ready.is_set()
-                and t.node.task is not None
-                and (since := t.node.task.out_of_group_since) is not None
-            ]
-            if len(outs) == len(self.tasks) and min(outs) > limit:
-                self.failed = (
-                    f"Kafka at {self._bootstrap}: no task of this process has been a member of "
-                    f"its group for {min(outs):.0f}s (kafka.unreachable_limit_s = {limit:g}): "
-                    "the broker is unreachable or the group does not answer"
-                )
-                raise RunFailed(self.failed)
+                return fatal
+        return None
 
     def _read_to_end(self) -> bool:
         """With ``end_at``: every task of this process is a member of the group and its CIM
