@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, assert_never, cast
 
 from actors.cli import wiring
+from actors.cli.completeness import OutputRecords, rfc3339
 from actors.cli.config import (
     ConfigError,
     ShoalConfig,
@@ -49,6 +49,7 @@ from actors.cli.config import (
 from actors.cli.ports import Ledger, RunFailed, WatchedSource
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.selfcheck import CommitTally, Sums, expect, missing_from
+from actors.cli.summary import summarize
 from actors.cli.wiring import (
     LocalTask,
     check_output_dir,
@@ -61,8 +62,7 @@ from actors.node import EmptyWindow, SnapshotConflict, StartConflict
 from actors.task import wall_micros
 from protocol import ending, epochs
 from protocol.cim import final_states
-from protocol.commit import StartRecord, start_conflict
-from protocol.completeness import Mark, held_by, low_watermark, mark_due
+from protocol.completeness import held_by, low_watermark
 from protocol.messages import SnapshotItem
 from protocol.records import DataChange
 from protocol.retry import may_drive
@@ -72,7 +72,6 @@ from runtime.filtered import FilterStats
 from runtime.logs import mask
 from runtime.looplag import LoopLag, watch_loop
 from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample
-from runtime.output_state import OutputState
 from runtime.ports import (
     ChangeStreamSource,
     Sink,
@@ -178,13 +177,8 @@ class Pipeline:
             if self._output_url
             else Path(config.run.output_dir)
         )
-        self._completeness_written = -1  # the completeness watermark last written (micros)
-        self._completeness_held: tuple[str, ...] = ()  # the quarantined partitions it named
-        self._completeness_at = -1.0  # when (monotonic seconds)
         # the connector's own records beside a file or Spark output (runtime/output_state.py)
-        self._state: OutputState | None = None
-        self._start_recorded: StartRecord | None = None
-        self._started_before = -1  # the output's record of a start before this run's
+        self._records = OutputRecords(config.run.connector, self.count_error)
 
     # -- the sample every observer reads ---------------------------------------------------------
     def sample(self) -> Sample:
@@ -353,7 +347,7 @@ class Pipeline:
                         "stopping anyway (a restart resumes from the last published state)"
                     )
                 final = self.sample()
-                self._record_completeness(final.low_watermark_us, final.held_by, final=True)
+                self._records.record_mark(final.low_watermark_us, final.held_by, final=True)
                 partitions = self._partitions()
                 self._draining.set()
                 for t, node in zip(self.tasks, nodes, strict=True):
@@ -459,7 +453,7 @@ class Pipeline:
             stream_start=self._task_stream_start(),
             start_at=self._start_at,
             end_at=self._end_at,
-            output_start=self._started_before,
+            output_start=self._records.started_before,
             stream_options=self.stream_options,
             snapshots=self._snapshots,
             on_change=self._notice,
@@ -503,7 +497,7 @@ class Pipeline:
             output_topic=self._output_topic(),
             permit=self._leased,
             leads=self._leads,
-            mark=lambda: max(self._completeness_written, -1),
+            mark=self._records.mark,
             say=self._say,
         )
         self._file_sink, self._bridge = parts.file_sink, parts.bridge
@@ -520,8 +514,9 @@ class Pipeline:
         stream's start; else -1 (now)."""
         if self._start_at is not None:
             return self._start_at
-        if self._start_recorded is not None:
-            return self._start_recorded.start_us
+        recorded = self._records.start_recorded
+        if recorded is not None:
+            return recorded.start_us
         return self._stream_start if self._stream_start is not None else -1
 
     def _snapshot_item(self, token: str) -> tuple[SnapshotItem, int] | None:
@@ -572,7 +567,7 @@ class Pipeline:
         except SnapshotConflict as exc:
             raise ConfigError(
                 f"snapshot (--snapshot): connector {self.config.run.connector!r} already started "
-                f"at {_rfc3339(exc.recorded)} and its sync topic records no snapshot; a "
+                f"at {rfc3339(exc.recorded)} and its sync topic records no snapshot; a "
                 "snapshot is taken only when a connector first starts: leave --snapshot off to "
                 "resume it, or start a new connector (--connector) with --snapshot"
             ) from exc
@@ -581,7 +576,7 @@ class Pipeline:
             start = "now" if self._start_at is None else run.start_at
             raise ConfigError(
                 f"end_at {run.end_at}: connector {run.connector!r} has not started yet and "
-                f"would start at {_rfc3339(exc.stream_start)} (start_at {start}), after its end: "
+                f"would start at {rfc3339(exc.stream_start)} (start_at {start}), after its end: "
                 "nothing to read; give a start_at before end_at, or a later end_at"
             ) from exc
 
@@ -589,7 +584,7 @@ class Pipeline:
         run = self.config.run
         return (
             f"start_at {run.start_at}: connector {run.connector!r} already started at "
-            f"{_rfc3339(exc.recorded)} ({where} records it) and resumes from its "
+            f"{rfc3339(exc.recorded)} ({where} records it) and resumes from its "
             "watermarks; give that start or leave start_at unset to resume, or reset the "
             "connector (see docs/operations.md, Resetting a connector)"
         )
@@ -600,26 +595,14 @@ class Pipeline:
         sync topic's record is, on any broker; the first start is recorded."""
         if self._given_sink is not None or self.config.run.sink == "kafka":
             return
-        state = self._state = OutputState(self._sink_dir(), self.config.run.connector)
-        recorded = await asyncio.to_thread(state.read_start)
-        conflict = start_conflict(recorded, self._start_at)
+        records = self._records
+        conflict = await records.open(
+            self._sink_dir(), start_at=self._start_at, snapshot=self.config.run.snapshot
+        )
         if conflict is not None:
-            where = f"its output's {state.start_file}"
+            assert records.state is not None
+            where = f"its output's {records.state.start_file}"
             raise ConfigError(self._conflict(StartConflict(conflict.start_us, -1), where))
-        self._start_recorded = recorded
-        self._started_before = -1 if recorded is None else recorded.start_us  # (not this run's own)
-        mark = await asyncio.to_thread(state.read_mark)
-        if mark is not None:
-            # never write a mark below one a reader may have seen: a restart whose sync topic is
-            # new computes a low one until its partitions have caught up with their progress
-            self._completeness_written = mark.low_watermark_us
-        if recorded is None and self._start_at is not None and not self.config.run.snapshot:
-            # (with --snapshot the start is recorded once the sync topic has it, and with it the
-            # snapshot: recorded here, it would make another process of this connector that
-            # starts at the same time refuse the snapshot its leader is planning)
-            self._start_recorded = await asyncio.to_thread(
-                state.record_start, self._start_at, _rfc3339(self._start_at)
-            )
 
     async def _run_node(self, t: LocalTask) -> None:
         async with t.node:
@@ -871,8 +854,8 @@ class Pipeline:
         while True:
             sample = self.sample()
             self._track_rebalances(sample)
-            self._record_completeness(sample.low_watermark_us, sample.held_by)
-            if self._state is not None and self._start_recorded is None:
+            self._records.record_mark(sample.low_watermark_us, sample.held_by)
+            if self._records.start_missing:
                 await self._record_start()
             if self.progress is not None and time.monotonic() >= next_draw:
                 self.progress.update(sample)
@@ -882,56 +865,11 @@ class Pipeline:
     async def _record_start(self) -> None:
         """Record the connector's start in the output once the sync topic has one (a start of
         "now" is fixed by the first leader)."""
-        state = self._state
-        assert state is not None
         for t in self.tasks:
             task = t.node.task
             if task is not None and t.node.ready.is_set() and task.core.cim.stream_start >= 0:
-                start = task.core.cim.stream_start
-                self._start_recorded = await asyncio.to_thread(
-                    state.record_start, start, _rfc3339(start)
-                )
+                await self._records.record_start(task.core.cim.stream_start)
                 return
-
-    def _record_completeness(
-        self, low_watermark_us: int, held: tuple[str, ...] = (), *, final: bool = False
-    ) -> None:
-        """Write the connector's completeness mark beside the output when it advanced
-        (``protocol.completeness.mark_due``: at most once a second, and once more at the end):
-        ``<data>/_shoal/<connector>/completeness.json``, one JSON line a downstream job reads
-        with ``spark.read.json`` (docs/reading-output.md). Readers of the data skip ``_shoal``.
-        A file or Spark sink only: Kafka consumers read the metric or ``status``. A change of
-        the quarantined partitions holding it back (``Mark.held_by``) is written too."""
-        state = self._state
-        now = time.monotonic()
-        changed = held != self._completeness_held and low_watermark_us >= 0
-        if state is None or not (
-            changed
-            or mark_due(
-                low_watermark_us,
-                self._completeness_written,
-                self._completeness_at,
-                now,
-                final=final,
-            )
-        ):
-            return
-        self._completeness_at = now
-        mark = Mark(
-            connector=self.config.run.connector,
-            low_watermark=_rfc3339(low_watermark_us),
-            low_watermark_us=low_watermark_us,
-            written_at=_rfc3339(wall_micros()),
-            held_by=held,
-        )
-        try:
-            state.write_mark(mark)
-        except OSError as exc:
-            self.count_error("completeness_write")
-            log.warning("could not write the completeness mark to %s: %r", state.mark_file, exc)
-            return
-        self._completeness_written = max(self._completeness_written, low_watermark_us)
-        self._completeness_held = held
 
     def _track_rebalances(self, sample: Sample) -> None:
         by_id = {s.task_id: s for s in sample.tasks}
@@ -968,76 +906,23 @@ class Pipeline:
         partitions: tuple[PartitionEnd, ...],
         final: Sample,
     ) -> RunSummary:
-        errors = dict(final.errors)
-        for task in final.tasks:
-            for kind, n in task.errors.items():
-                errors[kind] = errors.get(kind, 0) + n
-        ledger = self._ledger
-        if ledger is not None and ledger.duplicates:
-            # handed to the sink twice (a partition resumed at its watermark by a new owner)
-            errors["records_read_twice"] = ledger.duplicates
-        rows = ledger.rows if ledger is not None else None
-        if self._file_sink is not None:
-            stats = self._file_sink.statistics()
-            rows = stats.rows
-            if stats.duplicates_dropped:
-                errors["duplicates_dropped_by_sink"] = stats.duplicates_dropped
-        spark_figures: dict[str, Any] = {}
-        if self._bridge is not None:
-            bridge = self._bridge
-            spark = bridge.stats()
-            rows = spark.rows_committed
-            spark_figures = {
-                "spark_writes": bridge.typed_writes,
-                "spark_jobs": bridge.typed_write_jobs,
-            }
-            if bridge.first_put_at is not None and bridge.last_commit_at is not None:
-                spark_figures["sink_write_s"] = bridge.last_commit_at - bridge.first_put_at
-                spark_figures["sink_phase_s"] = {k: round(v, 3) for k, v in bridge.phase_s.items()}
-            counts = {
-                "duplicate_rows_dropped_by_spark": spark.rows_deduplicated,
-                "spark_batches_failed": spark.batches_failed,
-                "spark_attempts_failed": spark.attempts_failed,
-            }
-            errors.update({kind: n for kind, n in counts.items() if n})
-        epoch = max((t.epoch for t in final.tasks), default=-1)
-        leader = next((t.leader for t in final.tasks if t.epoch == epoch), "")
-        return RunSummary(
-            connector=self.config.run.connector,
-            source=self.config.run.source,
-            sink=self.config.run.sink,
+        return summarize(
+            self.config,
+            final,
+            reason=reason,
+            caught_up=caught_up,
+            drained=drained,
+            partitions=partitions,
             output_dir=self._sink_dir(),
             seconds=time.monotonic() - self.started_at,
-            tasks=final.tasks,
-            records_read=sum(t.records_read for t in final.tasks),
-            records_delivered=sum(t.records_delivered for t in final.tasks),
-            rows_written=rows,
+            ledger=self._ledger,
+            file_sink=self._file_sink,
+            bridge=self._bridge,
             produced_records=self._expected_records,
             produced_rows=self._expected_rows,
             stream_start=self._stream_start,
             stream_end=self._cap,
-            caught_up=caught_up,
-            drained=drained,
-            reason=reason,
-            partitions=partitions,
-            epoch=epoch,
-            leader=leader,
             rebalances=max((t.rebalances for t in self.tasks), default=0),
-            errors=errors,
-            records_filtered=final.records_filtered,
-            records_filtered_by=dict(final.records_filtered_by),
-            records_columns_stripped=final.records_columns_stripped,
-            snapshot_done=final.snapshot_done,
-            snapshot_total=final.snapshot_total,
-            loop_lag_p99_s=self.loop_lag.percentile(0.99),
-            loop_lag_max_s=self.loop_lag.max_s,
-            warnings=dict(self.warnings),
-            **spark_figures,
+            loop_lag=self.loop_lag,
+            warnings=self.warnings,
         )
-
-
-def _rfc3339(micros: int) -> str:
-    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(
-        microseconds=micros
-    )
-    return moment.isoformat().replace("+00:00", "Z")
