@@ -34,7 +34,7 @@ class Ledger(SinkWrapper):
     def __init__(
         self, inner: Sink, *, check: bool, changed: Callable[[], None] | None = None
     ) -> None:
-        """``changed``: called when a batch settled or the sink failed for good."""
+        """``changed``: called when a batch committed or the sink failed for good."""
         super().__init__(inner)
         self._changed = changed
         self.tally: CommitTally | None = CommitTally() if check else None
