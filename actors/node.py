@@ -132,9 +132,11 @@ class TaskNode:
         sink: Sink,
         rng: Random | None = None,
         snapshots: SnapshotSource | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         """``snapshots``: where the leader plans the connector's snapshot when it first starts
-        with ``config.task.snapshot`` (``source`` reads its partitions)."""
+        with ``config.task.snapshot`` (``source`` reads its partitions). ``on_change``: called
+        once the node is ready and after its task's core handled each event."""
         self.config = config
         self._snapshots = snapshots
         self._sync_log = sync_log
@@ -148,6 +150,7 @@ class TaskNode:
         self.ready = asyncio.Event()
         self._closed = False
         self._trace: BinaryIO | None = None
+        self._on_change = on_change
 
     @property
     def task_id(self) -> str:
@@ -177,6 +180,7 @@ class TaskNode:
             rng=Random(self._rng.getrandbits(64)),
             trace=self._open_trace(),
             validate=cfg.debug_validate,
+            on_step=self._on_change,
         )
         await sup.spawn(task)
         sup.start_soon(task.publish_loop(), name=f"publish:{self.task_id}")
@@ -220,6 +224,8 @@ class TaskNode:
         if not task.core.member:  # time out of the group counts from here, not from replay
             task.out_of_group_since = time.monotonic()
         self.ready.set()
+        if self._on_change is not None:
+            self._on_change()
 
     async def _replay_start(self, task: TaskActor) -> int:
         """Seed the CIM from the latest checkpoint; return the offset to replay from."""

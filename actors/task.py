@@ -108,7 +108,10 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         rng: Random | None = None,
         trace: BinaryIO | None = None,
         validate: bool = False,
+        on_step: Callable[[], None] | None = None,
     ) -> None:
+        """``on_step``: called after the core handled each event (its state, membership or
+        time out of the group may have changed), e.g. for the run to look at its end again."""
         super().__init__(f"task:{config.task_id}", capacity=mailbox)
         seed = (rng or Random()).getrandbits(64)
         self.core = TaskCore(config, Random(seed))
@@ -144,6 +147,7 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
         self.ticks = 0  # TaskTicks the timer handed the core
         # Monotonic time since which the task has not been a group member (None: it is one).
         self.out_of_group_since: float | None = time.monotonic()
+        self._on_step = on_step
 
     # -- mailbox ------------------------------------------------------------------------------
     async def receive(self, message: TaskEvent | FlushReports) -> None:
@@ -183,6 +187,8 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             self.out_of_group_since = None
         elif self.out_of_group_since is None:
             self.out_of_group_since = time.monotonic()
+        if self._on_step is not None:
+            self._on_step()
 
     def report(self, event: TaskEvent) -> None:
         """For readers, without waiting. A committed watermark supersedes the partition's older

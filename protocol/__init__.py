@@ -6,7 +6,8 @@ where it takes ``now``. The rebalance protocol's cores (the task, reader, CIM an
 integer microseconds. The output-side cores take float seconds: :class:`protocol.retry.RetryCore`
 (wall clock: due times are written to Kafka) and :class:`protocol.retry.DriverElection` (the
 shell's monotonic clock), :mod:`protocol.output_meta` (wall clock: producers' leases),
-:func:`protocol.commit.recovery_plan` (the staged directories' modification times) and
-:func:`protocol.completeness.mark_due` (the shell's monotonic clock). Change records' timestamps
-are integer Unix microseconds everywhere (:mod:`protocol.records`).
+:func:`protocol.commit.recovery_plan` (the staged directories' modification times),
+:func:`protocol.completeness.mark_due` and :func:`protocol.ending.decide` (the shell's monotonic
+clock). Change records' timestamps are integer Unix microseconds everywhere
+(:mod:`protocol.records`).
 """

@@ -1,13 +1,15 @@
 """One shoal process: Kafka (embedded or real), a change-stream source, a sink, N task nodes,
-metrics and progress, and the way it ends.
+metrics and progress, and the way it ends. :class:`Pipeline` holds the run's lifecycle; the parts
+are built by ``actors/cli/wiring.py``, and why the run ends is ``protocol/ending.py``'s rule.
 
 :class:`Pipeline` runs in phases:
 
 1. **start** – the embedded broker (unless ``kafka.bootstrap_servers`` names a real Kafka), the
    source (simulator, emulator with a write load, or Spanner), the sink, the metrics server, then
    every task node in its own task (``TaskNode`` over ``KafkaSyncLog`` + ``KafkaMembership``);
-2. **run** – until ``duration`` passed, ``max_records`` were delivered, or a stop was requested
-   (SIGINT/SIGTERM); the progress display and the rebalance tracker sample every node;
+2. **run** – until ``protocol.ending.decide`` says so: ``duration`` passed, ``max_records`` were
+   delivered, ``end_at`` was read to, or a stop was requested (SIGINT/SIGTERM), unless a part
+   failed for good first; the progress display and the rebalance tracker sample every node;
 3. **catch up** (bounded runs of the simulator or the emulator) – the stream is closed at the
    current time (the simulator's clock stops, the write load ends) and the run waits until the
    sink committed every record produced up to then, so the output equals what was produced;
@@ -23,71 +25,82 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import importlib
 import logging
-import os
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO, assert_never, cast
 
-import msgspec
-
+from actors.cli import wiring
+from actors.cli.completeness import OutputRecords, rfc3339
 from actors.cli.config import (
     ConfigError,
     ShoalConfig,
-    SimOptions,
     end_micros,
     is_url,
     kafka_config,
-    query_window,
     record_filter,
     secret_values,
     start_micros,
-    task_count,
-    trail,
 )
+from actors.cli.ports import Ledger, RunFailed, WatchedSource
 from actors.cli.progress import PartitionEnd, Progress, RunSummary
 from actors.cli.selfcheck import CommitTally, Sums, expect, missing_from
-from actors.cli.sinks import CountingSink
-from actors.cli.sinks import spark_config as build_spark_config
-from actors.embed import GatedSource, drain_node
-from actors.node import EmptyWindow, NodeConfig, SnapshotConflict, StartConflict, TaskNode
+from actors.cli.summary import summarize
+from actors.cli.wiring import (
+    LocalTask,
+    check_output_dir,
+    check_output_store,
+    default_task_ids,
+    stream_params,
+)
+from actors.embed import drain_node
+from actors.node import EmptyWindow, SnapshotConflict, StartConflict
 from actors.task import wall_micros
-from protocol import epochs
+from protocol import ending, epochs
 from protocol.cim import final_states
-from protocol.commit import StartRecord, start_conflict
-from protocol.completeness import Mark, held_by, low_watermark, mark_due
-from protocol.dedup import Position
+from protocol.completeness import held_by, low_watermark
 from protocol.messages import SnapshotItem
-from protocol.records import ChangeRecord, DataChange
+from protocol.records import DataChange
 from protocol.retry import may_drive
-from protocol.stream_options import StreamOptions, start_refusal
+from protocol.stream_options import StreamOptions
 from runtime.files.sink import FileSink
 from runtime.filtered import FilterStats
 from runtime.logs import mask
 from runtime.looplag import LoopLag, watch_loop
-from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample, describe_error
-from runtime.output_state import OutputState
+from runtime.metrics import FailureStreak, MetricsServer, Sample, TaskSample
 from runtime.ports import (
     ChangeStreamSource,
-    Membership,
     Sink,
-    SinkBatch,
-    SinkWrapper,
     Unrecoverable,
 )
 
 if TYPE_CHECKING:
-    from runtime.kafka import KafkaSyncLog
-    from runtime.sim.stream import StreamParams
+    from runtime.kafka import KafkaConfig
+
+# (imported from here by the entry point and the tests)
+__all__ = [
+    "Ledger",
+    "Pipeline",
+    "RunFailed",
+    "WatchedSource",
+    "check_output_dir",
+    "check_output_store",
+    "default_task_ids",
+    "stream_params",
+]
 
 log = logging.getLogger("shoal.runtime")
+
+# How the run waits for its end (``protocol/ending.py`` decides): it looks again when a fact may
+# have changed (a stop, a delivery, a port's failure, a task's step), at most once per _SETTLE_S
+# (a busy run's changes come in streams), at the next time a fact changes by time alone, and at
+# least every _FALLBACK_S for the facts nothing announces (a sync log's failure, the broker's exit).
+_SETTLE_S = 0.05
+_FALLBACK_S = 1.0
 
 _ERROR_COUNTERS = (
     "reader_failed",
@@ -97,126 +110,6 @@ _ERROR_COUNTERS = (
     "quarantined",
     "quarantine_released",
 )
-
-
-class RunFailed(RuntimeError):
-    """A component failed for good; the message says which and why."""
-
-
-class Ledger(SinkWrapper):
-    """The shared sink, tallying what it committed per partition (bounded runs of a simulated
-    stream or of the emulator's write load only: their self-check, ``actors/cli/selfcheck.py``)
-    and whether every batch failed since the last commit (``health``)."""
-
-    def __init__(self, inner: Sink, *, check: bool) -> None:
-        super().__init__(inner)
-        self.tally: CommitTally | None = CommitTally() if check else None
-        self.health = FailureStreak()
-        self.records = 0
-        self.rows = 0
-        self.fatal: Unrecoverable | None = None  # the sink failed for good: the run stops
-
-    @property
-    def duplicates(self) -> int:
-        """Records committed again (with the check)."""
-        return 0 if self.tally is None else self.tally.duplicates
-
-    @property
-    def distinct_rows(self) -> int:
-        """Rows of the records committed for the first time (with the check)."""
-        return 0 if self.tally is None else self.tally.distinct_rows
-
-    async def durable_position(self, token: str) -> Position | None:
-        try:
-            return await self.inner.durable_position(token)
-        except Unrecoverable as exc:  # e.g. an unreadable progress file: the run stops
-            self.fatal = self.fatal or exc
-            raise
-
-    async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
-        try:
-            future = await self.inner.put(batch)
-        except Exception as exc:
-            self.health.failure(time.monotonic(), describe_error(exc))
-            if isinstance(exc, Unrecoverable):
-                self.fatal = self.fatal or exc
-            raise
-        records, token, tally = batch.records, batch.token, self.tally
-        number = tally.handed(token) if tally is not None else 0
-
-        def done(f: asyncio.Future[None]) -> None:
-            error = None if f.cancelled() else f.exception()
-            if tally is not None:  # in the order handed over: a failed batch counts nothing
-                tally.settled(token, number, None if f.cancelled() or error else records)
-            if f.cancelled():
-                return
-            if error is not None:
-                self.health.failure(time.monotonic(), describe_error(error))
-                if isinstance(error, Unrecoverable):
-                    self.fatal = self.fatal or error
-                return
-            self.health.success(time.monotonic())
-            self.records += len(records)
-            self.rows += sum(len(r.mods) for r in records)
-
-        future.add_done_callback(done)
-        return future
-
-
-class WatchedSource(ChangeStreamSource):
-    """A source that keeps a :class:`FailureStreak` of its queries: a batch counts as success,
-    a query ending in an exception as a failure (a cancelled one as neither)."""
-
-    def __init__(self, inner: ChangeStreamSource) -> None:
-        self.inner = inner
-        self.health = FailureStreak()
-        self.fatal: Unrecoverable | None = None  # a query failed for good: the run stops
-
-    async def query(
-        self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
-        try:
-            async for batch in self.inner.query(token, start_ts, end_ts):
-                self.health.success(time.monotonic())
-                yield batch
-        except Exception as exc:
-            self.health.failure(time.monotonic(), describe_error(exc))
-            if isinstance(exc, Unrecoverable):
-                self.fatal = self.fatal or exc
-            raise
-
-
-class _Task:
-    """One task node of this process and what the runtime tracks about it."""
-
-    def __init__(
-        self, node: TaskNode, sink: CountingSink, gate: GatedSource, log: KafkaSyncLog
-    ) -> None:
-        self.node = node
-        self.sink = sink
-        self.gate = gate
-        self.sync_log = log
-        self.rebalance_since: float | None = None
-        self.rebalances = 0
-        self.done = asyncio.Event()  # drained and final state confirmed (or gave up)
-        self.drained = False
-
-    @property
-    def task_id(self) -> str:
-        return self.node.task_id
-
-
-def default_task_ids(config: ShoalConfig) -> list[str]:
-    """``--task-id``; else ``task-<i>`` on the embedded broker; else, on a shared Kafka, ids
-    unique to this process (``<host>-<pid>``, ``-<i>`` when it runs several)."""
-    run = config.run
-    if run.task_id is not None:
-        return [run.task_id]
-    count = task_count(config)
-    if config.kafka.bootstrap_servers is None:
-        return [f"task-{i}" for i in range(count)]
-    base = f"{socket.gethostname()}-{os.getpid()}"
-    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
 
 
 class Pipeline:
@@ -241,7 +134,7 @@ class Pipeline:
         self.progress: Progress | None = None
         if config.run.progress == "on" or (config.run.progress == "auto" and live):
             self.progress = Progress(out, live=live)
-        self.tasks: list[_Task] = []
+        self.tasks: list[LocalTask] = []
         self.metrics: MetricsServer | None = None
         self.loop_lag = LoopLag()
         self.errors: dict[str, int] = {}
@@ -255,6 +148,7 @@ class Pipeline:
         self._loadgen: Any = None
         self._load_stop = asyncio.Event()
         self._draining = asyncio.Event()
+        self._changed = asyncio.Event()  # a fact of the run's end may have changed
         self._stream_start: int | None = None
         self._kill_on_abort: list[Callable[[], None]] = []
         self._expected_records: int | None = None
@@ -283,13 +177,8 @@ class Pipeline:
             if self._output_url
             else Path(config.run.output_dir)
         )
-        self._completeness_written = -1  # the completeness watermark last written (micros)
-        self._completeness_held: tuple[str, ...] = ()  # the quarantined partitions it named
-        self._completeness_at = -1.0  # when (monotonic seconds)
         # the connector's own records beside a file or Spark output (runtime/output_state.py)
-        self._state: OutputState | None = None
-        self._start_recorded: StartRecord | None = None
-        self._started_before = -1  # the output's record of a start before this run's
+        self._records = OutputRecords(config.run.connector, self.count_error)
 
     # -- the sample every observer reads ---------------------------------------------------------
     def sample(self) -> Sample:
@@ -419,34 +308,7 @@ class Pipeline:
         else:
             check_output_dir(self.output_dir)
         async with AsyncExitStack() as stack:
-            bootstrap = self._bootstrap = await self._start_kafka(stack)
-            kafka = kafka_config(cfg, bootstrap)
-            from runtime.kafka import KafkaSyncLog
-
-            first_log = await self._reach(  # Kafka first: fail fast, before starting Spark
-                stack,
-                lambda: KafkaSyncLog(kafka, cfg.run.connector),
-                f"Kafka at {kafka.bootstrap_servers}",
-            )
-            await self._check_output_start()  # before Spark: a refused start fails at once
-            sink = await self._start_sink(stack, kafka)  # Spark takes seconds: before the stream
-            raw_source = await self._start_source(stack)
-            source = self._source = WatchedSource(
-                self._bound_and_filter(await self._snapshot_routing(stack, raw_source))
-            )
-            await self._warn_empty(raw_source)
-            if cfg.run.metrics_port is not None:
-                self.metrics = await stack.enter_async_context(
-                    MetricsServer(
-                        self.sample,
-                        cfg.run.metrics_host,
-                        cfg.run.metrics_port,
-                        stuck_after_s=cfg.run.health_out_of_group_s,
-                        failing_after_s=cfg.health.failing_s,
-                    )
-                )
-                self._say(f"metrics: {self.metrics.url}/metrics (and /healthz, /readyz)")
-            await self._make_tasks(stack, kafka, source, sink, first_log)
+            await self._start_parts(stack)
             self._say(
                 f"shoal: connector {cfg.run.connector!r}, {len(self.tasks)} task(s), "
                 f"source {cfg.run.source}, sink {cfg.run.sink} -> {self._sink_dir()}"
@@ -463,6 +325,7 @@ class Pipeline:
                 )
                 if self._loadgen is not None:
                     group.create_task(self._load_loop(), name="loadgen")
+                relay = group.create_task(self._relay_stop(), name="stop-relay")
                 reason = await self._wait_for_end()
                 try:
                     async with asyncio.timeout(cfg.run.drain_timeout):
@@ -484,7 +347,7 @@ class Pipeline:
                         "stopping anyway (a restart resumes from the last published state)"
                     )
                 final = self.sample()
-                self._record_completeness(final.low_watermark_us, final.held_by, final=True)
+                self._records.record_mark(final.low_watermark_us, final.held_by, final=True)
                 partitions = self._partitions()
                 self._draining.set()
                 for t, node in zip(self.tasks, nodes, strict=True):
@@ -494,6 +357,7 @@ class Pipeline:
                 self._load_stop.set()
                 sampler.cancel()
                 lag_watch.cancel()
+                relay.cancel()
             self._say("shoal: tasks left the group")
         return self._summary(reason, caught_up, drained, partitions, final or self.sample())
 
@@ -515,138 +379,146 @@ class Pipeline:
         return self.config.kafka.output_topic or f"{self.config.run.connector}_output"
 
     # -- components ------------------------------------------------------------------------------
-    async def _start_kafka(self, stack: AsyncExitStack) -> str:
-        if self.config.kafka.bootstrap_servers is not None:
-            return self.config.kafka.bootstrap_servers
-        from runtime.kafka.broker import EmbeddedBroker
+    async def _start_parts(self, stack: AsyncExitStack) -> None:
+        """Kafka (first: fail fast, before starting Spark), the output's recorded start, the
+        sink (Spark takes seconds: before the stream), the source, the metrics server and the
+        task nodes (``actors/cli/wiring.py`` builds each), entered in ``stack``."""
+        cfg = self.config
+        bootstrap, broker = await wiring.start_kafka(stack, cfg, self.output_dir, self._say)
+        self._bootstrap = bootstrap
+        if broker is not None:
+            self._broker = broker
+            self._kill_on_abort.append(broker.kill)
+        kafka = kafka_config(cfg, bootstrap)
+        from runtime.kafka import KafkaSyncLog
 
-        broker = EmbeddedBroker(log_path=self.output_dir / "broker.log")
-        await stack.enter_async_context(broker)
-        self._broker = broker
-        self._kill_on_abort.append(broker.kill)
-        self._say(
-            f"embedded broker at {broker.bootstrap} (while this runs: python -m actors.runtime "
-            f"status --kafka-bootstrap-servers {broker.bootstrap} "
-            f"--connector {self.config.run.connector})"
+        first_log = await wiring.reach(
+            stack,
+            lambda: KafkaSyncLog(kafka, cfg.run.connector),
+            f"Kafka at {kafka.bootstrap_servers}",
+            timeout_s=cfg.run.connect_timeout,
+            stop=self.stop,
+            count_error=self.count_error,
         )
-        return broker.bootstrap
-
-    def _bound_and_filter(self, source: ChangeStreamSource) -> ChangeStreamSource:
-        """The source as the tasks see it: read inside ``[start_at, end_at]``, an explicit
-        start the database refuses reported as a bad option, and filtered records turned
-        into heartbeats."""
-        from runtime.bounded import BoundedSource
-        from runtime.filtered import FilteredSource
-
-        if self._start_at is not None or self._end_at is not None:
-            source = BoundedSource(source, start_at=self._start_at, end_at=self._end_at)
-        if self._start_at is not None and self.config.run.source != "sim":
-            source = _StartChecked(
-                source,
-                self.config.run.start_at,
-                self.stream_options,
-                stream=self._spanner_config.change_stream if self._spanner_config else "",
+        await self._check_output_start()  # before Spark: a refused start fails at once
+        sink = await self._start_sink(stack, kafka)
+        raw_source = await self._start_source(stack)
+        routed = raw_source
+        if self._spanner_config is not None:
+            routed, self._snapshots = wiring.snapshot_routing(
+                stack,
+                raw_source,
+                self._spanner_config,
+                keeps_table=self._filter.keeps_table,
+                chunk_rows=cfg.run.snapshot_chunk_rows,
+                item=self._snapshot_item,
+                done=self._snapshot_done,
             )
-        if not self._filter.keeps_everything:
-            source = self._filtered = FilteredSource(source, self._filter)
-        return source
-
-    async def _warn_empty(self, source: ChangeStreamSource) -> None:
-        """Warn (one line each, counted) about what makes this run read nothing, or less than
-        asked, where it is known at start: ``tables``/``exclude_tables`` patterns that match no
-        table of the stream (where the source says which tables it watches: the simulator, a
-        GoogleSQL change stream), a ``start_at`` still in the future. (A first start after
-        ``end_at`` is refused: :class:`EmptyWindow`.)"""
-        run = self.config.run
-        tables = None
-        if run.tables is not None or run.exclude_tables is not None:
-            tables = await _watched_tables(source)
-        if tables is not None:
-            include, exclude = self._filter.unmatched(tables)
-            named = [f"{p!r} (--tables)" for p in include]
-            named += [f"{p!r} (--exclude-tables)" for p in exclude]
-            stream = f"the stream's tables: {', '.join(tables) or 'none'}"
-            said = []
-            if named:
-                verb = "matches" if len(named) == 1 else "match"
-                said.append(f"{', '.join(named)} {verb} no table ({stream})")
-            if self._filter.keeps_no_table(tables):
-                said.append(
-                    "the filters keep no table"
-                    + ("" if named else f" ({stream})")
-                    + ": this run writes nothing"
+        bounded, self._filtered = wiring.bound_and_filter(
+            routed,
+            cfg,
+            start_at=self._start_at,
+            end_at=self._end_at,
+            keep=self._filter,
+            stream_options=self.stream_options,
+            stream=self._spanner_config.change_stream if self._spanner_config else "",
+        )
+        source = self._source = WatchedSource(bounded, changed=self._notice)
+        await wiring.warn_empty(
+            raw_source,
+            cfg,
+            keep=self._filter,
+            start_at=self._start_at,
+            now=self._now(),
+            warn=self.warn,
+        )
+        if cfg.run.metrics_port is not None:
+            self.metrics = await stack.enter_async_context(
+                MetricsServer(
+                    self.sample,
+                    cfg.run.metrics_host,
+                    cfg.run.metrics_port,
+                    stuck_after_s=cfg.run.health_out_of_group_s,
+                    failing_after_s=cfg.health.failing_s,
                 )
-            if said:
-                self.warn("filter_matches_no_table", "tables/exclude_tables: " + "; ".join(said))
-        now = self._now()
-        if self._start_at is not None and self._start_at > now:
-            self.warn(
-                "start_in_future",
-                f"start_at {run.start_at} is {(self._start_at - now) / 1e6:.0f}s in the future "
-                "(of the stream's clock): nothing is read until then",
             )
+            self._say(f"metrics: {self.metrics.url}/metrics (and /healthz, /readyz)")
+        self.tasks = await wiring.make_tasks(
+            stack,
+            cfg,
+            kafka,
+            source,
+            sink,
+            first_log,
+            stream_start=self._task_stream_start(),
+            start_at=self._start_at,
+            end_at=self._end_at,
+            output_start=self._records.started_before,
+            stream_options=self.stream_options,
+            snapshots=self._snapshots,
+            on_change=self._notice,
+            loop_lag=self.loop_lag.recent,
+        )
 
     async def _start_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
-        cfg = self.config
+        """The given source, else the one the options name; what the run keeps of it."""
         if self._given_source is not None:
             return self._given_source
-        match cfg.run.source:
-            case "sim":
-                return self._sim_source()
-            case "emulator":
-                return await self._emulator_source(stack)
-            case "spanner":
-                from runtime.spanner.config import SpannerConfig
-                from runtime.spanner.reader import SpannerSource
-
-                s = cfg.spanner
-                spanner = SpannerConfig(
-                    project=s.project or "",
-                    instance=s.instance or "",
-                    database=s.database or "",
-                    change_stream=s.change_stream or "",
-                    credentials_file=s.credentials_file,
-                    emulator_host=s.emulator_host,
-                    heartbeat_ms=s.heartbeat_ms,
-                    query_window_s=query_window(s, emulator=s.emulator_host is not None),
-                    trail_s=trail(s, emulator=s.emulator_host is not None),
-                    rpc_priority=s.rpc_priority,
-                    database_role=s.database_role,
-                )
-                self._spanner_config = spanner
-                source = await SpannerSource.connect(spanner)
-                stack.push_async_callback(source.close)
-                await source.detect_dialect(spanner.database)
-                await self._read_stream_options(source, spanner.change_stream)
-                return source
-
-    async def _snapshot_routing(
-        self, stack: AsyncExitStack, source: ChangeStreamSource
-    ) -> ChangeStreamSource:
-        """A Spanner source reads snapshot partitions too (docs/mirror.md): those of a snapshot
-        this run plans (``--snapshot``) or that the connector's sync topic records from an
-        earlier start."""
-        spanner = self._spanner_config
-        if spanner is None:
-            return source
-        from runtime.snapshot_routing import SnapshotRouting
-        from runtime.spanner.snapshot_source import SpannerSnapshots
-
-        async def tables() -> tuple[str, ...]:
-            watched = await _watched_tables(source)
-            if watched is None:
-                raise RunFailed(
-                    "snapshot: the change stream's tables could not be read from the "
-                    "database's information schema (the log says why; a PostgreSQL-dialect "
-                    "database is not supported by --snapshot yet)"
-                )
-            return tuple(t for t in watched if self._filter.keeps_table(t))
-
-        snapshots = self._snapshots = SpannerSnapshots(
-            spanner, tables, chunk_rows=self.config.run.snapshot_chunk_rows
+        parts = await wiring.start_source(
+            stack,
+            self.config,
+            start_at=self._start_at,
+            cap=lambda: self._cap,
+            say=self._say,
+            count_error=self.count_error,
+            kill_on_abort=self._kill_on_abort,
         )
-        stack.push_async_callback(snapshots.close)
-        return SnapshotRouting(source, snapshots, self._snapshot_item, self._snapshot_done)
+        self._spanner_config = parts.spanner
+        self.stream_options = parts.stream_options
+        self._model = parts.model
+        self._loadgen = parts.loadgen
+        if parts.clock is not None:
+            self._now = parts.clock
+        if parts.stream_start is not None:
+            self._stream_start = parts.stream_start
+        return parts.source
+
+    async def _start_sink(self, stack: AsyncExitStack, kafka: KafkaConfig) -> Sink:
+        """The given sink, else the one the options name, wrapped in the run's :class:`Ledger`:
+        with the tally of what was committed, per partition, for the self-check of a simulated
+        stream or the emulator's write load only (on a real database nothing reads it)."""
+        if self._given_sink is not None:
+            self._ledger = Ledger(self._given_sink, check=self._bounded, changed=self._notice)
+            return self._ledger
+        parts = await wiring.start_sink(
+            stack,
+            self.config,
+            kafka,
+            sink_dir=self._sink_dir(),
+            output_topic=self._output_topic(),
+            permit=self._leased,
+            leads=self._leads,
+            mark=self._records.mark,
+            say=self._say,
+        )
+        self._file_sink, self._bridge = parts.file_sink, parts.bridge
+        checks = self.config.run.source != "spanner" or self._given_source is not None
+        check = checks and (self._bounded or self._end_at is not None)
+        self._ledger = Ledger(parts.sink, check=check, changed=self._notice)
+        return self._ledger
+
+    def _task_stream_start(self) -> int:
+        """Where the tasks start a connector the sync topic has no start of: ``start_at``; else
+        where the output remembers this connector first started (a sync topic that is new, an
+        embedded broker's after a restart, starts there too, and each partition resumes from
+        its progress file, rather than at "now" with a gap before it); else the simulated
+        stream's start; else -1 (now)."""
+        if self._start_at is not None:
+            return self._start_at
+        recorded = self._records.start_recorded
+        if recorded is not None:
+            return recorded.start_us
+        return self._stream_start if self._stream_start is not None else -1
 
     def _snapshot_item(self, token: str) -> tuple[SnapshotItem, int] | None:
         """A snapshot partition's description, from any task's consolidated state."""
@@ -666,75 +538,6 @@ class Pipeline:
             t.node.task is not None and t.node.task.core.cim.snapshot.done(token)
             for t in self.tasks
         )
-
-    def _sim_source(self) -> ChangeStreamSource:
-        from runtime.sim.source import SimulatedSource
-        from runtime.sim.stream import StreamModel
-
-        sim = self.config.sim
-        # the simulated stream begins at --sim-start-ts, else at --start-at, else now
-        if sim.start_ts is not None:
-            start = sim.start_ts
-        elif self._start_at is not None:
-            start = self._start_at
-        else:
-            start = wall_micros()
-        params = stream_params(sim, start)
-        self._model = model = StreamModel(params)
-        speed = sim.speedup
-
-        def clock() -> int:
-            now = start + int((wall_micros() - start) * speed)
-            cap = self._cap
-            return now if cap is None else min(now, cap)
-
-        self._now = clock
-        self._stream_start = start
-        return SimulatedSource(model, clock=clock, poll_s=0.05)
-
-    async def _emulator_source(self, stack: AsyncExitStack) -> ChangeStreamSource:
-        from runtime.spanner.emulator import DEFAULT_TABLES, EmulatorUnavailable, SpannerEmulator
-        from runtime.spanner.loadgen import LoadGenerator
-        from runtime.spanner.reader import SpannerSource
-
-        s = self.config.spanner
-        try:
-            emulator = SpannerEmulator(binary=s.emulator_path, partition_alive_s=s.emulator_churn_s)
-        except EmulatorUnavailable as exc:
-            raise RunFailed(f"--source emulator: {exc}") from exc
-        spanner = await asyncio.to_thread(emulator.start)
-        stack.callback(emulator.stop)
-        self._kill_on_abort.append(lambda: emulator.stop(timeout_s=1.0))
-        self._loadgen = await LoadGenerator.connect(
-            spanner, DEFAULT_TABLES, seed=self.config.sim.seed
-        )
-        stack.push_async_callback(self._loadgen.close)
-        spanner = msgspec.structs.replace(
-            spanner,
-            query_window_s=query_window(s, emulator=True),
-            trail_s=trail(s, emulator=True),
-            rpc_priority=s.rpc_priority,
-            database_role=s.database_role,
-        )
-        self._spanner_config = spanner
-        source = await SpannerSource.connect(spanner)
-        stack.push_async_callback(source.close)
-        await self._read_stream_options(source, spanner.change_stream)
-        return source
-
-    async def _read_stream_options(self, source: Any, stream: str) -> None:
-        """Read the change stream's own options once (``protocol/stream_options.py``) and say
-        them in one line; the first start is checked against its retention (``_StartChecked``).
-        Options that cannot be read are logged and counted, and the run goes on: Spanner itself
-        still refuses a start it does not keep."""
-        try:
-            self.stream_options = await source.stream_options()
-        except Exception as exc:
-            self.count_error("stream_options")
-            log.warning("could not read change stream %s's options: %r", stream, exc)
-            return
-        if self.stream_options is not None:
-            self._say(f"change stream {stream}: {self.stream_options.describe()}")
 
     def _leased(self) -> bool:
         """Whether every task of this process that reads partitions holds a valid lease: the
@@ -756,196 +559,8 @@ class Pipeline:
             if task is not None
         )
 
-    async def _start_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
-        cfg = self.config
-        inner: Sink
-        if self._given_sink is not None:
-            self._ledger = Ledger(self._given_sink, check=self._bounded)
-            return self._ledger
-        match cfg.run.sink:
-            case "files":
-                self._file_sink = FileSink(
-                    self._sink_dir(),
-                    permit=self._leased,
-                    layout=cfg.run.output_layout,
-                    connector=cfg.run.connector,
-                    table_format=cfg.run.table_format,
-                    mark=lambda: max(self._completeness_written, -1),
-                    mirror=cfg.run.mirror,
-                    validate=cfg.run.debug_validate,
-                )
-                inner = await stack.enter_async_context(self._file_sink)
-            case "spark":
-                inner = await self._spark_sink(stack, kafka)
-            case "kafka":
-                from runtime.kafka.output_meta import MetaOptions
-                from runtime.kafka.sink import KafkaSink, KafkaSinkConfig
-
-                sink_config = KafkaSinkConfig(
-                    name=self._output_topic(), partitions=cfg.kafka.output_partitions
-                )
-                # the output is a composite topic described by <output>_meta: it can grow
-                # while shoal runs (``output add-storage-topic`` / ``switch-produce``)
-                lease = cfg.kafka.output_lease_s
-                trace = None  # its retry core's trace, beside the tasks' (protocol/trace.py)
-                if cfg.run.trace_dir is not None:
-                    path = Path(cfg.run.trace_dir) / f"retry-{sink_config.name}.trace.jsonl"
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    trace = stack.enter_context(path.open("ab"))
-                inner = await stack.enter_async_context(
-                    KafkaSink(
-                        kafka,
-                        sink_config,
-                        driver=self._leads,
-                        takeover_grace_s=cfg.run.rq_takeover_grace_s,
-                        meta=MetaOptions(lease_ttl_s=lease, margin_s=lease / 5),
-                        trace=trace,
-                        validate=cfg.run.debug_validate,
-                    )
-                )
-        # what was committed, per partition, for the self-check of a simulated stream or the
-        # emulator's write load only (on a real database nothing reads it)
-        checks = self.config.run.source != "spanner" or self._given_source is not None
-        check = checks and (self._bounded or self._end_at is not None)
-        self._ledger = Ledger(inner, check=check)
-        return self._ledger
-
-    async def _spark_sink(self, stack: AsyncExitStack, kafka: Any) -> Sink:
-        try:
-            spark_module: Any = importlib.import_module("runtime.spark")
-        except ImportError as exc:
-            raise ConfigError(
-                f"--sink spark: the Spark bridge is not available ({exc}); use --sink files"
-            ) from exc
-        sc = self.config.spark
-        # Spark's Python workers must run this interpreter (the system python3 lacks shoal's
-        # packages and fails with a misleading "worker failed to connect back"); a local
-        # master binds to loopback.
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        if sc.remote is None and sc.master.startswith("local"):
-            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        settings = build_spark_config(self.config, kafka)
-        where = (
-            f", retry/dead-letter queues {settings.dead_letter.name}_rq/_dlq"
-            if settings.dead_letter is not None
-            else ""
-        )
-        self._say(f"shoal: starting Spark ({sc.remote or sc.master}, {sc.path} path{where})")
-        bridge: Any = await stack.enter_async_context(
-            spark_module.SparkBridge(
-                settings,
-                rq_driver=self._leads,
-                permit=self._leased,
-                mark=lambda: max(self._completeness_written, -1),
-            )
-        )
-        self._bridge = bridge
-        return cast(Sink, bridge)
-
-    async def _make_tasks(
-        self,
-        stack: AsyncExitStack,
-        kafka: Any,
-        source: ChangeStreamSource,
-        sink: Sink,
-        first_log: Any,
-    ) -> None:
-        from runtime.kafka import KafkaMembership, KafkaSyncLog
-
-        cfg = self.config
-        connector = cfg.run.connector
-
-        async def join(task_id: str) -> Membership:
-            trace = None  # its member core's trace, beside its task's (protocol/trace.py)
-            if cfg.run.trace_dir is not None:
-                path = Path(cfg.run.trace_dir) / f"member-{task_id}.trace.jsonl"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                trace = stack.enter_context(path.open("ab"))
-            membership = KafkaMembership(
-                kafka,
-                connector,
-                task_id,
-                trace=trace,
-                validate=cfg.run.debug_validate,
-                loop_lag=self.loop_lag.recent,
-            )
-            await membership.start()
-            return membership
-
-        if self._start_at is not None:
-            stream_start = self._start_at
-        elif self._start_recorded is not None:
-            # the output remembers where this connector first started: a sync topic that is new
-            # (an embedded broker's, after a restart) starts there too, and each partition
-            # resumes from its progress file, rather than at "now" with a gap before it
-            stream_start = self._start_recorded.start_us
-        else:
-            stream_start = self._stream_start if self._stream_start is not None else -1
-        t = cfg.task
-        for n, task_id in enumerate(default_task_ids(cfg)):
-            if n == 0:
-                sync_log = first_log  # reached (with retries) before anything else started
-            else:
-                sync_log = await stack.enter_async_context(KafkaSyncLog(kafka, connector))
-            gate = GatedSource(source)
-            counting = CountingSink(sink)
-            node = TaskNode(
-                NodeConfig(
-                    task=msgspec.structs.replace(
-                        t.task_config(task_id),
-                        snapshot=cfg.run.snapshot,
-                        # a MUTABLE_KEY_RANGE stream's lifecycle (protocol/mutable.py)
-                        mutable=self.stream_options is not None
-                        and self.stream_options.mutable_key_range,
-                    ),
-                    stream_start=stream_start,
-                    require_start=-1 if self._start_at is None else self._start_at,
-                    end_at=-1 if self._end_at is None else self._end_at,
-                    output_start=self._started_before,
-                    stuck_after=cfg.run.stuck_after_s,
-                    trace_dir=cfg.run.trace_dir,
-                    debug_validate=cfg.run.debug_validate,
-                ),
-                sync_log=sync_log,
-                join=join,
-                source=gate,
-                sink=counting,
-                snapshots=self._snapshots,
-            )
-            self.tasks.append(_Task(node, counting, gate, sync_log))
-
-    async def _reach(self, stack: AsyncExitStack, make: Callable[[], Any], what: str) -> Any:
-        """Enter ``make()`` as a context, retrying a transient failure with exponential backoff
-        for at most ``connect_timeout`` seconds; then fail with the last error."""
-        deadline = time.monotonic() + self.config.run.connect_timeout
-        delay = 0.5
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await stack.enter_async_context(make())
-            except Exception as exc:
-                from runtime.kafka.errors import bad_setting_in, is_transient, refusal_in
-
-                left = deadline - time.monotonic()
-                refused = refusal_in(exc)
-                if refused is not None:  # a certificate, a listener, a login: retrying cannot help
-                    raise RunFailed(str(refused)) from exc
-                bad = bad_setting_in(exc)
-                if bad is not None:  # a TLS file, a sync topic of several partitions
-                    raise ConfigError(str(bad)) from exc
-                if not is_transient(exc) or left <= 0 or self.stop.is_set():
-                    raise RunFailed(
-                        f"{what} unreachable after {attempt} attempt(s): {exc}"
-                    ) from exc
-                self.count_error("connect_retry")
-                wait = min(delay, left)
-                log.warning("%s: %s; retrying in %.1fs (attempt %d)", what, exc, wait, attempt)
-                await asyncio.sleep(wait)
-                delay = min(delay * 2, 8.0)
-
     # -- phases ----------------------------------------------------------------------------------
-    async def _run_task(self, t: _Task) -> None:
+    async def _run_task(self, t: LocalTask) -> None:
         try:
             await self._run_node(t)
         except StartConflict as exc:
@@ -953,7 +568,7 @@ class Pipeline:
         except SnapshotConflict as exc:
             raise ConfigError(
                 f"snapshot (--snapshot): connector {self.config.run.connector!r} already started "
-                f"at {_rfc3339(exc.recorded)} and its sync topic records no snapshot; a "
+                f"at {rfc3339(exc.recorded)} and its sync topic records no snapshot; a "
                 "snapshot is taken only when a connector first starts: leave --snapshot off to "
                 "resume it, or start a new connector (--connector) with --snapshot"
             ) from exc
@@ -962,7 +577,7 @@ class Pipeline:
             start = "now" if self._start_at is None else run.start_at
             raise ConfigError(
                 f"end_at {run.end_at}: connector {run.connector!r} has not started yet and "
-                f"would start at {_rfc3339(exc.stream_start)} (start_at {start}), after its end: "
+                f"would start at {rfc3339(exc.stream_start)} (start_at {start}), after its end: "
                 "nothing to read; give a start_at before end_at, or a later end_at"
             ) from exc
 
@@ -970,7 +585,7 @@ class Pipeline:
         run = self.config.run
         return (
             f"start_at {run.start_at}: connector {run.connector!r} already started at "
-            f"{_rfc3339(exc.recorded)} ({where} records it) and resumes from its "
+            f"{rfc3339(exc.recorded)} ({where} records it) and resumes from its "
             "watermarks; give that start or leave start_at unset to resume, or reset the "
             "connector (see docs/operations.md, Resetting a connector)"
         )
@@ -981,28 +596,16 @@ class Pipeline:
         sync topic's record is, on any broker; the first start is recorded."""
         if self._given_sink is not None or self.config.run.sink == "kafka":
             return
-        state = self._state = OutputState(self._sink_dir(), self.config.run.connector)
-        recorded = await asyncio.to_thread(state.read_start)
-        conflict = start_conflict(recorded, self._start_at)
+        records = self._records
+        conflict = await records.open(
+            self._sink_dir(), start_at=self._start_at, snapshot=self.config.run.snapshot
+        )
         if conflict is not None:
-            where = f"its output's {state.start_file}"
+            assert records.state is not None
+            where = f"its output's {records.state.start_file}"
             raise ConfigError(self._conflict(StartConflict(conflict.start_us, -1), where))
-        self._start_recorded = recorded
-        self._started_before = -1 if recorded is None else recorded.start_us  # (not this run's own)
-        mark = await asyncio.to_thread(state.read_mark)
-        if mark is not None:
-            # never write a mark below one a reader may have seen: a restart whose sync topic is
-            # new computes a low one until its partitions have caught up with their progress
-            self._completeness_written = mark.low_watermark_us
-        if recorded is None and self._start_at is not None and not self.config.run.snapshot:
-            # (with --snapshot the start is recorded once the sync topic has it, and with it the
-            # snapshot: recorded here, it would make another process of this connector that
-            # starts at the same time refuse the snapshot its leader is planning)
-            self._start_recorded = await asyncio.to_thread(
-                state.record_start, self._start_at, _rfc3339(self._start_at)
-            )
 
-    async def _run_node(self, t: _Task) -> None:
+    async def _run_node(self, t: LocalTask) -> None:
         async with t.node:
             await self._drain_requested(t)
             try:
@@ -1013,61 +616,87 @@ class Pipeline:
             # partitions planned onto a task that is still reading.
             await asyncio.gather(*(o.done.wait() for o in self.tasks))
 
-    async def _drain_requested(self, t: _Task) -> None:
+    async def _drain_requested(self, t: LocalTask) -> None:
         await self._draining.wait()
 
-    async def _drain(self, t: _Task) -> None:
+    async def _drain(self, t: LocalTask) -> None:
         """Readers stop and commit what is in flight; the task's final state is read back."""
         t.drained = await drain_node(t.node, t.gate)
 
+    def _notice(self) -> None:
+        """A fact of the run's end may have changed: :meth:`_wait_for_end` looks again."""
+        self._changed.set()
+
+    async def _relay_stop(self) -> None:
+        await self.stop.wait()
+        self._notice()
+
     async def _wait_for_end(self) -> str:
+        """Until ``protocol.ending.decide`` says the run ends (its reason) or fails: then stop
+        the run (exit 1, with the message; a port's own exception). It looks again as
+        ``_SETTLE_S`` and ``_FALLBACK_S`` say."""
         run = self.config.run
         deadline = None if run.duration is None else time.monotonic() + run.duration
         while True:
-            self._check_fatal()
-            if self.stop.is_set():
-                return "signal"
-            if deadline is not None and time.monotonic() >= deadline:
-                return "duration"
-            if run.max_records is not None and self._delivered() >= run.max_records:
-                return "max-records"
-            if self._end_at is not None and self._read_to_end():
-                return "end-at"
-            await asyncio.sleep(0.05)
+            self._changed.clear()
+            looked_at = time.monotonic()
+            match ending.decide(self._end_facts(looked_at, deadline)):
+                case ending.Fail(message, cause):
+                    self.failed = message
+                    port = self._port_failure()
+                    if cause == "port" and port is not None:
+                        raise port
+                    raise RunFailed(message)
+                case ending.End(reason):
+                    return reason
+                case ending.KeepGoing(wake_at):
+                    wait = _FALLBACK_S
+                    if wake_at is not None:
+                        wait = max(0.0, min(wait, wake_at - time.monotonic()))
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait):
+                            await self._changed.wait()
+                    settle = _SETTLE_S - (time.monotonic() - looked_at)
+                    if self._changed.is_set() and settle > 0 and not self.stop.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(settle):
+                                await self.stop.wait()
+                case never:
+                    assert_never(never)
 
-    def _check_fatal(self) -> None:
-        """Stop the run (exit 1, with the port's own message) once a port failed for good:
-        retrying what cannot be mended would only look alive (docs/operations.md, "When the
-        parts around shoal fail")."""
+    def _end_facts(self, now: float, deadline: float | None) -> ending.Facts:
+        """What ``protocol.ending.decide`` needs to know, now."""
+        port = self._port_failure()
+        broker = self._broker
+        code = broker.exit_code() if broker is not None else None
+        return ending.Facts(
+            now=now,
+            stop_requested=self.stop.is_set(),
+            stopping=self.stopping,
+            deadline=deadline,
+            delivered=self._delivered(),
+            max_records=self.config.run.max_records,
+            read_to_end=None if self._end_at is None else self._read_to_end(),
+            port_failure=None if port is None else str(port),
+            broker_pid=broker.pid if code is not None else None,
+            broker_exit_code=code,
+            out_of_group_since=tuple(
+                t.node.task.out_of_group_since
+                if t.node.ready.is_set() and t.node.task is not None
+                else None
+                for t in self.tasks
+            ),
+            unreachable_limit_s=self.config.kafka.unreachable_limit_s,
+            kafka=self._bootstrap,
+        )
+
+    def _port_failure(self) -> Unrecoverable | None:
+        """The first port that failed for good: the sink, the source, a task's sync log."""
         for port in (self._ledger, self._source, *(t.sync_log for t in self.tasks)):
             fatal = None if port is None else port.fatal
             if fatal is not None:
-                self.failed = str(fatal)
-                raise fatal
-        broker = self._broker
-        if broker is not None and not self.stopping and (code := broker.exit_code()) is not None:
-            self.failed = (
-                f"Kafka: the embedded broker (pid {broker.pid}) exited with code {code}; it "
-                "kept its topics in memory, so the connector's state is gone with it"
-            )
-            raise RunFailed(self.failed)
-        limit = self.config.kafka.unreachable_limit_s
-        if limit > 0 and self.tasks and not self.stopping:
-            now = time.monotonic()
-            outs = [
-                now - since
-                for t in self.tasks
-                if t.node.ready.is_set()
-                and t.node.task is not None
-                and (since := t.node.task.out_of_group_since) is not None
-            ]
-            if len(outs) == len(self.tasks) and min(outs) > limit:
-                self.failed = (
-                    f"Kafka at {self._bootstrap}: no task of this process has been a member of "
-                    f"its group for {min(outs):.0f}s (kafka.unreachable_limit_s = {limit:g}): "
-                    "the broker is unreachable or the group does not answer"
-                )
-                raise RunFailed(self.failed)
+                return fatal
+        return None
 
     def _read_to_end(self) -> bool:
         """With ``end_at``: every task of this process is a member of the group and its CIM
@@ -1226,8 +855,8 @@ class Pipeline:
         while True:
             sample = self.sample()
             self._track_rebalances(sample)
-            self._record_completeness(sample.low_watermark_us, sample.held_by)
-            if self._state is not None and self._start_recorded is None:
+            self._records.record_mark(sample.low_watermark_us, sample.held_by)
+            if self._records.start_missing:
                 await self._record_start()
             if self.progress is not None and time.monotonic() >= next_draw:
                 self.progress.update(sample)
@@ -1237,56 +866,11 @@ class Pipeline:
     async def _record_start(self) -> None:
         """Record the connector's start in the output once the sync topic has one (a start of
         "now" is fixed by the first leader)."""
-        state = self._state
-        assert state is not None
         for t in self.tasks:
             task = t.node.task
             if task is not None and t.node.ready.is_set() and task.core.cim.stream_start >= 0:
-                start = task.core.cim.stream_start
-                self._start_recorded = await asyncio.to_thread(
-                    state.record_start, start, _rfc3339(start)
-                )
+                await self._records.record_start(task.core.cim.stream_start)
                 return
-
-    def _record_completeness(
-        self, low_watermark_us: int, held: tuple[str, ...] = (), *, final: bool = False
-    ) -> None:
-        """Write the connector's completeness mark beside the output when it advanced
-        (``protocol.completeness.mark_due``: at most once a second, and once more at the end):
-        ``<data>/_shoal/<connector>/completeness.json``, one JSON line a downstream job reads
-        with ``spark.read.json`` (docs/reading-output.md). Readers of the data skip ``_shoal``.
-        A file or Spark sink only: Kafka consumers read the metric or ``status``. A change of
-        the quarantined partitions holding it back (``Mark.held_by``) is written too."""
-        state = self._state
-        now = time.monotonic()
-        changed = held != self._completeness_held and low_watermark_us >= 0
-        if state is None or not (
-            changed
-            or mark_due(
-                low_watermark_us,
-                self._completeness_written,
-                self._completeness_at,
-                now,
-                final=final,
-            )
-        ):
-            return
-        self._completeness_at = now
-        mark = Mark(
-            connector=self.config.run.connector,
-            low_watermark=_rfc3339(low_watermark_us),
-            low_watermark_us=low_watermark_us,
-            written_at=_rfc3339(wall_micros()),
-            held_by=held,
-        )
-        try:
-            state.write_mark(mark)
-        except OSError as exc:
-            self.count_error("completeness_write")
-            log.warning("could not write the completeness mark to %s: %r", state.mark_file, exc)
-            return
-        self._completeness_written = max(self._completeness_written, low_watermark_us)
-        self._completeness_held = held
 
     def _track_rebalances(self, sample: Sample) -> None:
         by_id = {s.task_id: s for s in sample.tasks}
@@ -1323,189 +907,23 @@ class Pipeline:
         partitions: tuple[PartitionEnd, ...],
         final: Sample,
     ) -> RunSummary:
-        errors = dict(final.errors)
-        for task in final.tasks:
-            for kind, n in task.errors.items():
-                errors[kind] = errors.get(kind, 0) + n
-        ledger = self._ledger
-        if ledger is not None and ledger.duplicates:
-            # handed to the sink twice (a partition resumed at its watermark by a new owner)
-            errors["records_read_twice"] = ledger.duplicates
-        rows = ledger.rows if ledger is not None else None
-        if self._file_sink is not None:
-            stats = self._file_sink.statistics()
-            rows = stats.rows
-            if stats.duplicates_dropped:
-                errors["duplicates_dropped_by_sink"] = stats.duplicates_dropped
-        spark_figures: dict[str, Any] = {}
-        if self._bridge is not None:
-            bridge = self._bridge
-            spark = bridge.stats()
-            rows = spark.rows_committed
-            spark_figures = {
-                "spark_writes": bridge.typed_writes,
-                "spark_jobs": bridge.typed_write_jobs,
-            }
-            if bridge.first_put_at is not None and bridge.last_commit_at is not None:
-                spark_figures["sink_write_s"] = bridge.last_commit_at - bridge.first_put_at
-                spark_figures["sink_phase_s"] = {k: round(v, 3) for k, v in bridge.phase_s.items()}
-            counts = {
-                "duplicate_rows_dropped_by_spark": spark.rows_deduplicated,
-                "spark_batches_failed": spark.batches_failed,
-                "spark_attempts_failed": spark.attempts_failed,
-            }
-            errors.update({kind: n for kind, n in counts.items() if n})
-        epoch = max((t.epoch for t in final.tasks), default=-1)
-        leader = next((t.leader for t in final.tasks if t.epoch == epoch), "")
-        return RunSummary(
-            connector=self.config.run.connector,
-            source=self.config.run.source,
-            sink=self.config.run.sink,
+        return summarize(
+            self.config,
+            final,
+            reason=reason,
+            caught_up=caught_up,
+            drained=drained,
+            partitions=partitions,
             output_dir=self._sink_dir(),
             seconds=time.monotonic() - self.started_at,
-            tasks=final.tasks,
-            records_read=sum(t.records_read for t in final.tasks),
-            records_delivered=sum(t.records_delivered for t in final.tasks),
-            rows_written=rows,
+            ledger=self._ledger,
+            file_sink=self._file_sink,
+            bridge=self._bridge,
             produced_records=self._expected_records,
             produced_rows=self._expected_rows,
             stream_start=self._stream_start,
             stream_end=self._cap,
-            caught_up=caught_up,
-            drained=drained,
-            reason=reason,
-            partitions=partitions,
-            epoch=epoch,
-            leader=leader,
             rebalances=max((t.rebalances for t in self.tasks), default=0),
-            errors=errors,
-            records_filtered=final.records_filtered,
-            records_filtered_by=dict(final.records_filtered_by),
-            records_columns_stripped=final.records_columns_stripped,
-            snapshot_done=final.snapshot_done,
-            snapshot_total=final.snapshot_total,
-            loop_lag_p99_s=self.loop_lag.percentile(0.99),
-            loop_lag_max_s=self.loop_lag.max_s,
-            warnings=dict(self.warnings),
-            **spark_figures,
+            loop_lag=self.loop_lag,
+            warnings=self.warnings,
         )
-
-
-class _StartChecked(ChangeStreamSource):
-    """A source whose root query (the connector's first start, at ``--start-at``) failing is
-    reported as a bad ``start_at`` (exit 2) with the database's own limit, not as a crash: a
-    start before the database's version retention (or the change stream's retention) is
-    refused by Spanner with OUT_OF_RANGE and says which timestamps it accepts."""
-
-    def __init__(
-        self,
-        inner: ChangeStreamSource,
-        start_at: str,
-        stream_options: StreamOptions | None = None,
-        *,
-        stream: str = "",
-    ) -> None:
-        self.inner = inner
-        self.start_at = start_at
-        self.stream_options = stream_options
-        self.stream = stream
-
-    async def query(
-        self, token: str | None, start_ts: int, end_ts: int | None
-    ) -> AsyncGenerator[Sequence[ChangeRecord], None]:
-        if token is not None:
-            async for batch in self.inner.query(token, start_ts, end_ts):
-                yield batch
-            return
-        if self.stream_options is not None:  # the first start: inside the stream's retention?
-            refusal = start_refusal(
-                start_ts,
-                wall_micros(),
-                self.stream_options,
-                start_at=self.start_at,
-                stream=self.stream,
-            )
-            if refusal is not None:
-                raise ConfigError(refusal)
-        try:
-            async for batch in self.inner.query(token, start_ts, end_ts):
-                yield batch
-        except Unrecoverable:  # the database or stream is wrong, not the start
-            raise
-        except Exception as exc:
-            detail = str(exc.__cause__ or exc).splitlines()[0]
-            raise ConfigError(
-                f"start_at {self.start_at}: the change stream refused this start: {detail}"
-            ) from exc
-
-
-def check_output_store(uri: str) -> None:
-    """Blocking: an object-store output (``run.output_dir`` a URI) can be written, read and
-    deleted in, or :class:`ConfigError` naming the option: found at start."""
-    from runtime.lake.store import StoreError, open_store
-
-    try:
-        open_store(uri).check()
-    except StoreError as exc:
-        raise ConfigError(str(exc)) from exc
-
-
-def check_output_dir(path: Path) -> None:
-    """Create ``run.output_dir`` if needed and make sure this process can write there (and in
-    its ``data`` directory, if there is one), or raise :class:`ConfigError` naming the option:
-    found at start, not by the broker's log, the sink or Spark later. Writing is tried, not
-    judged from the permission bits (which do not hold for root or a read-only mount)."""
-    where = f"output_dir {str(path)!r} (--output-dir)"
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{where} is a file, not a directory: give a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot create it ({exc.strerror or exc})") from exc
-    data = path / "data"
-    if data.exists() and not data.is_dir():
-        raise ConfigError(f"{where}: {str(data)!r} is a file; the output goes in that directory")
-    for directory in (path, data) if data.exists() else (path,):
-        probe = directory / f".shoal-write-probe.{os.getpid()}"
-        try:
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError(
-                f"{where}: cannot write in {str(directory)!r} ({exc.strerror or exc})"
-            ) from exc
-
-
-def _rfc3339(micros: int) -> str:
-    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(
-        microseconds=micros
-    )
-    return moment.isoformat().replace("+00:00", "Z")
-
-
-async def _watched_tables(source: ChangeStreamSource) -> tuple[str, ...] | None:
-    """The tables ``source`` says its stream carries (``watched_tables()`` of the simulator
-    and the Spanner reader, asked with a bound), or None where it cannot say."""
-    try:
-        async with asyncio.timeout(10):
-            tables = await source.watched_tables()
-    except TimeoutError:
-        log.info("the source did not say which tables it watches within 10s")
-        return None
-    return None if tables is None else tuple(tables)
-
-
-def stream_params(sim: SimOptions, start: int) -> StreamParams:
-    """The simulated stream of ``[sim]`` options starting at ``start`` (Unix micros)."""
-    from runtime.sim.stream import StreamParams
-
-    return StreamParams(
-        seed=sim.seed,
-        roots=sim.roots,
-        start_ts=start,
-        round_us=int(sim.round_s * 1e6),
-        split_p=sim.split_p,
-        move_p=sim.move_p,
-        merge_p=sim.merge_p,
-        records_per_s=sim.records_per_s,
-    )
