@@ -510,13 +510,20 @@ class TaskCore:
         return member != self.me and self._probation.get(member, -1) > self._now
 
     def _plan_due(self) -> int | None:
+        """The end of the leader's wait for answers (``leading.plan_due``)."""
         return leading.plan_due(self)
 
     def _checkpoint_due(self) -> int | None:
+        """The leader's next checkpoint (``leading.checkpoint_due``)."""
         return leading.checkpoint_due(self)
 
     def _negotiate_due(self, now: int) -> int | None:
+        """The next negotiation round worth a tick (``negotiation.due``)."""
         return negotiation.due(self, now)
+
+    def _movable(self) -> list[str]:
+        """Own partitions a negotiation round may offer (``negotiation.movable``)."""
+        return negotiation.movable(self)
 
     def _permission_ends(self, now: int) -> int | None:
         """When :meth:`may_read` turns false (it never turns true with time alone), if readers
@@ -823,9 +830,6 @@ class TaskCore:
             out.append(Publish(message))
         return out
 
-    def _movable(self) -> list[str]:
-        return negotiation.movable(self)
-
     def _remove_finished(self) -> None:
         finished = [t for t, p in self.mine.items() if p.status == "finished"]
         if not finished:
@@ -916,7 +920,6 @@ class TaskCore:
             )
         return out
 
-    # -- publishing -----------------------------------------------------------------------------
     # -- views ----------------------------------------------------------------------------------
     def _lookup(self, token: str) -> Partition | None:
         part = self.mine.get(token)
