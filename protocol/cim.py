@@ -29,11 +29,11 @@ task's CIM is the same at the same offset):
    once the epoch is applied becomes an *orphan*, kept with its newest watermark (finished
    wins): the leader planned from a CIM taken before the task's last claims landed. Orphans
    stay until some state holds or offers them (a finished one, until nothing refers to it);
-   the leader offers them (``protocol/task.py``) and a plan deals out those still left
+   the leader offers them (``protocol/offers.py``) and a plan deals out those still left
    (``protocol/planner.py``).
    5d. A member the epoch lists in ``reset`` (a task restarted under its id, which had not
-   answered when the leader planned or had beside survivors: ``protocol/task.py``
-   ``_reset_members``) has its state dropped like a dropped task's (rule 5c applies to it),
+   answered when the leader planned or had beside survivors: ``protocol/leading.py``
+   ``reset_members``) has its state dropped like a dropped task's (rule 5c applies to it),
    keeping only its answer; it stays a member. Its partitions were dealt out by the same epoch.
 6. A ``checkpoint`` seeds an empty CIM (a replay that starts at the checkpoint); a CIM that has
    already applied the checkpoint's ``as_of`` offset ignores it.

@@ -16,7 +16,7 @@ Given the CIM and the members of the new generation, the leader opens a new epoc
   wherever some state still shows it: it is never offered.
 * A member the epoch *resets* (a task restarted under its id whose new life has never been a
   member of any generation, and which had not answered this generation when the leader asked
-  for the plan, or had while survivors are members: ``protocol/task.py``, ``_reset_members``)
+  for the plan, or had while survivors are members: ``protocol/leading.py``, ``reset_members``)
   counts as dead for what the CIM credits to it: its new life has read nothing, and its earlier
   life is no member of this generation, so that life's lease is bounded as a dead task's is. Its
   partitions are dealt out to the other members (it gets none of them), and the epoch lists it
