@@ -25,6 +25,10 @@ one of three paths the bridge owns and calls:
 * ``runtime.spark.stream_path``: ``SparkConfig.path = "streaming"``, micro-batches spooled for
   Spark's streaming query and settled once its checkpoint holds them.
 
+The paths keep a reference to the bridge and settle each micro-batch through it
+(``_succeed``, ``_fail_permanently``, ``_fail_cut``, ``_done``): the futures, the counters and
+the output ledger stay here, in one place.
+
 * Backpressure: at most ``max_inflight_batches`` micro-batches are cut and not yet committed;
   while that many are in flight and the buffer is full, ``put`` waits.
 * Failure: a micro-batch that fails after its last attempt fails its futures, and so does
