@@ -1,7 +1,7 @@
 """The output ledger: one sink's per-partition bookkeeping (docs/design.md#exactly-once-output).
 
 A pure core shared by the file sink (``runtime.files.sink``) and the Spark bridge
-(``runtime.spark.bridge``): events in (a batch handed over, a micro-batch committed or failed,
+(``runtime.spark.bridge``, its retries in ``runtime.spark.batch``): events in (a batch handed over, a micro-batch committed or failed,
 a reader starting, a position learned), decisions out (admit or refuse, which batches fail with
 a failed one, which records are re-reads, whether a micro-batch may still commit, when to run a
 failed job again). No I/O, no clock, no event loop: the shells carry the decisions out. No

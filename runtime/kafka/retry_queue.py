@@ -1,6 +1,6 @@
 """The durable shell of the retry queue and dead-letter queue (``docs/design.md``, "Retry and
 dead-letter queues"), shared by the Kafka output sink (:mod:`runtime.kafka.sink`) and the Spark
-bridge (:mod:`runtime.spark.bridge`).
+bridge's keyed path (:mod:`runtime.spark.keyed_path`).
 
 :class:`RetryQueue` drives the pure core :class:`protocol.retry.RetryCore` and does its I/O:
 

@@ -1,8 +1,10 @@
 """The Spark micro-batch bridge: change records into Spark, watermarks advance only after Spark
 commits. ``SparkBridge`` is the ``Sink``; ``SparkConfig`` its settings; ``read_output`` reads the
-default parquet output back. See ``bridge`` (embedded path) and ``streaming`` (Structured
-Streaming source); ``DeadLetterConfig`` turns on the retry and dead-letter queues (``keyed``,
-``dead_letter``), and a ``foreach_batch`` may raise ``RowsFailed`` to name failing keys."""
+default parquet output back. See ``bridge`` (the shell) and the paths it owns: ``batch`` (Spark
+jobs, attempts, the default output's commits), ``keyed_path`` and ``stream_path`` (over the
+Structured Streaming source ``streaming``); ``DeadLetterConfig`` turns on the retry and
+dead-letter queues (``keyed_path``, ``keyed``, ``dead_letter``), and a ``foreach_batch`` may
+raise ``RowsFailed`` to name failing keys."""
 
 from __future__ import annotations
 

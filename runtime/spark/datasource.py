@@ -382,7 +382,7 @@ class TypedStreamWriter(DataSourceStreamArrowWriter):
     the chunks carry: :func:`with_write`), and the driver's ``commit(messages, batchId)``, run
     once per micro-batch, writes the receipt of the files of the tasks Spark committed under
     the micro-batch's staging location. It commits nothing to the output: the bridge does, once
-    Spark's checkpoint holds the micro-batch (``runtime.spark.bridge``)."""
+    Spark's checkpoint holds the micro-batch (``runtime.spark.stream_path``)."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
         self.options = dict(options)

@@ -361,12 +361,12 @@ async def test_a_sigkilled_bridge_process_leaves_its_rq_to_the_next_one(
 
 def test_records_round_trip_and_halves_keep_keys_together() -> None:
     from runtime.kafka.sink import decode_output
-    from runtime.spark.bridge import _ordering_keys
     from runtime.spark.keyed import encode_record, halves, records_table
+    from runtime.spark.keyed_path import ordering_keys
 
     changes = workload(keys=5, per_key=3)
     records = spark_records(TOKEN, changes)
-    assert _ordering_keys([(TOKEN, changes)]) == {r.key for r in records}
+    assert ordering_keys([(TOKEN, changes)]) == {r.key for r in records}
     raw = encode_record(records[0])
     assert decode_record(raw) == records[0]
     assert decode_output(raw).record_id == records[0].record_id  # `dlq list` reads both sinks

@@ -223,7 +223,8 @@ async def test_a_streamed_batch_failing_after_its_files_commits_once_after_the_r
     async with bridge:
         await _put_each(bridge, batches)
         stats = bridge.stats()
-        restarts = bridge._streaming.restarts
+        assert bridge._stream is not None
+        restarts = bridge._stream.backend.restarts
     side = tmp_path / "side"
     failed = (side / "failed").read_text().split()
     assert failed, "the task failed after writing its files"
