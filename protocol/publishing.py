@@ -1,4 +1,4 @@
-"""Incremental messages (docs/design.md#incremental-messages): a task writes only its own state,
+"""Incremental messages (docs/design.md#incremental-state-messages): a task writes only its own state,
 as the difference between what it has and what its earlier messages told the CIM, with group
 commit and the coalescing of watermark-only changes. Functions over one
 :class:`~protocol.task.TaskCore`'s state, each with its rule as its docstring; the core decides
