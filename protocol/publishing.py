@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from protocol.cim import TaskView, apply_state
 from protocol.messages import StateMessage, TaskState
 
 if TYPE_CHECKING:
@@ -116,13 +117,11 @@ def diff(core: TaskCore, now: int, *, force: bool, epoch: bool = False) -> TaskS
 
 
 def mark_sent(core: TaskCore, state: TaskState) -> None:
-    """What the CIM is told once ``state`` lands: the base of the next difference."""
-    for token in state.removed:
-        core._sent_parts.pop(token, None)
-    for part in state.data:
-        core._sent_parts[part.token] = part
-    if state.share is not None:
-        core._sent_share = {s.token: s for s in state.share}
+    """What the CIM is told once ``state`` lands, the base of the next difference: ``state``
+    folded in as the CIM folds it (``cim.apply_state``)."""
+    sent = TaskView(partitions=core._sent_parts, share=core._sent_share)
+    apply_state(sent, state)
+    core._sent_parts, core._sent_share = sent.partitions, sent.share
 
 
 def resync(core: TaskCore) -> None:
