@@ -19,6 +19,8 @@ The shell only does what the core's commands say and feeds it what happens:
   and answers ``BatchesFenced`` with those that committed (their futures succeeded, or the sink
   says they passed its commit point); a sink that cannot fence, or whose fence fails, answers
   ``held=False`` (logged);
+* ``FlushBatches`` (the query ended or a drain began, batches in flight) tells the sink
+  (``Sink.flush``) it need not hold them for more; a failing flush is logged, nothing else;
 * it calls the core again at ``next_deadline()`` (stalls, backoff, the drain's end);
 * ``Report`` goes to the task at once; ``Done``'s event is reported **once, as the last thing,
   when this reader is no longer alive** (the task may start a new reader for the partition as
@@ -48,6 +50,7 @@ from protocol.reader import (
     Chunk,
     Done,
     FenceBatches,
+    FlushBatches,
     PutBatch,
     QueryEnded,
     QueryError,
@@ -301,6 +304,11 @@ class PartitionReader(Actor[Stop]):
                 await self._put(command)
             case FenceBatches():
                 self._inbox.put_nowait((await self._fence(command.batches), None))
+            case FlushBatches():
+                try:
+                    await self._sink.flush(self.token)
+                except Exception:  # a hint: the batches still commit by the sink's own cut
+                    log.exception("reader %s: flushing the sink failed", self.token)
             case Report():
                 if isinstance(command.event, ReaderFailed):
                     log.warning(

@@ -43,10 +43,13 @@ The rules:
 10. **The end.** When a query ends (after its ``ChildPartitions`` record) the partition is read
     to its end; it is *finished* only once every batch is committed: then ``Done`` carries
     ``ReaderFinished`` with the children. A batch failing meanwhile restarts the query (rule 7),
-    which reads the child-partition record again.
+    which reads the child-partition record again. While batches are still in flight the reader
+    asks the sink to flush them (``FlushBatches``): it hands nothing more until they commit, and
+    the children wait for it, so a sink that gathers batches by age need not wait.
 11. **Stops.** ``StopRequested`` cancels the query. Without ``drain`` the reader stops at once;
     with it, in-flight batches may commit until ``drain_timeout`` (a batch failing ends the
-    drain): then ``Done`` carries ``ReaderStopped`` with the committed position.
+    drain), flushed as at the end (rule 10): then ``Done`` carries ``ReaderStopped`` with the
+    committed position.
 12. **No batch outlives its reader's end.** A reader that ends with batches still in flight
     (the drain timed out or failed, a stop without drain, the permit refused) first *fences*
     them (``FenceBatches``; docs/design.md#exactly-once-output, rule 4): the sink answers which
@@ -108,6 +111,7 @@ __all__ = [
     "Chunk",
     "Done",
     "FenceBatches",
+    "FlushBatches",
     "PutBatch",
     "QueryEnded",
     "QueryError",
@@ -228,6 +232,11 @@ class FenceBatches(_Command, frozen=True, tag="fence-batches"):
     batches: tuple[int, ...]
 
 
+class FlushBatches(_Command, frozen=True, tag="flush-batches"):
+    """Ask the sink not to hold this reader's batches in flight for more (rules 10, 11): the
+    reader hands nothing more until they commit. A hint: a sink may ignore it."""
+
+
 class Report(_Command, frozen=True, tag="report"):
     event: ReaderCommitted | ReaderFailed | PartitionsAnnounced
 
@@ -238,7 +247,7 @@ class Done(_Command, frozen=True, tag="done"):
     end: ReaderStopped | ReaderFinished
 
 
-ReaderCommand = StartQuery | CancelQuery | PutBatch | FenceBatches | Report | Done
+ReaderCommand = StartQuery | CancelQuery | PutBatch | FenceBatches | FlushBatches | Report | Done
 
 
 class ReaderRules(msgspec.Struct, frozen=True):
@@ -345,6 +354,7 @@ class ReaderCore:
                     self.phase = _Phase.ENDED
                     self.answer_deadline = -1
                     self._maybe_finish(out)
+                    self._flush(out)
             case QueryError():
                 if event.query == self.query and self.phase is _Phase.QUERYING:
                     self._restart(event.error, now, out, cancel=False)
@@ -497,6 +507,7 @@ class ReaderCore:
         self.phase = _Phase.ENDED
         self.answer_deadline = -1
         self._maybe_finish(out)
+        self._flush(out)
 
     def _on_ack(self, batch_id: int, error: str, now: int, out: list[ReaderCommand]) -> None:
         for batch in self.pending:
@@ -580,6 +591,7 @@ class ReaderCore:
         if event.drain and self.pending:
             self.phase = _Phase.DRAINING
             self.drain_until = now + self.config.drain_timeout
+            self._flush(out)
             return
         self._done(ReaderStopped(self.token, self.committed.ts, self._ids()), out)
 
@@ -648,6 +660,13 @@ class ReaderCore:
                 self.token, self.committed.ts, tuple(self.children), self.child_start, self._ids()
             )
             self._done(end, out)
+
+    def _flush(self, out: list[ReaderCommand]) -> None:
+        """Rules 10, 11: waiting only for the batches in flight, ask the sink to flush them."""
+        if self.phase in (_Phase.ENDED, _Phase.DRAINING) and any(
+            not b.acked and not b.failed for b in self.pending
+        ):
+            out.append(FlushBatches())
 
     def _report_committed(self, out: list[ReaderCommand]) -> None:
         out.append(Report(ReaderCommitted(self.token, self.committed.ts, self._ids())))

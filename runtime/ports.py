@@ -161,7 +161,8 @@ class Sink(Protocol):
     callback). Only :meth:`put` has no default.
 
     A sink that stores its progress atomically with its data overrides :meth:`durable_position`,
-    one with a shared retry queue :meth:`prepare`, one with a commit point :meth:`fence`."""
+    one with a shared retry queue :meth:`prepare`, one with a commit point :meth:`fence`, one
+    that gathers batches by age :meth:`flush`."""
 
     async def put(self, batch: SinkBatch) -> asyncio.Future[None]:
         """Hand over a batch. Waits while too much is in flight (backpressure); the returned
@@ -180,6 +181,13 @@ class Sink(Protocol):
         sync topic's position, so a batch the sink committed but whose watermark never reached
         the sync topic (a kill -9 in between) is not written twice."""
         return None
+
+    async def flush(self, token: str) -> None:
+        """The reader of ``token`` hands nothing more until what it handed commits (its query
+        ended, or it drains; docs/design.md#reading-a-partition): a sink that gathers batches
+        for a while before it writes them may write them now. A hint: ignoring it loses
+        nothing."""
+        return
 
     async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
         """For each batch of ``batches`` it was handed and has not resolved yet, True if it
@@ -205,6 +213,9 @@ class SinkWrapper(Sink):
 
     async def durable_position(self, token: str) -> Position | None:
         return await self.inner.durable_position(token)
+
+    async def flush(self, token: str) -> None:
+        await self.inner.flush(token)
 
     async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
         return await fence_sink(self.inner, batches)

@@ -2,7 +2,8 @@
 the per-task counting view every task node writes through.
 
 ``FileSink`` buffers the rows of many batches and commits them as one micro-batch once
-``max_rows`` rows or ``max_age_s`` seconds have gathered. Its ``layout``: ``typed`` (the default)
+``max_rows`` rows or ``max_age_s`` seconds have gathered, or at once when every reader of a
+buffered batch waits for nothing else (``flush``, the rule of ``protocol.gather``). Its ``layout``: ``typed`` (the default)
 writes the typed per-table changelog (``runtime.typed``, docs/reading-output.md): each table's
 rows in its own directory ``<table>/batch=<id>/``, in the table's column types; ``generic`` writes
 one file per micro-batch ``batch=<id>/`` with one row per mod in the output-record shape of
@@ -60,6 +61,7 @@ import msgspec
 
 from protocol.commit import batch_identity
 from protocol.dedup import Position
+from protocol.gather import Flushes
 from protocol.ledger import Admit, OutputLedger
 from protocol.records import DataChange
 from runtime.files.commit import CommitIncomplete, CommitRefused, Committer, TableWrite
@@ -144,6 +146,8 @@ class FileSink(Sink):
         self._entries: list[tuple[str, tuple[DataChange, ...], int]] = []
         self._fresh_entries: list[tuple[str, list[DataChange]]] = []  # what the files hold
         self._keys: list[int] = []  # the ledger's keys of the buffered batches
+        self._flushes = Flushes()  # every reader of a buffered batch flushed: write now
+        self._urged = False
         # what was written per partition, the gaps failed batches left, the held batches and
         # their fence keys, the failure cascade (protocol/ledger.py)
         self.ledger = OutputLedger()
@@ -284,6 +288,7 @@ class FileSink(Sink):
         self._keys.append(key)
         future.add_done_callback(lambda _: self._release(key))
         self._entries.append((batch.token, batch.records, batch.watermark))
+        self._flushes.added(batch.token)
         self._fresh_entries.append((batch.token, records))
         if self._first_at is None:
             self._first_at = time.monotonic()
@@ -291,6 +296,13 @@ class FileSink(Sink):
         if self._buffered >= self._max_rows:
             self._kick.set()
         return future
+
+    async def flush(self, token: str) -> None:
+        """The reader of ``token`` waits only for its batches to commit: once every reader of a
+        buffered batch does, the micro-batch is written without waiting for its age."""
+        if self._flushes.flushed(token):
+            self._urged = True
+            self._kick.set()
 
     def _append_columns(self, token: str, records: Sequence[DataChange]) -> None:
         """The generic layout's rows of ``records`` into the buffered columns."""
@@ -360,6 +372,8 @@ class FileSink(Sink):
         """Hand over what is buffered (columns, waiting futures, entries, fresh entries, keys)
         and start an empty buffer; ``_buffered`` is settled by the caller."""
         taken = (self._columns, self._waiting, self._entries, self._fresh_entries, self._keys)
+        self._urged = False
+        self._flushes.clear()
         self._columns = {c: [] for c in COLUMNS}
         self._waiting = []
         self._entries = []
@@ -383,7 +397,7 @@ class FileSink(Sink):
                 await self._kick.wait()
                 continue
             due = self._first_at + self._max_age - time.monotonic()
-            if due > 0 and self._buffered < self._max_rows and not self._closed:
+            if due > 0 and self._buffered < self._max_rows and not self._closed and not self._urged:
                 self._kick.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(due):

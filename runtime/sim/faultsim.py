@@ -140,6 +140,7 @@ from protocol.reader import (
     Chunk,
     Done,
     FenceBatches,
+    FlushBatches,
     PutBatch,
     QueryEnded,
     ReaderCommand,
@@ -973,6 +974,8 @@ class Simulation:
                     if reader.inflight:
                         due = max(due, reader.inflight[-1][0])
                     reader.inflight.append((due, command.batch, command.records, command.watermark))
+                case FlushBatches():
+                    pass  # the simulated sink commits each batch when it is due, not by age
                 case FenceBatches() if not self.p.sink_fences:
                     self.orphans.append((node, reader))  # its batches commit when due
                     held = BatchesFenced(held=False)

@@ -55,6 +55,7 @@ import logging
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,16 +188,27 @@ class MicroBatches:
         """Blocking: one tiny write through the default sink, into a temporary directory (the
         first costs seconds; the typed layout's also registers its data source with the session
         and starts a Python worker per core, each importing what the Delta path needs with
-        ``table_format`` delta)."""
+        ``table_format`` delta). With an object store for output the typed write goes there,
+        into a staging directory of its own deleted after (nothing is committed): the workers
+        and the driver open the store's file system now, not in the first micro-batch."""
         b = self.bridge
-        target = tempfile.mkdtemp(prefix="shoal-spark-warm-")
         spark = b.spark if spark is None else spark
+        store = None if b.committer is None else b.committer.store
+        remote = b.layout == "typed" and store is not None and not store.is_local
+        target = "" if remote else tempfile.mkdtemp(prefix="shoal-spark-warm-")
+        scratch = ""
+        if remote:
+            assert b.committer is not None
+            scratch = b.committer.staged(f"warm-{uuid.uuid4().hex}")
         try:
             if b.layout == "typed":
                 sc = getattr(spark, "sparkContext", None)
                 rows = max(1, sc.defaultParallelism if sc is not None else 1)
                 batch = TypedBatch([("warm", warm_records(rows))], rows)
-                if b.config.table_format == "delta":
+                if remote:
+                    assert store is not None
+                    batch.write_unlisted_delta_files(spark, store.uri_for(scratch))
+                elif b.config.table_format == "delta":
                     batch.write_unlisted_delta_files(spark, target)
                 else:
                     batch.write_in_place(spark, target, "warm")
@@ -205,7 +217,14 @@ class MicroBatches:
         except Exception as exc:
             raise SparkStartError(f"Spark cannot write parquet: {exc}") from exc
         finally:
-            shutil.rmtree(target, ignore_errors=True)
+            if remote:
+                assert store is not None
+                try:
+                    store.delete_tree(scratch)
+                except OSError as exc:  # staging: readers skip it, a later run may delete it
+                    log.warning("deleting the warm-up's %s failed: %s", scratch, exc)
+            else:
+                shutil.rmtree(target, ignore_errors=True)
 
     def seed_tails(self) -> None:
         """Blocking: learn, per partition token, the newest commit timestamp in the default

@@ -2,7 +2,8 @@
 
 Partition readers ``put`` their ``SinkBatch``es; the bridge buffers them (``Batcher``) and cuts
 a micro-batch at ``max_rows`` rows or ``max_age_s`` seconds (by age only while fewer than two
-are in flight, so a slow sink gets fewer, bigger micro-batches: ``Batcher.due``). A cutter task
+are in flight, so a slow sink gets fewer, bigger micro-batches: ``Batcher.due``), or without
+waiting for its age once a reader of it waits for nothing else (``flush``). A cutter task
 drops replayed records (the output ledger's pending tail, ``protocol.ledger``) and builds the
 Arrow table off the event loop; a committer task hands each micro-batch, in order, to Spark
 (``createDataFrame`` from Arrow, then the default parquet sink or the user's
@@ -230,11 +231,12 @@ class SparkBridge(Sink):
         try:
             async with asyncio.timeout(cfg.start_timeout_s):
                 await asyncio.to_thread(warm, self.spark)
+            if self.committer is not None and not self.committer.store.is_local:
+                # reachable and writable: now, not later (the warm-up below writes there)
+                await asyncio.to_thread(self.committer.store.check)
             if self.foreach_batch is None and cfg.path == "embedded" and cfg.remote is None:
                 await asyncio.to_thread(self._batch.warm_write, None)
             if self.committer is not None:
-                if not self.committer.store.is_local:  # reachable and writable: now, not later
-                    await asyncio.to_thread(self.committer.store.check)
                 await asyncio.to_thread(self.committer.recover)
                 for legacy in self.committer.legacy_state():
                     log.warning(
@@ -414,6 +416,12 @@ class SparkBridge(Sink):
             self._kick.set()
         return future
 
+    async def flush(self, token: str) -> None:
+        """The reader of ``token`` waits only for its batches to commit: the micro-batch holding
+        them is cut without waiting for its age (``Batcher.flush``)."""
+        if self._kick is not None and self._batcher.flush(token, time.monotonic()):
+            self._kick.set()
+
     def entries_of(self, batch_id: int) -> tuple[SinkBatch, ...]:
         """The ``SinkBatch``es of micro-batch ``batch_id`` while it is in flight (else ())."""
         cut = self._inflight_cuts.get(batch_id)
@@ -429,7 +437,10 @@ class SparkBridge(Sink):
         self._check()
         if self.committer is None:
             return None
-        return await asyncio.to_thread(self.committer.committed, token)
+        position = await asyncio.to_thread(self.committer.committed, token)
+        if self.ledger.unseeded((token,)):  # the cutter need not look it up again
+            self.ledger.seed(token, position)
+        return position
 
     async def fence(self, batches: Sequence[SinkBatch]) -> list[bool] | None:
         """For each batch, whether it passed the commit point; those that did not never will
@@ -517,7 +528,8 @@ class SparkBridge(Sink):
     async def _seed_from_progress(self, cut: Cut) -> None:
         """With atomic commits: the first time a partition is seen, learn what is committed of
         it from its progress file (one small file, not the whole output), so records an earlier
-        run wrote and a re-reader hands in again are not written twice."""
+        run wrote and a re-reader hands in again are not written twice. A partition whose reader
+        asked ``durable_position`` is known already (it was learned there)."""
         committer = self.committer
         if committer is None:
             return

@@ -9,7 +9,9 @@
 * ``Batcher`` collects ``SinkBatch``es and says when a micro-batch is due: at ``max_rows`` rows
   or when its oldest entry is ``max_age_s`` old — by age only while fewer than
   ``AGE_CUT_MAX_INFLIGHT`` micro-batches are in flight (adaptive batches, see ``Batcher.due``).
-  Every call takes ``now``; ``deadline()`` is when the shell must look again.
+  Once every reader with a batch in the micro-batch waits only for its commit (``Sink.flush``)
+  it is as good as old (``Batcher.flush``, the rule of ``protocol.gather``). Every call takes
+  ``now``; ``deadline()`` is when the shell must look again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from protocol.gather import Flushes
 from protocol.records import DataChange, Micros
 from runtime.ports import SinkBatch
 
@@ -145,6 +148,8 @@ class Batcher:
         self._entries: list[SinkBatch] = []
         self._rows = 0
         self._first: float | None = None
+        self._flushes = Flushes()
+        self._flushed: float | None = None  # when every reader of a buffered entry had flushed
 
     @property
     def rows(self) -> int:
@@ -156,6 +161,7 @@ class Batcher:
 
     def add(self, batch: SinkBatch, now: float) -> None:
         self._entries.append(batch)
+        self._flushes.added(batch.token)
         self._rows += sum(len(r.mods) for r in batch.records)
         if self._first is None:
             self._first = now
@@ -163,9 +169,21 @@ class Batcher:
     def full(self) -> bool:
         return self._rows >= self.max_rows
 
+    def flush(self, token: str, now: float) -> bool:
+        """The reader of ``token`` hands nothing more until its batches commit: once every
+        reader with a buffered entry has said so, the micro-batch is due by age from ``now`` on
+        (whether it became so now)."""
+        if not self._flushes.flushed(token) or self._flushed is not None:
+            return False
+        self._flushed = now
+        return True
+
     def deadline(self) -> float | None:
         """When the current micro-batch is due by age (None: nothing buffered)."""
-        return None if self._first is None else self._first + self.max_age_s
+        if self._first is None:
+            return None
+        aged = self._first + self.max_age_s
+        return aged if self._flushed is None else min(aged, self._flushed)
 
     def due(self, now: float, inflight: int = 0) -> bool:
         """Whether to cut now, with ``inflight`` micro-batches cut and not yet committed: when
@@ -192,7 +210,8 @@ class Batcher:
         assert self._first is not None
         cut = Cut(self.next_batch_id, tuple(self._entries), self._rows, watermarks, self._first)
         self.next_batch_id += 1
-        self._entries, self._rows, self._first = [], 0, None
+        self._entries, self._rows, self._first, self._flushed = [], 0, None, None
+        self._flushes.clear()
         return cut
 
     def take_id(self) -> int:
@@ -205,6 +224,8 @@ class Batcher:
     def take_all(self) -> list[SinkBatch]:
         """Empty the buffer without cutting (its entries are being failed)."""
         entries, self._entries, self._rows, self._first = self._entries, [], 0, None
+        self._flushed = None
+        self._flushes.clear()
         return entries
 
 

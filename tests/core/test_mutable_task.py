@@ -27,6 +27,7 @@ from protocol.reader import (
     CancelQuery,
     Chunk,
     Done,
+    FlushBatches,
     PutBatch,
     QueryEnded,
     ReaderConfig,
@@ -287,7 +288,7 @@ def test_a_reader_stops_at_a_move_in_once_everything_before_it_is_committed() ->
     r = _reader()
     before, after = _write(T, "t1"), _write(T + 5, "t2")
     out = r.handle(Chunk(1, (before, MOVE_IN, after, Heartbeat(T + 9))), now=1)
-    assert out == [PutBatch(1, (before,), T), CancelQuery(1)]
+    assert out == [PutBatch(1, (before,), T), CancelQuery(1), FlushBatches()]
     out = r.handle(BatchCommitted(1), now=2)
     tail = (("t1", "1"),)
     assert out == [

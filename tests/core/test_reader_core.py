@@ -15,6 +15,7 @@ from protocol.reader import (
     Chunk,
     Done,
     FenceBatches,
+    FlushBatches,
     PutBatch,
     QueryEnded,
     QueryError,
@@ -99,7 +100,8 @@ def test_child_partitions_commit_one_microsecond_before_their_start() -> None:
     child = ChildPartition("c1", (TOK,))
     end = ChildPartitions(T0 + 100, "0", (child,))
     assert d(Chunk(1, (r1, end))) == [PutBatch(1, (r1,), T0 + 99)]
-    assert d(QueryEnded(1)) == []  # not finished before the batch is committed
+    # not finished before the batch is committed; the sink is asked not to hold it (rule 10)
+    assert d(QueryEnded(1)) == [FlushBatches()]
     assert d(BatchCommitted(1)) == [
         Report(ReaderCommitted(TOK, T0 + 99)),
         Done(ReaderFinished(TOK, T0 + 99, (child,), T0 + 100)),
@@ -113,7 +115,7 @@ def test_finished_only_after_every_batch_is_committed_in_order() -> None:
     a, b = rec(T0 + 1, "a"), rec(T0 + 2, "b")
     end = ChildPartitions(T0 + 10, "0", ())
     assert d(Chunk(1, (a, b, end))) == [PutBatch(1, (a,), T0 + 1), PutBatch(2, (b,), T0 + 9)]
-    assert d(QueryEnded(1)) == []
+    assert d(QueryEnded(1)) == [FlushBatches()]
     assert d(BatchCommitted(2)) == []  # waits for batch 1
     assert d(BatchCommitted(1)) == [
         Report(ReaderCommitted(TOK, T0 + 9)),
@@ -249,7 +251,10 @@ def test_a_drain_lets_in_flight_batches_commit() -> None:
     d.started()
     a = rec(T0 + 1, "a")
     d(Chunk(1, (a,)))
-    assert d(StopRequested(StopReason.HANDOFF, drain=True), at=50) == [CancelQuery(1)]
+    assert d(StopRequested(StopReason.HANDOFF, drain=True), at=50) == [
+        CancelQuery(1),
+        FlushBatches(),
+    ]
     assert d.core.next_deadline() == 50 + 5 * S
     assert d(BatchCommitted(1)) == [
         Report(ReaderCommitted(TOK, T0 + 1, (("a", "0"),))),
@@ -261,7 +266,10 @@ def test_a_drain_ends_at_its_deadline_or_at_a_failed_batch() -> None:
     d = Driver(drain_timeout=S)
     d.started()
     d(Chunk(1, (rec(T0 + 1, "a"),)))
-    assert d(StopRequested(StopReason.SHUTDOWN, drain=True), at=0) == [CancelQuery(1)]
+    assert d(StopRequested(StopReason.SHUTDOWN, drain=True), at=0) == [
+        CancelQuery(1),
+        FlushBatches(),
+    ]
     assert d(ReaderTick(), at=S - 1) == []
     assert d(ReaderTick(), at=S) == [FenceBatches((1,))]  # rule 12: fenced before the end
     assert d.core.next_deadline() is None  # waits for the sink's answer

@@ -79,12 +79,22 @@ async def test_positions_are_committed_and_a_killed_commit_is_finished_by_the_ne
     async with SparkBridge(_config(out), spark=spark) as bridge:  # recovers at open
         assert bridge.committer is not None
         assert bridge.committer.recovered == 1
+        looked_up: list[str] = []
+        real_committed = bridge.committer.committed
+
+        def committed(token: str) -> Position | None:
+            looked_up.append(token)
+            return real_committed(token)
+
+        bridge.committer.committed = committed  # type: ignore[method-assign]
         assert await bridge.durable_position("p") == P_POSITION
         assert await bridge.durable_position("q") == Position(18)
-        # the same batch again (a reader that did not ask committed()): written once
+        # the same batch again, as the readers that asked re-read it: written once
         futures = [await bridge.put(P), await bridge.put(Q)]
         for future in futures:
             await future
+        # each partition's position was looked up once: the cut knew it from the readers
+        assert looked_up == ["p", "q"]
         # and a new one on top
         await (await bridge.put(SinkBatch("p", (rec(20, "2"), rec(30)), 30)))
         assert await bridge.durable_position("p") == Position(30, (("txn30", "0"),))

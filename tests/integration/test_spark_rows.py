@@ -110,6 +110,30 @@ def test_batcher_holds_an_old_batch_back_while_two_are_in_flight() -> None:
     assert [b.due(1.5, inflight=n) for n in range(4)] == [True, True, True, True]
 
 
+def test_batcher_cuts_at_once_when_every_reader_of_it_flushed() -> None:
+    """Once every reader with a batch in the micro-batch waits only for its commit
+    (Sink.flush), it is due now; while one still reads it waits for its age. A flush by a
+    reader with nothing buffered changes nothing; the next micro-batch waits for its own age."""
+    b = Batcher(max_rows=100, max_age_s=1.0)
+    b.add(SinkBatch("p", (change(1),), 1), now=0.0)
+    b.add(SinkBatch("q", (change(2),), 2), now=0.1)
+    assert not b.flush("r", now=0.2)  # control: nothing of r is buffered
+    assert not b.flush("p", now=0.2)  # q still reads: no small micro-batch of p alone
+    assert b.deadline() == 1.0
+    assert b.flush("q", now=0.3)
+    assert b.deadline() == 0.3
+    assert b.due(0.3)
+    assert not b.due(0.3, inflight=2)  # held back like an old one while two are in flight
+    b.add(SinkBatch("r", (change(3),), 3), now=0.35)  # joins before the cut: rides along
+    assert b.due(0.35)
+    cut = b.cut()
+    assert cut is not None
+    assert cut.rows == 3
+    b.add(SinkBatch("p", (change(4),), 4), now=0.4)
+    assert b.deadline() == 1.4
+    assert not b.due(0.5)
+
+
 def test_batcher_rejects_bad_limits() -> None:
     with pytest.raises(ValueError, match="max_rows"):
         Batcher(max_rows=0, max_age_s=1.0)

@@ -55,6 +55,14 @@ class Source(ChangeStreamSource):
             await asyncio.sleep(0.01)
 
 
+class Slow(FileSink):
+    """The file sink, slower than any drain: it writes only by age or when closed (it does
+    not take the flush hint a draining reader gives)."""
+
+    async def flush(self, token: str) -> None:
+        return
+
+
 class Unfenced(Sink):
     """The file sink as a sink that cannot fence (the control)."""
 
@@ -75,13 +83,13 @@ async def _wait(predicate: object, what: str, timeout: float = 20.0) -> None:
         raise AssertionError(f"timed out waiting for {what}") from None
 
 
-async def _hand_off(out: Path, fence: bool) -> tuple[FileSink, list[TaskEvent]]:
+async def _hand_off(out: Path, fence: bool) -> tuple[Slow, list[TaskEvent]]:
     """The old owner reads with a sink that holds everything (it commits only when closed),
     is stopped for a hand-off whose drain times out, and reports its end; then the new owner
     reads the partition from the released position into its own sink over ``out``. The old
     sink is closed last: its late commit of the abandoned batches."""
     old_events: list[TaskEvent] = []
-    old = FileSink(out, max_rows=10_000, max_age_s=3600, fsync=False, layout="generic")
+    old = Slow(out, max_rows=10_000, max_age_s=3600, fsync=False, layout="generic")
     async with old:
         sink: Sink = old if fence else Unfenced(old)
         async with Supervisor("old") as sup:

@@ -82,3 +82,25 @@ async def test_readers_are_paced_by_what_the_sink_commits(
         await second
         await third.result()
     assert len(list(read_rows(tmp_path))) == 9
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_micro_batch_is_written_once_every_reader_of_it_flushed(tmp_path: Path) -> None:
+    """With an age of an hour, the micro-batch is written as soon as every reader with a batch
+    in it said it waits only for its commit (Sink.flush), not before."""
+    import asyncio
+
+    async with FileSink(tmp_path, max_age_s=3600, layout="generic") as sink:
+        p = await sink.put(SinkBatch("p", (rec(10, "0"),), 10))
+        q = await sink.put(SinkBatch("q", (rec(11, "0"),), 11))
+        await sink.flush("r")  # nothing of r is buffered: nothing changes
+        await sink.flush("p")  # q still reads
+        await asyncio.sleep(0.2)
+        assert not p.done()
+        assert not q.done()
+        await sink.flush("q")
+        async with asyncio.timeout(10):
+            await p
+            await q
+    assert len(list(read_rows(tmp_path))) == 2

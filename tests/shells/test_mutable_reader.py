@@ -16,6 +16,7 @@ from protocol.reader import (
     CancelQuery,
     Chunk,
     Done,
+    FlushBatches,
     PutBatch,
     QueryEnded,
     ReaderConfig,
@@ -66,6 +67,7 @@ def test_a_mutable_partition_read_from_protobuf_rows_holds_then_passes_its_move_
         Report(PartitionsAnnounced("p1", T_S * US, ("p1", "p2"))),
         PutBatch(1, (first,), MOVE_IN_TS),
         CancelQuery(1),
+        FlushBatches(),  # it waits only for the batch before the event to commit
     ]
     hold = MoveInHold(MOVE_IN_TS, ("p2", "p3"), ("3",))
     assert reader.handle(BatchCommitted(1), now=2) == [

@@ -37,15 +37,15 @@ def _members(port: type) -> set[str]:
 
 def test_the_sink_wrapper_hands_on_every_call_of_the_port() -> None:
     members = _members(Sink)
-    assert members == {"put", "prepare", "durable_position", "fence"}
+    assert members == {"put", "prepare", "durable_position", "flush", "fence"}
     assert {m for m in members if getattr(SinkWrapper, m) is getattr(Sink, m)} == set()
 
 
 @pytest.mark.parametrize(
     ("implementation", "port", "capabilities"),
     [
-        (FileSink, Sink, {"durable_position", "fence"}),
-        (SparkBridge, Sink, {"prepare", "durable_position", "fence"}),
+        (FileSink, Sink, {"durable_position", "flush", "fence"}),
+        (SparkBridge, Sink, {"prepare", "durable_position", "flush", "fence"}),
         (KafkaSink, Sink, {"prepare"}),
         (MemorySink, Sink, {"durable_position"}),
         (KafkaMembership, Membership, {"rebalance_in_progress", "set_epoch_floor"}),
