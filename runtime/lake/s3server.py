@@ -32,6 +32,7 @@ __all__ = ["S3Request", "S3Server", "S3Unavailable", "running_s3_server"]
 # werkzeug's request line, coloured by status: ... "GET /bucket/key?query HTTP/1.1" 200 -
 _COLOUR = rb"(?:\x1b\[[0-9;]*m)*"
 _REQUEST = re.compile(rb'"' + _COLOUR + rb"([A-Z]+) (\S+) HTTP/[0-9.]+" + _COLOUR + rb'" (\d{3})')
+_LOG_GRACE_S = 0.2  # see S3Server.requests
 
 
 class S3Unavailable(RuntimeError):
@@ -100,8 +101,10 @@ class S3Server:
     def requests(self, since: int = 0) -> list[S3Request]:
         """The S3 requests the server answered after log offset ``since`` (its health checks,
         ``/moto-api/``, left out). moto's server logs a request after answering it, so this
-        first sends a marker request of its own and waits (up to 10 s) for it in the log:
-        the requests answered before are then logged too."""
+        first sends a marker request of its own and waits (up to 10 s) for it in the log, and
+        then a little more: the server answers on many threads, and a request answered just
+        before the marker (a client's parallel reads) may be logged by its thread just after
+        the marker's line."""
         marker = f"_shoal-log-marker-{uuid.uuid4().hex}"
         with contextlib.suppress(Exception):  # a 404 is the expected answer
             self.client().head_object(Bucket=self.bucket, Key=marker)
@@ -113,6 +116,10 @@ class S3Server:
             if marker.encode() in data or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
+        time.sleep(_LOG_GRACE_S)
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            data = f.read()
         return [
             request
             for m in _REQUEST.finditer(data)
