@@ -460,7 +460,8 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Annotated[float, Meta(gt=0)] | None,
         Meta(
             description="Seconds a micro-batch may wait to fill (while two are in flight it "
-            "waits for the sink instead, and grows)."
+            "waits for the sink instead, and grows; it is cut at once when every reader in it "
+            "waits only for its commit)."
         ),
     ] = None
     max_inflight_batches: Annotated[
