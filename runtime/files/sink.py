@@ -3,8 +3,8 @@ the per-task counting view every task node writes through.
 
 ``FileSink`` buffers the rows of many batches and commits them as one micro-batch once
 ``max_rows`` rows or ``max_age_s`` seconds have gathered, or at once when every reader of a
-buffered batch waits for nothing else (``flush``, the rule of ``protocol.gather``). Its ``layout``: ``typed`` (the default)
-writes the typed per-table changelog (``runtime.typed``, docs/reading-output.md): each table's
+buffered batch waits for nothing else (``flush``, the rule of ``protocol.gather``). Its
+``layout``: ``typed`` (the default) writes the typed per-table changelog (``runtime.typed``, docs/reading-output.md): each table's
 rows in its own directory ``<table>/batch=<id>/``, in the table's column types; ``generic`` writes
 one file per micro-batch ``batch=<id>/`` with one row per mod in the output-record shape of
 ``runtime.kafka.sink.output_records`` (keys and values as JSON text). A micro-batch is committed atomically with the sink's own

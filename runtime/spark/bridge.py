@@ -3,7 +3,7 @@
 Partition readers ``put`` their ``SinkBatch``es; the bridge buffers them (``Batcher``) and cuts
 a micro-batch at ``max_rows`` rows or ``max_age_s`` seconds (by age only while fewer than two
 are in flight, so a slow sink gets fewer, bigger micro-batches: ``Batcher.due``), or without
-waiting for its age once a reader of it waits for nothing else (``flush``). A cutter task
+waiting for its age once every reader of it waits for nothing else (``flush``). A cutter task
 drops replayed records (the output ledger's pending tail, ``protocol.ledger``) and builds the
 Arrow table off the event loop; a committer task hands each micro-batch, in order, to Spark
 (``createDataFrame`` from Arrow, then the default parquet sink or the user's
