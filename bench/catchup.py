@@ -184,9 +184,20 @@ def _run(work: Path, name: str, records: int, tasks: int) -> dict[str, Any]:
         # span from the first one's commit to the one before the last's
         "records_per_s": round(delivered * share / span, 1),
         "micro_batches": micro_batches,
+        "loop_lag_max_s": round(s["loop_lag_max_s"], 3),
+        **_run_figures(s, peak_kb, returncode, seconds),
+    }
+    print(f"{name}: {figures}", flush=True)
+    return figures
+
+
+def _run_figures(
+    s: dict[str, Any], peak_kb: int, returncode: int, seconds: float
+) -> dict[str, Any]:
+    """The figures every run reports, from its summary ``s`` and :func:`_launch`."""
+    return {
         "peak_rss_mb": round(peak_kb / 1024, 1),
         "loop_lag_p99_s": round(s["loop_lag_p99_s"], 3),
-        "loop_lag_max_s": round(s["loop_lag_max_s"], 3),
         "rebalances": s["rebalances"],
         "errors": s.get("errors", {}),
         "seconds": round(seconds, 1),
@@ -196,8 +207,6 @@ def _run(work: Path, name: str, records: int, tasks: int) -> dict[str, Any]:
         "caught_up": s["caught_up"],
         "drained": s["drained"],
     }
-    print(f"{name}: {figures}", flush=True)
-    return figures
 
 
 # --- the emulator phase -----------------------------------------------------------------------
@@ -269,14 +278,7 @@ def _emulator_run(
         "records_read": s["records_read"],
         "records_per_s": rate,
         "micro_batches": len(batches),
-        "peak_rss_mb": round(peak_kb / 1024, 1),
-        "loop_lag_p99_s": round(s["loop_lag_p99_s"], 3),
-        "rebalances": s["rebalances"],
-        "errors": s.get("errors", {}),
-        "seconds": round(seconds, 1),
-        "exit_code": returncode,
-        "caught_up": s["caught_up"],
-        "drained": s["drained"],
+        **_run_figures(s, peak_kb, returncode, seconds),
     }
     print(f"{name}: {figures}", flush=True)
     return figures
