@@ -288,7 +288,9 @@ class TaskNode:
         """Stop reading for good (in-flight batches commit first), then wait until the task's
         final state is read back from the sync topic. Returns whether it got that far within
         ``timeout`` (``False``: time ran out, or the task is not a member any more, so its
-        partitions are the group's to settle from their last published watermarks)."""
+        partitions are the group's to settle from their last published watermarks). A task
+        that never joined a generation (the group had not formed yet) holds nothing and read
+        nothing: ``True``."""
         task = self.task
         if task is None:
             return False
@@ -302,7 +304,8 @@ class TaskNode:
         except TimeoutError:
             log.warning("task %s: drain did not finish in %ss", self.task_id, timeout)
             return False
-        return core.member
+        never_joined = core.generation < 0 and not core.mine and not core.reading
+        return core.member or never_joined
 
     def nothing_left(self) -> bool:
         """With an end (``--end-at``): whether this task's CIM shows every partition of the

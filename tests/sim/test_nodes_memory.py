@@ -192,6 +192,35 @@ async def test_drain_stops_reading_for_good_and_publishes_the_final_watermarks(
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("formed", [False, True], ids=["never-formed", "control-expelled"])
+async def test_a_task_whose_group_never_formed_drains_cleanly(formed: bool) -> None:
+    """A short run on a slow broker may stop before the group forms: the task held nothing and
+    read nothing, so its drain is clean (a CLI run with ``--duration`` exits 0). The control: a
+    task expelled while it reads is not clean (its partitions are the group's to settle)."""
+    params = StreamParams(seed=4, roots=3, split_p=0.0, merge_p=0.0, move_p=0.0, records_per_s=20)
+    source = SimulatedSource(StreamModel(params), speedup=4.0, heartbeat_ms=250)
+    group = MemoryGroup(rebalance_delay=0.1 if formed else 3600.0, session_timeout=2.0)
+
+    async def join(task_id: str) -> Membership:
+        return group.join(task_id)
+
+    config = NodeConfig(task=TaskConfig(task_id="solo"), stream_start=params.start_ts)
+    sink = MemorySink(commit_delay=0.01)
+    async with TaskNode(
+        config, sync_log=MemorySyncLog(), join=join, source=source, sink=sink
+    ) as node:
+        if formed:
+            await _wait_for(lambda: node.status().reading == 3, 10)
+            group.expel("solo")
+            await _wait_for(lambda: not node.status().member, 5)
+        else:
+            await asyncio.sleep(0.5)
+            assert node.status().generation == -1
+        assert await node.drain(timeout=5) is not formed
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_readers_stopped_by_a_lapsed_lease_start_again_when_it_is_renewed() -> None:
     """The lease lapses (heartbeats late) without the task leaving the group: every reader stops
     at once; once heartbeats come back every partition is read again. (A reader used to report
