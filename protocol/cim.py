@@ -133,6 +133,7 @@ class Cim:
         # a MUTABLE_KEY_RANGE stream: a finished orphan stays while an unfinished partition
         # resumes at or before its end (protocol/mutable.py, rule 7)
         self._mutable = mutable
+        self._loads_memo: tuple[tuple[int, tuple[str, ...]], dict[str, int]] | None = None
 
     # -- applying messages -------------------------------------------------------------------
     def apply(self, offset: int, message: SyncMessage) -> str | None:
@@ -143,6 +144,7 @@ class Cim:
         if offset <= self.offset:
             return self._ignore("duplicate")
         applied, self.offset = self.offset, offset
+        self._loads_memo = None
         match message:
             case MarkerMessage():
                 return None
@@ -410,15 +412,23 @@ class Cim:
 
         Only offers made by members count: an offer of a task that is not a member is dealt
         out again by the planner (``planner.ownerless``), so counting it here as well would
-        load its target with partitions it never gets."""
-        loads = {m: self.view(m).load(self.waits) for m in members}
-        for offerer, share in self.offers():
-            target = share.target
-            if offerer not in loads:
-                continue
-            if target in loads and share.token not in self.view(target).partitions:
-                loads[target] += 1
-        return loads
+        load its target with partitions it never gets.
+
+        A function of the CIM alone, which only :meth:`apply` changes (and every call moves
+        ``offset``): the last answer is kept per offset and member list, since a task asks for
+        it on every step (its next deadline's dry run of a negotiation round); a copy is
+        returned."""
+        key = (self.offset, tuple(members))
+        if self._loads_memo is None or self._loads_memo[0] != key:
+            loads = {m: self.view(m).load(self.waits) for m in key[1]}
+            for offerer, share in self.offers():
+                target = share.target
+                if offerer not in loads:
+                    continue
+                if target in loads and share.token not in self.view(target).partitions:
+                    loads[target] += 1
+            self._loads_memo = (key, loads)
+        return dict(self._loads_memo[1])
 
     def checkpoint(self, task_id: str, now: int) -> CheckpointMessage:
         """The whole CIM as a checkpoint message (as of the last applied offset)."""

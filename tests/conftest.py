@@ -29,7 +29,7 @@ SLOWEST_FIRST = (
     "test_spark_job_timeout.py",  # ~110 s
     "test_cli.py",
     "test_spark_dead_letter.py",
-    "test_spanner_ledger.py",  # ~100 s: the emulator frozen past the stall timeout
+    "test_spanner_ledger.py",  # ~80 s: the emulator frozen past the stall timeout
     "test_lake_cli.py",
     "test_spark_streaming_typed.py",
 )

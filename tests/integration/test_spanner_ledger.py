@@ -174,9 +174,10 @@ def test_emulator_frozen_past_the_stall_timeout_heals_and_writes_exactly_the_led
     tmp_path: Path, kafka_broker: EmbeddedBroker
 ) -> None:
     """The Spanner emulator is frozen (SIGSTOP) for longer than the readers' stall timeout
-    (30 s) in the middle of a run bounded by ``--end-at``, then continued: the silent queries
-    are restarted from their committed positions and the run exits 0 by itself with exactly
-    the changes the test committed before and after the freeze."""
+    (8 s here, ``--task-stall-timeout-s``; 8 heartbeats of the queries) in the middle of a run
+    bounded by ``--end-at``, then continued: the silent queries are restarted from their
+    committed positions and the run exits 0 by itself with exactly the changes the test
+    committed before and after the freeze."""
     try:
         emulator = SpannerEmulator(tables=TABLES)
     except EmulatorUnavailable as exc:
@@ -187,8 +188,9 @@ def test_emulator_frozen_past_the_stall_timeout_heals_and_writes_exactly_the_led
         with sync_client(config) as client:
             writer = _Writer(client.instance(config.instance).database(config.database), seed=12)
             start = _now()
-            end = start + 100_000_000
+            end = start + 60_000_000
             args = [*_args(config, kafka_broker, tmp_path, start, end), "--tasks", "2"]
+            args += ["--task-stall-timeout-s", "8"]
             proc = _cli([*args, "--drain-timeout", "180"], tmp_path)
             try:
                 writer.commit(30, until_us=end)
@@ -198,7 +200,7 @@ def test_emulator_frozen_past_the_stall_timeout_heals_and_writes_exactly_the_led
                 frozen = [emulator.pid, *descendants(emulator.pid)]
                 for pid in frozen:
                     os.kill(pid, signal.SIGSTOP)
-                time.sleep(40)  # past the readers' 30 s stall timeout
+                time.sleep(14)  # past the readers' 8 s stall timeout
             finally:
                 for pid in frozen:
                     with contextlib.suppress(ProcessLookupError):
@@ -208,5 +210,7 @@ def test_emulator_frozen_past_the_stall_timeout_heals_and_writes_exactly_the_led
     finally:
         emulator.stop()
     assert frozen, "the emulator was never frozen"
-    assert code == 0, _logs(tmp_path, "run")[-5000:]
+    logs = _logs(tmp_path, "run")
+    assert code == 0, logs[-5000:]
+    assert "QueryStalled" in logs, "no query was restarted as stalled: the freeze proved nothing"
     _check(tmp_path, writer.ledger)
