@@ -133,7 +133,7 @@ class Cim:
         # a MUTABLE_KEY_RANGE stream: a finished orphan stays while an unfinished partition
         # resumes at or before its end (protocol/mutable.py, rule 7)
         self._mutable = mutable
-        self._loads_memo: tuple[tuple[int, tuple[str, ...]], dict[str, int]] | None = None
+        self._loads_memo: tuple[tuple[str, ...], dict[str, int]] | None = None  # loads()
 
     # -- applying messages -------------------------------------------------------------------
     def apply(self, offset: int, message: SyncMessage) -> str | None:
@@ -414,13 +414,12 @@ class Cim:
         out again by the planner (``planner.ownerless``), so counting it here as well would
         load its target with partitions it never gets.
 
-        A function of the CIM alone, which only :meth:`apply` changes (and every call moves
-        ``offset``): the last answer is kept per offset and member list, since a task asks for
-        it on every step (its next deadline's dry run of a negotiation round); a copy is
-        returned."""
-        key = (self.offset, tuple(members))
+        A function of the CIM alone, which only :meth:`apply` changes (it forgets this): the
+        last answer is kept per member list, since a task asks for it on every step (its next
+        deadline's dry run of a negotiation round); a copy is returned."""
+        key = tuple(members)
         if self._loads_memo is None or self._loads_memo[0] != key:
-            loads = {m: self.view(m).load(self.waits) for m in key[1]}
+            loads = {m: self.view(m).load(self.waits) for m in key}
             for offerer, share in self.offers():
                 target = share.target
                 if offerer not in loads:
