@@ -16,7 +16,7 @@ commit-timestamp order, so only the tail's own timestamp can hold records not se
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -77,6 +77,19 @@ class PartitionTail:
         elif ts == self.ts:
             self.ids.add(identity)
 
+    def accept_all(self, records: Sequence[DataChange]) -> None:
+        """:meth:`accept` each of ``records`` (any order), with one pass over their timestamps:
+        only the identities at the newest can stay in the tail."""
+        if not records:
+            return
+        newest = max(r.commit_ts for r in records)
+        if newest < self.ts:
+            return
+        if newest > self.ts:
+            self.ts = newest
+            self.ids = set()
+        self.ids.update(r.identity for r in records if r.commit_ts == newest)
+
     def advance(self, watermark: int) -> None:
         """Everything up to ``watermark`` is read (a watermark past the last record: there is
         nothing at it to remember)."""
@@ -134,6 +147,15 @@ class Tails:
             self._tails[token] = PartitionTail(identity[0], (identity,))
         else:
             tail.accept(identity)
+
+    def accept_all(self, token: str, records: Sequence[DataChange]) -> None:
+        """:meth:`accept` the identity of each of ``records`` (:meth:`PartitionTail.accept_all`)."""
+        if not records:
+            return
+        tail = self._tails.get(token)
+        if tail is None:
+            tail = self._tails[token] = PartitionTail()
+        tail.accept_all(records)
 
     def fresh(self, token: str, records: Iterable[DataChange]) -> list[DataChange]:
         """The records of ``token`` that are not re-reads, in order; they are accepted."""

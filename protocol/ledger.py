@@ -202,7 +202,7 @@ class OutputLedger:
     # --- rule 1: tails --------------------------------------------------------------------
 
     def committed(
-        self, keys: Iterable[int], entries: Iterable[tuple[str, Iterable[DataChange]]]
+        self, keys: Iterable[int], entries: Iterable[tuple[str, Sequence[DataChange]]]
     ) -> None:
         """Batches ``keys`` passed their commit point; ``entries`` (token, records written) are
         accepted into the committed tail."""
@@ -211,8 +211,8 @@ class OutputLedger:
             if held is not None:
                 held.passed = True
         for token, records in entries:
-            for record in records:
-                self._committed.accept(token, record.identity)
+            if records:
+                self._committed.accept_all(token, records)
                 self._tokens.add(token)
 
     def unseen(self, token: str, records: Iterable[DataChange]) -> list[DataChange]:

@@ -69,3 +69,28 @@ def test_re_reading_from_any_earlier_watermark_inclusive_yields_each_record_once
         pos = next(i for i, r in enumerate(stream) if r.commit_ts >= watermark)
     out += tail.fresh(stream[pos:])
     assert out == stream
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.integers(-1, 6),
+    stamps=st.lists(st.tuples(st.integers(0, 8), st.integers(0, 3)), max_size=25),
+)
+def test_accepting_a_batch_at_once_equals_accepting_each_record(
+    start: int, stamps: list[tuple[int, int]]
+) -> None:
+    """A committed micro-batch's records are accepted in one pass (the ledger does, after each
+    commit): the tail ends where accepting them one by one, in their order, leaves it."""
+    records = [rec(ts, seq=str(seq)) for ts, seq in stamps]
+    one_by_one = PartitionTail(start, [(start, "t", "x")] if start >= 0 else [])
+    at_once = one_by_one.copy()
+    for r in records:
+        one_by_one.accept(r.identity)
+    at_once.accept_all(records)
+    assert (at_once.ts, at_once.ids) == (one_by_one.ts, one_by_one.ids)
+    tails, each = Tails(), Tails()
+    tails.accept_all("p", records)
+    for r in records:
+        each.accept("p", r.identity)
+    assert len(tails) == len(each)
+    assert all(tails.seen("p", r) == each.seen("p", r) for r in records)
