@@ -171,7 +171,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     spark_jobs: int | None = None
     sink_write_s: float | None = None
     # of those seconds, summed over the micro-batches: building them ("prepare"), Spark's write
-    # ("write") and the commit ("commit"; Delta commits, progress files, manifest)
+    # ("write") and the commit ("commit"; Delta commits, progress files, manifest), and of the
+    # commit: "commit_check" (before its commit point), "commit_manifest", "commit_apply" (Delta
+    # commits, progress files and the clean-up) and of that "commit_clean" (staging, manifest)
     sink_phase_s: dict[str, float] = {}
     # the connector's snapshot at the end (docs/mirror.md): partitions done and in all
     snapshot_done: int = 0

@@ -62,7 +62,10 @@ def summarize(
         }
         if bridge.first_put_at is not None and bridge.last_commit_at is not None:
             spark_figures["sink_write_s"] = bridge.last_commit_at - bridge.first_put_at
-            spark_figures["sink_phase_s"] = {k: round(v, 3) for k, v in bridge.phase_s.items()}
+            phases = dict(bridge.phase_s)
+            if bridge.committer is not None:
+                phases.update({f"commit_{k}": v for k, v in bridge.committer.phase_s.items()})
+            spark_figures["sink_phase_s"] = {k: round(v, 3) for k, v in phases.items()}
         counts = {
             "duplicate_rows_dropped_by_spark": spark.rows_deduplicated,
             "spark_batches_failed": spark.batches_failed,

@@ -167,7 +167,13 @@ class CorruptState(Unrecoverable):
 
 class Committer:
     """Atomic micro-batch commits into ``root`` (a directory, a URI or a :class:`Store`); see
-    the module docstring. Thread-safe: one commit or recovery at a time.
+    the module docstring. Thread-safe: one commit at a time, and one recovery at a time.
+
+    A commit holds the committer's state lock only up to its commit point (the manifest
+    written): applying the manifest (Delta commits, progress files) runs outside it, so a new
+    partition's reader asking :meth:`committed` does not wait for a commit that does not hold
+    its partition (one that does: it waits for it to be applied), and recovery never applies a
+    manifest of this committer's still being applied.
 
     Delta commits (``tables=`` of :meth:`commit`) go through ``delta`` (default: a
     :class:`runtime.lake.delta.DeltaCommitter` over the same store, made on first use) as
@@ -201,13 +207,22 @@ class Committer:
         self.app_id = delta_app_id(connector, self.writer)
         self._txn_version = 0  # the last application-transaction version given out
         self.apply_threads = apply_threads
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # fences, the commit point, recovery, the positions
+        self._commit_lock = threading.Lock()  # one commit at a time
+        # the batches of this committer past their commit point and not yet applied, and the
+        # partitions they hold (how many of them): committed() waits for those partitions
+        self._applying: set[str] = set()
+        self._applying_tokens: dict[str, int] = {}
+        self._applied = threading.Condition(self._lock)
         self._positions: dict[str, Position | None] = {}  # cache of the progress files
         self.batches = 0  # committed by this committer
         self.recovered = 0  # manifests applied at recovery
         self.fences = CommitFences()  # guarded by _lock
         self._forgotten: deque[int] = deque()  # keys to forget at the next locked call
         self._next_collect = float("-inf")  # committed() looks for staged left-overs from then
+        # seconds this committer's commits spent in each step (a run's summary shows them):
+        # before the commit point, the manifest, applying it, its clean-up (staging, manifest)
+        self.phase_s: dict[str, float] = {"check": 0.0, "manifest": 0.0, "apply": 0.0, "clean": 0.0}
 
     def __repr__(self) -> str:
         return f"Committer({self.store.uri_for()!r}, connector={self.connector!r})"
@@ -287,6 +302,7 @@ class Committer:
         """Blocking: partition ``token``'s committed position by this output's own record, after
         applying what a killed process left (one progress file)."""
         with self._lock:
+            self._applied.wait_for(lambda: token not in self._applying_tokens)
             now = self.clock()
             collect = now >= self._next_collect
             if collect:
@@ -343,7 +359,51 @@ class Committer:
         :class:`CommitRefused` (and drops the staged and data files) if ``permit()`` says the
         lease ran out, :class:`CommitFenced` if one of ``fence`` was fenced,
         ``runtime.lake.delta.SchemaConflict`` if a table's column changed type."""
+        with self._commit_lock:
+            manifest = self._commit_point(batch, moves, entries, fence, tables, metadata)
+            t2 = time.monotonic()
+            try:
+                self._apply(
+                    manifest, {p.token: self._positions.get(p.token) for p in manifest.positions}
+                )
+            except Exception:
+                log.exception("%r: applying batch %s failed; trying once more", self, batch)
+                try:
+                    self._apply(manifest)
+                except Exception as exc:
+                    raise CommitIncomplete(
+                        f"{self!r}: batch {batch} is committed but not applied yet: {exc}"
+                    ) from exc
+            finally:
+                self._applied_now(manifest)
+            self.phase_s["apply"] += time.monotonic() - t2
+            self.batches += 1
+            return manifest
+
+    def _applied_now(self, manifest: Manifest) -> None:
+        """``manifest`` (this committer's) is applied, or failed to be: its partitions' readers
+        may read their positions (after a failure, recovery applies it: it is no longer ours)."""
         with self._lock:
+            self._applying.discard(manifest.batch)
+            for p in manifest.positions:
+                left = self._applying_tokens.pop(p.token, 1) - 1
+                if left:
+                    self._applying_tokens[p.token] = left
+            self._applied.notify_all()
+
+    def _commit_point(
+        self,
+        batch: str,
+        moves: Sequence[tuple[str, str]],
+        entries: Sequence[tuple[str, Sequence[DataChange], int]],
+        fence: Collection[int],
+        tables: Sequence[TableWrite],
+        metadata: Metadata | None,
+    ) -> Manifest:
+        """Under the state lock: everything up to the commit point (the manifest written); the
+        manifest's partitions are then being applied (``_applying``)."""
+        with self._lock:
+            t0 = time.monotonic()
             self._forget_now()
             positions: dict[str, Position] = {}
             for token, records, watermark in entries:
@@ -383,19 +443,14 @@ class Committer:
                     f"{self!r}: batch {batch} holds {len(fenced)} batches fenced by readers "
                     "that stopped; nothing of it was committed"
                 )
+            t1 = time.monotonic()
             self._write_manifest(manifest)
             self.fences.passed(fence)
-            try:
-                self._apply(manifest, {t: self._positions.get(t) for t in positions})
-            except Exception:
-                log.exception("%r: applying batch %s failed; trying once more", self, batch)
-                try:
-                    self._apply(manifest)
-                except Exception as exc:
-                    raise CommitIncomplete(
-                        f"{self!r}: batch {batch} is committed but not applied yet: {exc}"
-                    ) from exc
-            self.batches += 1
+            self._applying.add(batch)
+            for token in positions:
+                self._applying_tokens[token] = self._applying_tokens.get(token, 0) + 1
+            self.phase_s["check"] += t1 - t0
+            self.phase_s["manifest"] += time.monotonic() - t1
             return manifest
 
     def _table_commits(
@@ -407,8 +462,15 @@ class Committer:
             return ()
         from runtime.lake.delta import delta_schema
 
-        for table, _, schema in tables:
-            self.delta.check_schema(table, schema)
+        delta = self.delta
+        if len(tables) > 1 and self.apply_threads > 1:
+            # a table never seen is loaded from the store: the tables in parallel threads
+            with ThreadPoolExecutor(min(self.apply_threads, len(tables))) as pool:
+                for future in [pool.submit(delta.check_schema, t, s) for t, _, s in tables]:
+                    future.result()
+        else:
+            for table, _, schema in tables:
+                delta.check_schema(table, schema)
         self._txn_version += 1
         info: dict[str, str | int | float | bool] = {
             "shoal.batch": batch,
@@ -453,7 +515,9 @@ class Committer:
         progress file is read). Consecutive Delta commits and progress writes run in parallel
         threads: past the commit point they are independent (each idempotent, and a process
         killed half-way leaves the manifest, which recovery applies again before any position
-        is read); the staging directory and then the manifest go only after all of them."""
+        is read); so does the staging directory's removal when the manifest moves nothing (its
+        files, e.g. a Spark write's receipt, are not needed past the commit point), otherwise
+        it goes after all of them; the manifest goes last."""
         paths = [p for m in manifest.moves for p in (m.staged, m.final)]
         present = {p for p in paths if self.store.exists(p)}
         if current is None:
@@ -461,7 +525,9 @@ class Committer:
         ops = apply_plan(manifest, present, current, rename=self.store.can_rename)
         group: list[Op] = []
         for op in [*ops, None]:
-            if isinstance(op, CommitTable | WriteProgress):
+            if isinstance(op, CommitTable | WriteProgress) or (
+                isinstance(op, DeleteStaged) and not manifest.moves and group
+            ):
                 group.append(op)
                 continue
             if len(group) > 1 and self.apply_threads > 1:
@@ -473,7 +539,10 @@ class Committer:
                     self._do(g)
             group = []
             if op is not None:
+                t0 = time.monotonic()
                 self._do(op)
+                if isinstance(op, DeleteStaged | DeleteManifest):
+                    self.phase_s["clean"] += time.monotonic() - t0
 
     def _do(self, op: Op) -> None:
         """Carry out one operation (idempotently: it may race another process's recovery)."""
@@ -527,6 +596,8 @@ class Committer:
             name = entry.path.rsplit("/", 1)[-1]
             if name.startswith("."):
                 continue  # a manifest never completed: its batch never committed
+            if any(name == manifest_name(b) for b in self._applying):
+                continue  # this committer's, being applied right now
             data = self.store.read_bytes(entry.path)
             if data is None:
                 continue  # applied by its own process meanwhile

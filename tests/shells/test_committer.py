@@ -254,3 +254,40 @@ def test_an_unreadable_manifest_stops_recovery_naming_it(tmp_path: Path) -> None
     (commits / "b1.json").write_bytes(b'{"kind": "commit-v1", "batch": "b1", "stag')
     with pytest.raises(CorruptState, match=r"b1\.json"):
         Committer(tmp_path, connector="ca", fsync=False).recover()
+
+
+def test_a_commit_being_applied_holds_back_only_the_readers_of_its_partitions(
+    tmp_path: Path,
+) -> None:
+    """Past its commit point a commit is applied outside the committer's lock: a new reader of
+    another partition learns its position at once, a reader of a partition the commit holds
+    waits until it is applied (and sees the new position), and recovery meanwhile does not
+    apply the manifest being applied as if a killed process had left it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    committer = Committer(tmp_path, fsync=False)
+    committer.commit("b0", [], [("q", Q_RECORDS, 17)])
+    release = threading.Event()
+    applying = threading.Event()
+    do = committer._do
+
+    def slow(op: Any) -> None:
+        if isinstance(op, WriteProgress) and op.token == "p":
+            applying.set()
+            assert release.wait(10)
+        do(op)
+
+    committer._do = slow  # type: ignore[method-assign]
+    with ThreadPoolExecutor(3) as pool:
+        commit = pool.submit(committer.commit, "b1", [], [("p", P_RECORDS, 20)])
+        assert applying.wait(10)
+        assert pool.submit(committer.committed, "q").result(timeout=5) == Q_POSITION
+        reader_of_p = pool.submit(committer.committed, "p")
+        assert committer.recover() == 0  # b1's manifest is there, and it is ours
+        assert not reader_of_p.done()
+        release.set()
+        commit.result(timeout=10)
+        assert reader_of_p.result(timeout=10) == P_POSITION
+    assert committer.recovered == 0
+    assert Committer(tmp_path, fsync=False).committed("p") == P_POSITION
