@@ -463,7 +463,9 @@ class MicroBatches:
                 )
             rel = committer.staged(identity)
             moves = [(f"{rel}/{t}", f"{t}/batch={identity}") for t in staged]
-        b.phase_s["write"] += time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        b.phase_s["write"] += seconds
+        log.debug("%r: micro-batch %d written in %.3f s", b, cut.batch_id, seconds)
         return moves, tables
 
     def _discard(
