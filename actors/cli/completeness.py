@@ -42,6 +42,7 @@ class OutputRecords:
         self.written = -1  # the completeness watermark last written (micros)
         self._held: tuple[str, ...] = ()  # the quarantined partitions it named
         self._at = -1.0  # when (monotonic seconds)
+        self._writing = asyncio.Lock()  # one mark write at a time, in the order they were due
 
     def mark(self) -> int:
         """The completeness mark last written (micros; -1: none), for the sink's commits."""
@@ -84,13 +85,20 @@ class OutputRecords:
         assert state is not None
         self.start_recorded = await asyncio.to_thread(state.record_start, start, rfc3339(start))
 
-    def record_mark(
+    async def record_mark(
         self, low_watermark_us: int, held: tuple[str, ...] = (), *, final: bool = False
     ) -> None:
         """Write the connector's completeness mark when due (the rules above):
         ``<data>/_shoal/<connector>/completeness.json``, one JSON line a downstream job reads
         with ``spark.read.json``. Readers of the data skip ``_shoal``. A write that fails is
-        logged and counted (``completeness_write``), and tried again when next due."""
+        logged and counted (``completeness_write``), and tried again when next due. The write
+        runs in a worker thread (on an object store it is a PUT of tens of milliseconds, which
+        stalled the event loop every second), one at a time: whether a mark is due is decided
+        after the write before it ended, so a late sample never overwrites a newer mark."""
+        async with self._writing:
+            await self._record_mark(low_watermark_us, held, final)
+
+    async def _record_mark(self, low_watermark_us: int, held: tuple[str, ...], final: bool) -> None:
         state = self.state
         now = time.monotonic()
         changed = held != self._held and low_watermark_us >= 0
@@ -107,7 +115,7 @@ class OutputRecords:
             held_by=held,
         )
         try:
-            state.write_mark(mark)
+            await asyncio.to_thread(state.write_mark, mark)
         except OSError as exc:
             self._count_error("completeness_write")
             log.warning("could not write the completeness mark to %s: %r", state.mark_file, exc)

@@ -347,7 +347,7 @@ class Pipeline:
                         "stopping anyway (a restart resumes from the last published state)"
                     )
                 final = self.sample()
-                self._records.record_mark(final.low_watermark_us, final.held_by, final=True)
+                await self._records.record_mark(final.low_watermark_us, final.held_by, final=True)
                 partitions = self._partitions()
                 self._draining.set()
                 for t, node in zip(self.tasks, nodes, strict=True):
@@ -855,7 +855,7 @@ class Pipeline:
         while True:
             sample = self.sample()
             self._track_rebalances(sample)
-            self._records.record_mark(sample.low_watermark_us, sample.held_by)
+            await self._records.record_mark(sample.low_watermark_us, sample.held_by)
             if self._records.start_missing:
                 await self._record_start()
             if self.progress is not None and time.monotonic() >= next_draw:

@@ -186,7 +186,7 @@ class FileSink(Sink):
         else:
             await asyncio.to_thread(self.store.check)  # reachable and writable: now, not later
         await asyncio.to_thread(self.committer.recover)
-        for legacy in self.committer.legacy_state():
+        for legacy in await asyncio.to_thread(self.committer.legacy_state):
             log.warning(
                 "%r: %s holds output state of an earlier shoal version, not kept per connector; "
                 "it is not read (connector %r resumes from its own state and the sync topic)",

@@ -238,7 +238,7 @@ class SparkBridge(Sink):
                 await asyncio.to_thread(self._batch.warm_write, None)
             if self.committer is not None:
                 await asyncio.to_thread(self.committer.recover)
-                for legacy in self.committer.legacy_state():
+                for legacy in await asyncio.to_thread(self.committer.legacy_state):
                     log.warning(
                         "%r: %s/%s holds output state of an earlier shoal version, not kept "
                         "per connector; it is not read",
