@@ -235,12 +235,6 @@ class Rules(msgspec.Struct, frozen=True):
     # leads). Off (the teeth test): a leader in a crash loop keeps its partitions unread through
     # each of its lives (bench chaos --seed 3, 28.5 s unread).
     reset_fresh_leader: bool = True
-    # While survivors are members (``reset_answered_fresh``) the leader plans once every member
-    # that is no fresh life has answered: the fresh ones are reset whether they answered or not,
-    # so their answers change nothing in the plan (``leading.duties``). Waiting for them (a
-    # restarted process still replaying the log) cost the whole answer wait, 2 s, in most
-    # recoveries of bench chaos. Off: the leader waits for every member's answer.
-    plan_without_fresh_answers: bool = True
     # A finished snapshot partition leaves its owner's state only once the CIM records it done
     # (protocol/snapshot.py, rule 4); the teeth test removes it at once: the log never learns it
     # was read, and the snapshot never completes.
