@@ -204,11 +204,13 @@ class TaskNode:
         self.membership = await self._join(self.task_id)
         # A membership that needs it (KafkaMembership) learns the newest epoch in the sync
         # topic, so that its group's epochs stay newer than it when Kafka's generations start
-        # over. Set before anything awaits: the first JoinGroup has not been sent yet.
+        # over, and asks the task at each JoinGroup whether it has read nothing (a fresh life:
+        # TaskActor.joining). Set before anything awaits: the first JoinGroup has not been sent.
         core = task.core
         self.membership.set_epoch_floor(
             lambda: core.cim.epoch,
             lambda: epochs.Logged(core.cim.epoch, core.cim.leader, core.cim.members),
+            task.joining,
         )
         leader = LeaderActor(
             task,

@@ -48,6 +48,7 @@ from protocol.mutable import PartitionStart
 from protocol.records import ChildPartitions
 from protocol.task import (
     Alert,
+    Joining,
     Lease,
     Publish,
     PublishFailed,
@@ -189,6 +190,14 @@ class TaskActor(Actor[TaskEvent | FlushReports]):
             self.out_of_group_since = time.monotonic()
         if self._on_step is not None:
             self._on_step()
+
+    def joining(self, known: int) -> bool:
+        """The membership sends a JoinGroup now, knowing epoch ``known``: whether this task is
+        a fresh life (it has read nothing), which binds it (``TaskCore._on_joining``). Applied
+        at once rather than through the mailbox: aiokafka asks for the JoinGroup's metadata
+        synchronously, and the answer must hold from the moment it is given."""
+        self._apply(Joining(known))
+        return self.core.says_fresh
 
     def report(self, event: TaskEvent) -> None:
         """For readers, without waiting. A committed watermark supersedes the partition's older

@@ -136,9 +136,12 @@ class TimedMembership(Membership):
         return self.inner.lease_valid_until()
 
     def set_epoch_floor(
-        self, epoch_floor: Callable[[], int], logged: Callable[[], epochs.Logged] | None = None
+        self,
+        epoch_floor: Callable[[], int],
+        logged: Callable[[], epochs.Logged] | None = None,
+        unread: Callable[[int], bool] | None = None,
     ) -> None:
-        self.inner.set_epoch_floor(epoch_floor, logged)
+        self.inner.set_epoch_floor(epoch_floor, logged, unread)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -131,8 +131,8 @@ def rebalancing(group_in_progress: bool, member: bool, epoch: int, generation: i
 
 def fresh_tasks(members: Iterable[tuple[str, bool]]) -> tuple[str, ...]:
     """The task ids of a generation that are *fresh*, from each group member's (task id, fresh)
-    as it said in its join (fresh: its process was never assigned a generation, so it has read
-    nothing): those all of whose members are fresh. A task id that also has an older member (an
+    as it said in its join (fresh: its process has read nothing, never assigned a generation
+    or never permitted to read in those it was): those all of whose members are fresh. A task id that also has an older member (an
     earlier life whose member is still in the group) is not: that life may still read. The
     leader may reset a fresh task that has not answered (``protocol/planner.py``)."""
     said = list(members)

@@ -40,9 +40,17 @@ class Joined(_Event, frozen=True, tag="joined"):
     generation: int
     leader: str
     members: tuple[str, ...]
-    # members whose every group member is a fresh life (never assigned a generation before:
+    # members whose every group member is a fresh life (it had read nothing when it joined:
     # restarted or new); see RequestPlan.reset
     fresh: tuple[str, ...] = ()
+
+
+class Joining(_Event, frozen=True, tag="joining"):
+    """The membership sends a JoinGroup now, knowing epoch ``known``; it asks the task at once
+    whether it is a fresh life (``TaskCore.says_fresh``), which binds the task
+    (``TaskCore._on_joining``)."""
+
+    known: int
 
 
 class Lost(_Event, frozen=True, tag="lost"):
@@ -145,6 +153,7 @@ TaskEvent = (
     | SyncRead
     | SyncBad
     | Joined
+    | Joining
     | Lost
     | Lease
     | TaskTick

@@ -123,9 +123,10 @@ def reset_members(core: TaskCore, gen: int) -> tuple[str, ...]:
     under its id that has not answered ``gen`` when the leader plans keeps its partitions
     unread until it has (its new life may still be replaying the log, or its join is held
     by the coordinator). Only a *fresh* member qualifies: every group member with its task
-    id is a life that was never assigned a generation (it says so when it joins), so it has
-    read nothing, and the life that held the partitions is no member of this generation,
-    its lease bounded as a dead task's.
+    id is a life that has read nothing (it says so when it joins: ``TaskCore._on_joining``;
+    never assigned a generation, or never permitted to read in those it was), and the life
+    that held the partitions is no member of this generation, its lease bounded as a dead
+    task's.
 
     A fresh member that answered is reset too when members that are no fresh lives (the
     survivors) are there to take its partitions (``Rules.reset_answered_fresh``): its

@@ -9,7 +9,8 @@ simulator's group model (``runtime/sim/faultsim.py``) are both such shells.
 
 1. **What it says when it joins** (:meth:`MemberCore.said`): its task id, the newest epoch it
    knows (the newest it was assigned, :attr:`MemberCore.epoch_seen`, or the ``floor`` the shell
-   gives, its CIM's epoch) and whether it is a fresh life (never assigned a generation).
+   gives, its CIM's epoch) and whether it is a fresh life: never assigned a generation, or
+   (``unread``, the task's ``TaskCore.says_fresh``) assigned but never permitted to read.
 2. **As the group's leader** (:meth:`MemberCore.number`): the generation's epoch, numbered over
    what every member said and what the leader knows itself (``epochs.number``), and the task
    ids that are fresh (``epochs.fresh_tasks``).
@@ -74,7 +75,8 @@ class MemberRules(msgspec.Struct, frozen=True):
 
 class Said(msgspec.Struct, frozen=True):
     """What a member says in its JoinGroup: its task id, the newest epoch it knows, and whether
-    it was never assigned a generation."""
+    it is a fresh life (it has read nothing: never assigned a generation, or never permitted to
+    read in the generations it was assigned)."""
 
     task_id: str
     floor: int = NO_EPOCH
@@ -226,9 +228,11 @@ class MemberCore:
         """The newest epoch this member knows, given its CIM's (``floor``): epochs rule 1."""
         return epochs.newest(self.epoch_seen, floor)
 
-    def said(self, floor: int = NO_EPOCH) -> Said:
-        """What this member says when it joins (rule 1 of the module docstring)."""
-        return Said(self.task_id, self.known(floor), self.rules.report_fresh and self.fresh)
+    def said(self, floor: int = NO_EPOCH, unread: bool = False) -> Said:
+        """What this member says when it joins (rule 1 of the module docstring); ``unread``:
+        its task has read nothing in this life (``TaskCore.says_fresh``)."""
+        fresh = self.rules.report_fresh and (self.fresh or unread)
+        return Said(self.task_id, self.known(floor), fresh)
 
     def number(self, generation: int, said: Iterable[Said], floor: int = NO_EPOCH) -> Numbered:
         """As the group's leader: ``generation``'s epoch over what the members ``said`` and

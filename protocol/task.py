@@ -112,6 +112,7 @@ from protocol.events import (
     Drain,
     Ids,
     Joined,
+    Joining,
     Lease,
     Lost,
     PartitionsAnnounced,
@@ -147,6 +148,7 @@ __all__ = [
     "Alert",
     "Drain",
     "Joined",
+    "Joining",
     "Lease",
     "Lost",
     "PartitionsAnnounced",
@@ -213,7 +215,7 @@ class Rules(msgspec.Struct, frozen=True):
     # released moves) only the newest is picked up (``offers.newest_offers``); the teeth test
     # turns it off: an old offer and its re-plan are both picked up.
     newest_offer_only: bool = True
-    # Only a member whose every group member is a fresh life (never assigned a generation) is
+    # Only a member whose every group member is a fresh life (it has read nothing) is
     # reset when it has not answered by the plan (``leading.reset_members``); the teeth test
     # resets every member that has not answered: a survivor still reading under its lease loses
     # its partitions to another reader.
@@ -235,6 +237,12 @@ class Rules(msgspec.Struct, frozen=True):
     # leads). Off (the teeth test): a leader in a crash loop keeps its partitions unread through
     # each of its lives (bench chaos --seed 3, 28.5 s unread).
     reset_fresh_leader: bool = True
+    # A life is fresh until it has read (``TaskCore._on_joining``): a restarted task assigned a
+    # generation whose epoch never landed (its leader died before planning) still says so at
+    # its next join, so that generation's leader resets it too. Off (the teeth test): only a
+    # life never assigned a generation says it is fresh, and a life whose first generation
+    # came to nothing keeps its earlier life's partitions unread through the next recovery.
+    fresh_until_read: bool = True
     # A finished snapshot partition leaves its owner's state only once the CIM records it done
     # (protocol/snapshot.py, rule 4); the teeth test removes it at once: the log never learns it
     # was read, and the snapshot never completes.
@@ -319,6 +327,11 @@ class TaskCore:
         self.fresh: tuple[str, ...] = ()  # members of this generation that are fresh lives
         self.member = False
         self.continuous_since = -1
+        # this life may have read: reading was permitted at a step (no fresh life since)
+        self.has_read = False
+        # it said it is fresh in a JoinGroup while knowing this epoch (``_on_joining``): it reads
+        # nothing until it takes a newer generation; None: no such join outstanding
+        self._said_fresh_above: int | None = None
         self._answered = -1  # the newest generation whose answer of ours the CIM applied
         self.lease_until = 0
         self.reading: dict[str, int] = {}  # token -> start ts of the running reader
@@ -375,6 +388,10 @@ class TaskCore:
                 self.counters[f"sync_bad.{event.reason}"] += 1
             case Joined():
                 self._on_joined(event, now)
+            case Joining():
+                # it binds a task that has read nothing: no reader to stop, nothing to step
+                self._on_joining(event.known)
+                return []
             case Lost():
                 self.counters["membership_lost"] += 1
                 self.member = False
@@ -429,9 +446,16 @@ class TaskCore:
                 or now - self._sync_failing_since < self.config.sync_timeout
             )
             and self.lease_valid(now)
+            and self._said_fresh_above is None
             and (self.cim.epoch >= self.continuous_since or self._resumed_on_answer())
             and self.me in self.cim.members
         )
+
+    @property
+    def says_fresh(self) -> bool:
+        """Whether this life said in its latest JoinGroup (:class:`Joining`) that it is fresh
+        and has taken no newer generation since (:meth:`_on_joining`)."""
+        return self._said_fresh_above is not None
 
     def _resumed_on_answer(self) -> bool:
         """A rejoined member reads before its generation's epoch lands
@@ -729,6 +753,13 @@ class TaskCore:
             self._adopted = True
         if not self.member:
             self.continuous_since = event.generation
+        above = self._said_fresh_above
+        if above is not None and event.generation > above:
+            # the generation of a join in which it said it is fresh (``_on_joining``): counted
+            # fresh, it reads only from this generation's epoch (the plan may reset it)
+            self._said_fresh_above = None
+            if self.me in event.fresh:
+                self.continuous_since = event.generation
         self.member = True
         self.generation = event.generation
         self.leader = event.leader
@@ -739,6 +770,23 @@ class TaskCore:
             self._plan_deadline = now + self.config.answer_timeout
         else:
             self._plan_deadline = -1
+
+    def _on_joining(self, known: int) -> None:
+        """A JoinGroup goes out, the newest epoch the member knows being ``known``; it says
+        this life is *fresh* (:attr:`says_fresh`) if it has read nothing (reading was never
+        permitted at a step), so that the generation's leader may reset it
+        (``leading.reset_members``). A life is fresh until it has read, not only until its
+        first generation: one whose generation came to nothing (its leader died before
+        planning) has read nothing either. Saying so binds it: it reads nothing until it takes
+        a generation newer than ``known`` (the one this JoinGroup makes, or a later one), and
+        then, if that generation counts it fresh, only from that generation's epoch
+        (:meth:`_on_joined`); an assignment of an earlier join that reaches it meanwhile does
+        not let it read. (``Rules.fresh_until_read``; the shell applies this event as it sends
+        the JoinGroup, the Kafka adapter's assignor metadata, and reads :attr:`says_fresh`.)"""
+        if self.has_read or not self.config.rules.fresh_until_read:
+            return
+        above = self._said_fresh_above
+        self._said_fresh_above = known if above is None else max(above, known)
 
     def _on_committed(self, token: str, watermark: int, tail: Ids = ()) -> None:
         part = self.mine.get(token)
@@ -865,6 +913,7 @@ class TaskCore:
         allowed = self.may_read(now)
         wanted: list[Partition] = []
         if allowed:
+            self.has_read = True  # no fresh life from here on (``_on_joining``)
             # resumed on its answer, before its generation's epoch: only what the log credits
             credited = (
                 self.cim.view(self.me).partitions
@@ -1053,6 +1102,9 @@ class TaskCore:
                 ), f"{self.me} both owns and offers {token} as new"
         for token in self.moves:
             assert token in self.shares or token in self.mine, f"{self.me}: move of unknown {token}"
+        if self._said_fresh_above is not None:
+            assert not self.has_read, f"{self.me} said it is fresh after reading"
+            assert not self.reading, f"{self.me} said it is fresh and reads {sorted(self.reading)}"
         for token, part in self.mine.items():
             if part.claim:
                 assert token in self._claims, f"{self.me}: claim of {token} not tracked"

@@ -102,12 +102,16 @@ class Membership(Protocol):
         return False
 
     def set_epoch_floor(
-        self, epoch_floor: Callable[[], int], logged: Callable[[], epochs.Logged] | None = None
+        self,
+        epoch_floor: Callable[[], int],
+        logged: Callable[[], epochs.Logged] | None = None,
+        unread: Callable[[int], bool] | None = None,
     ) -> None:
         """Where the newest epoch this task has read in the sync topic comes from, and who
         opened it for which members (``logged``): a membership whose group's generations may
-        start over (``KafkaMembership``) keeps its epochs newer than that. A membership whose
-        generations never go back ignores it."""
+        start over (``KafkaMembership``) keeps its epochs newer than that; ``unread``
+        (``TaskCore.joining``) tells, as it joins, whether the task has read nothing, so its
+        leader may reset it. A membership whose generations never go back ignores them."""
         return
 
 

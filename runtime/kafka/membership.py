@@ -104,17 +104,23 @@ class _TaskAssignor(AbstractPartitionAssignor):  # type: ignore[misc]
     version = 0
 
     def __init__(
-        self, core: MemberCore, floor: Callable[[], int], generation: Callable[[], int]
+        self,
+        core: MemberCore,
+        floor: Callable[[], int],
+        generation: Callable[[], int],
+        unread: Callable[[int], bool],
     ) -> None:
         self._core = core
         self._task_id = core.task_id
         self._floor = floor  # the newest epoch in this member's CIM
         self._generation = generation
+        self._unread = unread  # the task has read nothing (TaskCore.says_fresh), given the known
         self.received: _GroupInfo | None = None  # the last assignment's info, if it decoded
         self.bad_subscriptions = 0
 
     def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:
-        said = self._core.said(self._floor())
+        floor = self._floor()
+        said = self._core.said(floor, unread=self._unread(self._core.known(floor)))
         user_data = msgspec.json.encode(
             _MemberInfo(task_id=said.task_id, floor=said.floor, fresh=said.fresh)
         )
@@ -318,7 +324,10 @@ class KafkaMembership(Membership):
         self._clock = clock
         self._epoch_floor = epoch_floor
         self._logged_epoch = logged_epoch
-        self._assignor = _TaskAssignor(self._core, self._cim_epoch, self._coordinator_generation)
+        self._unread: Callable[[int], bool] | None = None
+        self._assignor = _TaskAssignor(
+            self._core, self._cim_epoch, self._coordinator_generation, self._task_unread
+        )
         self._events: asyncio.Queue[GroupEvent | object] = asyncio.Queue(event_buffer)
         self._consumer: AIOKafkaConsumer | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -372,14 +381,25 @@ class KafkaMembership(Membership):
         return self._current
 
     def set_epoch_floor(
-        self, epoch_floor: Callable[[], int], logged: Callable[[], epochs.Logged] | None = None
+        self,
+        epoch_floor: Callable[[], int],
+        logged: Callable[[], epochs.Logged] | None = None,
+        unread: Callable[[int], bool] | None = None,
     ) -> None:
-        """Where the newest epoch this task has read in the sync topic comes from, and (``logged``)
-        who opened it for which members (see the class docstring); may be set after
-        :meth:`start`."""
+        """Where the newest epoch this task has read in the sync topic comes from, (``logged``)
+        who opened it for which members (see the class docstring), and (``unread``, given the
+        newest epoch known: ``TaskActor.joining``) whether the task has read nothing, asked as
+        each JoinGroup is sent; may be set after :meth:`start`."""
         self._epoch_floor = epoch_floor
         if logged is not None:
             self._logged_epoch = logged
+        if unread is not None:
+            self._unread = unread
+
+    def _task_unread(self, known: int) -> bool:
+        """Whether the task has read nothing in this life (asked as a JoinGroup is sent);
+        without a task, a member that was never assigned a generation still says so."""
+        return self._unread(known) if self._unread is not None else False
 
     def _cim_epoch(self) -> int:
         """The newest epoch this task has read in the sync topic (none without ``epoch_floor``)."""

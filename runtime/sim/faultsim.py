@@ -119,6 +119,7 @@ from protocol.membership import (
     MemberRules,
     MembershipLost,
     Refuse,
+    Said,
     SyncAnswered,
     Take,
 )
@@ -159,6 +160,7 @@ from protocol.task import (
     ANSWER_TIMEOUT,
     Alert,
     Joined,
+    Joining,
     Lease,
     Lost,
     PartitionsAnnounced,
@@ -310,6 +312,10 @@ class SimParams(msgspec.Struct, frozen=True):
     crash_loop_restart_us: int = 1_000_000
     crash_loop_life_us: int = 700_000
     crash_loop_leads: bool = True  # each life joins first and leads (off: it joins last)
+    # each life's first generation comes to nothing: its leader (another task) dies once it
+    # has sent the assignments, before it plans (restarted a session later); the life is
+    # assigned that generation but never permitted to read in it
+    crash_loop_leader_dies: bool = False
     unread_limit_us: int = -1
     # TaskConfig.probation: a restarted member gets no partition for this long (0: off, the
     # teeth test of the crash loop: balancing hands the looping task its partitions back)
@@ -356,6 +362,8 @@ class SimResult(msgspec.Struct, frozen=True):
     # still from crash_loop_at_us on (0 without a crash loop)
     crash_loop_kills: int = 0
     max_unread_us: int = 0
+    # leaders killed before planning the looping life's first generation (crash_loop_leader_dies)
+    loop_leaders_killed: int = 0
     # MUTABLE_KEY_RANGE: readers started at a released move-in hold (passing its events)
     holds_passed: int = 0
     # ... and partitions announced twice whose second registration gave way to the first
@@ -525,6 +533,7 @@ class Simulation:
         self.loop_kill_at = -1
         self.loop_restart_at = -1
         self.loop_epoch = -1
+        self.loop_first_generation = False  # its life's first generation not completed yet
         self.moved: dict[str, int] = {}
         self.max_unread = 0
         # the snapshot at T, one microsecond before the stream's roots (protocol/snapshot.py)
@@ -885,7 +894,7 @@ class Simulation:
         # JoinGroup (protocol/membership.py): the newest epoch it knows, and whether it is a
         # fresh life (never assigned a generation; an assignment is taken only before the next
         # JoinGroup is sent)
-        said = [self.nodes[m].member.said(self.nodes[m].core.cim.epoch) for m in members]
+        said = [self._said(self.nodes[m]) for m in members]
         chief = self.nodes[leader]
         numbered = chief.member.number(self.generation, said, chief.core.cim.epoch)
         epoch, fresh = numbered.epoch, numbered.fresh
@@ -905,6 +914,24 @@ class Simulation:
                 heapq.heappush(node.inbox, (self.step + lag, next(self.seq), item))
             else:
                 self.assign(node, item)
+        if self.loop_first_generation and self.looping in members:
+            self.loop_first_generation = False
+            if self.p.crash_loop_leader_dies and leader != self.looping:
+                # the looping life's first generation comes to nothing: its leader dies
+                # before it plans, and comes back a session later
+                chief.alive = False
+                chief.readers.clear()
+                self.stats["crashes"] += 1
+                self.stats["loop_leaders_killed"] += 1
+                self.restarts.append((self.step + self.steps(self.p.session_timeout_us), leader))
+
+    def _said(self, node: _Node) -> Said:
+        """What a member says in its JoinGroup (the Kafka adapter's assignor metadata): its
+        task core, told it joins, tells whether it has read nothing (``TaskCore.says_fresh``),
+        as the task actor does for the Kafka adapter."""
+        floor = node.core.cim.epoch
+        self.handle(node, Joining(node.member.known(floor)))
+        return node.member.said(floor, unread=node.core.says_fresh)
 
     def assign(self, node: _Node, item: _Assign) -> None:
         """A generation's assignment reaches a member: its member core decides whether it takes
@@ -1241,6 +1268,7 @@ class Simulation:
         elif not node.alive and 0 <= self.loop_restart_at <= self.step:
             self.loop_restart_at = -1
             self.loop_epoch = self.observer.epoch
+            self.loop_first_generation = True
             back = self.start_node(self.looping)
             if p.crash_loop_leads:
                 # its JoinGroup is the rebalance's first: it leads (the coordinator's choice)
@@ -1499,6 +1527,7 @@ class Simulation:
             yields=self.stats["yields"],
             crash_loop_kills=self.stats["crash_loop_kills"],
             max_unread_us=self.max_unread,
+            loop_leaders_killed=self.stats["loop_leaders_killed"],
             holds_passed=self.stats["holds_passed"],
             claims_lost=sum(c.counters["announced_claims_lost"] for c in self.cores),
         )

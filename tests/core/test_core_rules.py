@@ -30,6 +30,7 @@ from protocol.task import (
     Alert,
     Drain,
     Joined,
+    Joining,
     Lease,
     Lost,
     PlanReady,
@@ -1342,6 +1343,83 @@ def test_an_epoch_that_resets_a_restarted_task_drops_what_it_adopted_before_it_r
     control = restarted_b()
     out = control.handle(SyncRead(3, epoch("a", 1, ("a", "b"))), now=5)
     assert [cmd.token for cmd in out if isinstance(cmd, StartReader)] == ["p7"]
+
+
+# -- a life is fresh until it has read (TaskCore._on_joining) -----------------------------------
+def _joins(task: TaskCore, known: int, now: int) -> bool:
+    """A JoinGroup goes out knowing epoch ``known``: what the task says of itself."""
+    task.handle(Joining(known), now=now)
+    return task.says_fresh
+
+
+def _restarted_b_in_a_generation_that_came_to_nothing(
+    rules: Rules | None = None,
+) -> tuple[TaskCore, bool]:
+    """b's new life (its earlier one held p7 in epoch 0) joins generation 1, saying it is
+    fresh; the leader of generation 1 dies before planning, so epoch 1 never lands. Returns b
+    and what it says at its next JoinGroup (knowing epoch 1)."""
+    b = TaskCore(TaskConfig(task_id="b", cap=2, rules=rules or Rules()), Random(0))
+    b.handle(SyncRead(0, epoch("x", 0, ("b", "x"))), now=1)
+    b.handle(SyncRead(1, state("b", 1, part("p7", 70))), now=1)  # its earlier life
+    b.handle(Lease(until=10**12), now=2)
+    rule = b.config.rules.fresh_until_read
+    assert _joins(b, 0, now=2) is rule  # its first JoinGroup: it has read nothing
+    (answer,) = b.handle(Joined(1, "x", ("b", "x"), fresh=("b",)), now=3)
+    assert isinstance(answer, Publish)
+    b.handle(SyncRead(2, answer.message), now=4)
+    assert not b.reading
+    assert not b.may_read(4)  # epoch 1 is not in its CIM
+    return b, _joins(b, 1, now=4)
+
+
+def test_a_life_whose_first_generation_came_to_nothing_is_still_fresh() -> None:
+    """b was assigned generation 1 but never permitted to read: at its next join it still says
+    it is fresh (so that generation's leader resets it, and survivors read p7). Saying so binds
+    it: it reads nothing until it takes a newer generation, and, counted fresh there, only from
+    that generation's epoch. Once reading was permitted it is no fresh life any more."""
+    b, fresh = _restarted_b_in_a_generation_that_came_to_nothing()
+    assert fresh
+    # epoch 1 lands late (its leader's append was on its way): b may not read from it now
+    out = b.handle(SyncRead(3, epoch("x", 1, ("b", "x"))), now=5)
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert not b.may_read(5)
+    b.handle(Joined(2, "a", ("a", "b"), fresh=("b",)), now=6)
+    assert not b.may_read(6)  # counted fresh in generation 2: only from its epoch
+    dealt = Share(part("p7", 70), target="a", kind="new", since=6)
+    reset = msgspec.structs.replace(epoch("a", 2, ("a", "b"), dealt), reset=("b",))
+    out = b.handle(SyncRead(4, reset), now=7)
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    assert b.mine == {}
+    assert b.may_read(7)
+    assert not _joins(b, 2, now=8)  # reading was permitted: no fresh life any more
+
+
+def test_an_assignment_of_an_earlier_join_does_not_let_a_fresh_life_read() -> None:
+    """b said it is fresh in a JoinGroup knowing epoch 1; the assignment of generation 1 (an
+    earlier join's, queued to the core) reaches it only then, and epoch 1 lands: b still
+    reads nothing, since the leader of the generation its JoinGroup makes may reset it."""
+    b = TaskCore(TaskConfig(task_id="b", cap=2), Random(0))
+    b.handle(SyncRead(0, epoch("x", 0, ("b", "x"))), now=1)
+    b.handle(SyncRead(1, state("b", 1, part("p7", 70))), now=1)
+    b.handle(Lease(until=10**12), now=2)
+    assert _joins(b, 0, now=2)
+    assert _joins(b, 1, now=2)  # the next JoinGroup, sent before generation 1's assignment
+    b.handle(Joined(1, "x", ("b", "x"), fresh=("b",)), now=3)
+    out = b.handle(SyncRead(2, epoch("x", 1, ("b", "x"))), now=4)
+    assert not any(isinstance(cmd, StartReader) for cmd in out)
+    out = b.handle(Joined(2, "x", ("b", "x"), fresh=("b",)), now=5)
+    out += b.handle(SyncRead(3, epoch("x", 2, ("b", "x"))), now=6)
+    assert [c.token for c in out if isinstance(c, StartReader)] == ["p7"]
+
+
+def test_without_the_rule_a_life_is_fresh_only_until_its_first_generation() -> None:
+    """The teeth: with ``fresh_until_read`` off the task core never says it is fresh (the
+    member core still does for a life never assigned a generation), and b reads p7 from the
+    late epoch 1."""
+    b, fresh = _restarted_b_in_a_generation_that_came_to_nothing(Rules(fresh_until_read=False))
+    assert not fresh
+    out = b.handle(SyncRead(3, epoch("x", 1, ("b", "x"))), now=5)
+    assert [c.token for c in out if isinstance(c, StartReader)] == ["p7"]
 
 
 # -- a rejoined member reads on its answer (protocol/task.py, CIM rule 2a) ---------------------

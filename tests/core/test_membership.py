@@ -157,6 +157,9 @@ def test_what_a_member_says_when_it_joins() -> None:
     member = _member(epoch=4)
     assert member.said(floor=2) == Said("a", 4, fresh=False)
     assert member.said(floor=7) == Said("a", 7, fresh=False)
+    # assigned a generation, but its task has read nothing (TaskCore.joining): still fresh
+    assert member.said(floor=7, unread=True) == Said("a", 7, fresh=True)
+    assert _core(MemberRules(report_fresh=False)).said(unread=True).fresh is False
 
 
 def test_the_leader_numbers_a_generation_over_what_its_members_said() -> None:

@@ -145,6 +145,40 @@ async def test_new_member_joins_existing_group(kafka_config: KafkaConfig, connec
             assert third.fresh == ("task-c",)
 
 
+async def test_a_member_whose_task_has_read_nothing_is_listed_fresh_at_every_join(
+    kafka_config: KafkaConfig, connector: str
+) -> None:
+    """The adapter asks its task at each JoinGroup whether it has read nothing
+    (``set_epoch_floor``'s ``unread``: ``TaskActor.joining``) and says so in its metadata: a
+    member whose task has read nothing is listed fresh in its second generation too (a first
+    generation that came to nothing), and not once its task has read. Each question gets the
+    newest epoch the member knows."""
+    reading = {"task-c": False}
+    asked: list[int] = []
+
+    def unread(known: int) -> bool:
+        asked.append(known)
+        return not reading["task-c"]
+
+    async with members(kafka_config, connector, ["task-a", "task-b"]) as group:
+        await all_see(group, {"task-a", "task-b"})
+        async with members(kafka_config, connector, ["task-c"]) as newcomer:
+            newcomer[0][0].set_epoch_floor(lambda: -1, unread=unread)
+            both = group + newcomer
+            second = assert_agree(await all_see(both, {"task-a", "task-b", "task-c"}))
+            assert second.fresh == ("task-c",)
+            async with members(kafka_config, connector, ["task-d"]) as more:
+                third = assert_agree(
+                    await all_see(both + more, {"task-a", "task-b", "task-c", "task-d"})
+                )
+                assert third.fresh == ("task-c", "task-d")  # c was assigned, but read nothing
+                assert asked[-1] >= second.generation
+                reading["task-c"] = True
+            fourth = assert_agree(await all_see(both, {"task-a", "task-b", "task-c"}))
+            assert fourth.generation > third.generation
+            assert fourth.fresh == ()
+
+
 async def test_killed_member_is_removed_after_session_timeout(
     kafka_broker: EmbeddedBroker, kafka_config: KafkaConfig, connector: str
 ) -> None:

@@ -43,7 +43,9 @@ def test_a_partition_announced_twice_is_read_once_and_without_claims_twice(seed:
     result = run(SimParams(seed=seed, partition_mode="mutable"))
     assert result.passed, f"seed {seed}: {result.violation}"
     assert result.claims_lost > 0  # a second registration gave way to the first
-    broken = run(SimParams(seed=seed, partition_mode="mutable", rules=Rules(claim_announced=False)))
+    # (in the history the seeds were found in: a life fresh only until its first generation)
+    broken_rules = Rules(claim_announced=False, fresh_until_read=False)
+    broken = run(SimParams(seed=seed, partition_mode="mutable", rules=broken_rules))
     assert not broken.passed
     assert "both read" in broken.violation, broken.violation
 
@@ -57,8 +59,13 @@ def test_a_reader_behind_the_sink_reads_again_for_a_partition_start() -> None:
     params = SimParams(seed=609, partition_mode="mutable", snapshot_partitions=8)
     result = run(params)
     assert result.passed, result.violation
+    # (in the history the seed was found in: a life fresh only until its first generation)
     broken = run(
-        msgspec.structs.replace(params, reader_rules=ReaderRules(rescan_behind_sink=False))
+        msgspec.structs.replace(
+            params,
+            reader_rules=ReaderRules(rescan_behind_sink=False),
+            rules=Rules(fresh_until_read=False),
+        )
     )
     assert not broken.passed
     assert "is not being read" in broken.violation, broken.violation
