@@ -59,7 +59,7 @@ class GroupAssignment(msgspec.Struct, frozen=True):
     generation: int
     leader: str  # the task id of the group leader (the one whose assignor ran)
     members: tuple[str, ...]  # task ids of every member of this generation
-    # task ids whose every group member is a fresh life (never assigned a generation before)
+    # task ids whose every group member is a fresh life (it had read nothing when it joined)
     fresh: tuple[str, ...] = ()
 
 

@@ -69,8 +69,8 @@ class _MemberInfo(msgspec.Struct, frozen=True):
     task_id: str
     v: int = 1
     floor: int = epochs.NO_EPOCH  # the newest epoch this member knows (assigned, or in the log)
-    # this process was never assigned a generation: it has read nothing (a new or restarted
-    # task; the leader may deal out what the CIM credits to its task id: protocol/planner.py)
+    # this process has read nothing (never assigned a generation, or its task says so: a new
+    # or restarted task; the leader may deal out what the CIM credits to its task id)
     fresh: bool = False
 
 
