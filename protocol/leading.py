@@ -76,8 +76,10 @@ def checkpoint_due(core: TaskCore) -> int | None:
 
 # -- what -------------------------------------------------------------------------------------
 def duties(core: TaskCore, now: int) -> list[TaskCommand]:
-    """The leader asks for a plan once every member answered its generation, or its bounded
-    wait ran out (``answer_timeout``), while that generation's epoch is open and it may plan
+    """The leader asks for a plan once every member answered its generation (but for fresh
+    lives beside survivors, which the plan resets anyway: :func:`_reset_anyway`), or its
+    bounded wait ran out (``answer_timeout``), while that generation's epoch is open and it may
+    plan
     (:func:`may_plan`): for the members, the roots when the stream has not started (and the
     snapshot with ``TaskConfig.snapshot``), the members to reset (:func:`reset_members`) and
     whether it yields its own partitions (:func:`leader_yields`). The leader of the CIM's epoch
@@ -92,10 +94,15 @@ def duties(core: TaskCore, now: int) -> list[TaskCommand]:
         and epoch_open(core, gen)
         and may_plan(core, now)
     ):
-        answered = all(core.cim.view(m).epoch_seen >= gen for m in core.members)
+        waiting = [m for m in core.members if core.cim.view(m).epoch_seen < gen]
+        anyway = _reset_anyway(core, gen)
+        unanswered_fresh = [m for m in waiting if m in anyway]
+        answered = len(unanswered_fresh) == len(waiting)
         if answered or now >= core._plan_deadline:
-            if not answered:
+            if len(waiting) > len(unanswered_fresh):
                 core.counters["plan_without_all_answers"] += 1
+            elif unanswered_fresh:
+                core.counters["plan_without_fresh_answers"] += 1
             core._plan_requested = gen
             need_roots = core.cim.stream_start < 0
             out.append(
@@ -116,6 +123,20 @@ def duties(core: TaskCore, now: int) -> list[TaskCommand]:
         core._last_checkpoint = now
         out.append(Publish(core.cim.checkpoint(core.me, now)))
     return out
+
+
+def _reset_anyway(core: TaskCore, gen: int) -> set[str]:
+    """The members whose answers the plan need not wait for
+    (``Rules.plan_without_fresh_answers``): those :func:`reset_members` resets whether they
+    answer or not, fresh lives holding partitions beside survivors. (A fresh member holding
+    nothing is waited for: the plan may offer it partitions, which it reads only once it has
+    replayed the log.)"""
+    rules = core.config.rules
+    if not (rules.plan_without_fresh_answers and rules.reset_answered_fresh):
+        return set()
+    if not any(m not in core.fresh for m in core.members):
+        return set()  # the whole group restarted: each keeps what it adopted once it answered
+    return set(reset_members(core, gen)) & set(core.fresh)
 
 
 def reset_members(core: TaskCore, gen: int) -> tuple[str, ...]:

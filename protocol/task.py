@@ -243,6 +243,12 @@ class Rules(msgspec.Struct, frozen=True):
     # life never assigned a generation says it is fresh, and a life whose first generation
     # came to nothing keeps its earlier life's partitions unread through the next recovery.
     fresh_until_read: bool = True
+    # While survivors are members (``reset_answered_fresh``) the leader plans once every member
+    # that is no fresh life has answered: the fresh ones are reset whether they answered or not,
+    # so their answers change nothing in the plan (``leading.duties``). Waiting for them (a
+    # restarted process still replaying the log) cost the whole answer wait, 2 s, in most
+    # recoveries of bench chaos. Off: the leader waits for every member's answer.
+    plan_without_fresh_answers: bool = True
     # A finished snapshot partition leaves its owner's state only once the CIM records it done
     # (protocol/snapshot.py, rule 4); the teeth test removes it at once: the log never learns it
     # was read, and the snapshot never completes.

@@ -1163,6 +1163,34 @@ def test_a_fresh_member_that_answered_is_reset_too_while_survivors_are_members()
     ]
 
 
+def test_beside_survivors_the_leader_plans_without_waiting_for_a_fresh_member_it_resets() -> None:
+    """c, the survivor, answered; b (fresh, its earlier life's p7 credited to it) has not: the
+    plan resets b whether it answers or not, so it is asked for at once, not at the end of the
+    answer wait. d, fresh but holding nothing, may be offered partitions: it answered (it is
+    waited for like any member that takes offers)."""
+    c, due, out = _leading_restarts(answered=("c", "d"))
+    assert [cmd for cmd in out if isinstance(cmd, RequestPlan)] == [
+        RequestPlan(1, ("a", "b", "c", "d"), need_roots=True, reset=("b",))
+    ]
+    assert c.counters["plan_without_fresh_answers"] == 1
+    assert "plan_without_all_answers" not in c.counters
+    # a fresh member holding nothing is waited for: only c answered
+    c, due, out = _leading_restarts(answered=("c",))
+    assert not [cmd for cmd in out if isinstance(cmd, RequestPlan)]
+    assert c.handle(TaskTick(), now=due) == [
+        RequestPlan(1, ("a", "b", "c", "d"), need_roots=True, reset=("b",))
+    ]
+
+
+def test_without_the_rule_the_leader_waits_for_a_fresh_member_it_resets_anyway() -> None:
+    c, due, out = _leading_restarts(Rules(plan_without_fresh_answers=False), answered=("c", "d"))
+    assert not [cmd for cmd in out if isinstance(cmd, RequestPlan)]
+    assert c.handle(TaskTick(), now=6) == []
+    assert c.handle(TaskTick(), now=due) == [
+        RequestPlan(1, ("a", "b", "c", "d"), need_roots=True, reset=("b",))
+    ]
+
+
 def test_without_the_rule_a_fresh_member_that_answered_keeps_what_it_adopted() -> None:
     _, _, out = _leading_restarts(Rules(reset_answered_fresh=False), answered=("b", "c", "d"))
     assert [cmd for cmd in out if isinstance(cmd, RequestPlan)] == [

@@ -140,10 +140,15 @@ HELD_REBALANCES: dict[str, object] = {
     "reset_answered_fresh": False,
     "fresh_until_read": False,
 }
-# Before 2026-12-03 a life was fresh only until its first generation (Rules.fresh_until_read):
-# since then more restarted tasks are reset, which changes the histories of the seeds teeth
-# tests found before, so their broken runs keep the old rule (their controls run today's).
-FRESH_UNTIL_ASSIGNED: dict[str, object] = {"fresh_until_read": False}
+# Before 2026-12-03 a life was fresh only until its first generation (Rules.fresh_until_read)
+# and the leader waited for the answers of fresh members it resets anyway
+# (Rules.plan_without_fresh_answers): since then more restarted tasks are reset, and sooner,
+# which changes the histories of the seeds teeth tests found before, so their broken runs keep
+# the old rules (their controls run today's).
+FRESH_UNTIL_ASSIGNED: dict[str, object] = {
+    "fresh_until_read": False,
+    "plan_without_fresh_answers": False,
+}
 # The histories the lag regressions were found in had no resets (protocol/planner.py): a seed
 # that resets now may miss the hole it found, so each also runs without the group reporting
 # fresh lives.
